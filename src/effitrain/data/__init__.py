@@ -1,0 +1,1 @@
+"""Data: sources (where examples come from) -> preprocessing (Auto processors) -> batches."""

@@ -1,0 +1,131 @@
+"""What the hardware is and what it does fast: the facts behind `effitrain env` and the precision choice."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+from importlib import metadata
+from pathlib import Path
+
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+LIBRARIES = ("effitrain", "torch", "transformers", "accelerate", "datasets", "safetensors",
+             "bitsandbytes", "torchao")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast on CPUs with native bf16 units (AVX-512 BF16 or AMX); on AVX2 they
+    are emulated, 80-350x slower than fp32 on this project's machines."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def total_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def peak_memory_bytes(device) -> int:
+    """Peak allocated accelerator memory, or the process's peak resident set on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def versions() -> dict[str, str | None]:
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def report() -> dict:
+    """Everything `effitrain env` prints, as data."""
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    info: dict = {
+        "device": str(accelerator.device),
+        "device_type": accelerator.device.type,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "num_processes": accelerator.num_processes,
+        "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                "memory_bytes": total_memory_bytes(), "fast_bf16": cpu_has_fast_bf16()},
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            capability = (props.major, props.minor)
+            info["gpus"].append({
+                "index": i, "name": props.name, "memory_bytes": props.total_memory,
+                "compute_capability": f"{props.major}.{props.minor}",
+                # Tensor cores: fp16 from Volta (7.0), bf16 from Ampere (8.0).
+                "fp16": True, "fp16_fast": capability >= (7, 0),
+                "bf16": capability >= (8, 0), "bf16_fast": capability >= (8, 0),
+            })
+    on_gpu = bool(info["gpus"])
+    info["precision"] = {
+        "bf16_supported": info["gpus"][0]["bf16"] if on_gpu else True,
+        "bf16_fast": info["gpus"][0]["bf16_fast"] if on_gpu else cpu_has_fast_bf16(),
+        "fp16_supported": on_gpu,
+        "fp16_fast": info["gpus"][0]["fp16_fast"] if on_gpu else False,
+    }
+    info["distributed_env"] = {name: os.environ.get(name) for name in DIST_VARS if os.environ.get(name)}
+    info["python"] = platform.python_version()
+    info["versions"] = versions()
+    return info
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def format_report(info: dict) -> str:
+    yes = {True: "yes", False: "no"}
+    cpu, precision = info["cpu"], info["precision"]
+    lines = [
+        f"device            {info['device']} ({info['distributed_type']}, {info['num_processes']} process(es))",
+        f"cpu               {cpu['name']}, {cpu['cores']} cores, {_gib(cpu['memory_bytes'])}, "
+        f"torch threads {cpu['torch_threads']}",
+    ]
+    if not info["gpus"]:
+        lines.append("gpus              none (training runs on the CPU)")
+    for gpu in info["gpus"]:
+        lines.append(f"gpu {gpu['index']}             {gpu['name']}, {_gib(gpu['memory_bytes'])}, "
+                     f"compute capability {gpu['compute_capability']}")
+    lines += [
+        f"bf16              supported {yes[precision['bf16_supported']]}, fast {yes[precision['bf16_fast']]}",
+        f"fp16              supported {yes[precision['fp16_supported']]}, fast {yes[precision['fp16_fast']]}",
+        "distributed env   " + (" ".join(f"{k}={v}" for k, v in info["distributed_env"].items()) or "none set"),
+        f"python            {info['python']}",
+    ]
+    lines += [f"{name:<18}{version or 'not installed'}" for name, version in info["versions"].items()]
+    return "\n".join(lines)

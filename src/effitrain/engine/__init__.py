@@ -1,0 +1,1 @@
+"""The training engine: the Accelerator loop and the pieces it switches on."""

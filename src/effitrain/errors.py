@@ -1,0 +1,13 @@
+"""The one error type a user sees: a problem they can fix, printed as one line, exit code 2."""
+
+
+class UserError(Exception):
+    """Bad input or configuration. `problem` says what is wrong, `fix` what to do about it."""
+
+    exit_code = 2
+
+    def __init__(self, problem: str, fix: str):
+        # One line, always: tools grep stderr and people read the last line.
+        self.problem = " ".join(str(problem).split())
+        self.fix = " ".join(str(fix).split())
+        super().__init__(f"{self.problem}; fix: {self.fix}")

