@@ -1,0 +1,64 @@
+import shutil
+
+import pytest
+import torch
+
+from effitrain import models
+from effitrain.errors import UserError
+
+
+def test_default_resolves_to_the_packaged_checkpoint():
+    path = models.resolve("default")
+    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def test_local_directory_resolves(tiny_model_dir):
+    assert models.resolve(str(tiny_model_dir)) == tiny_model_dir
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("./no/such/dir", "is not a directory"),
+    ("nobody/no-such-model", "not a local directory nor in the Hugging Face cache"),
+])
+def test_unknown_models_are_user_errors(name, needle):
+    with pytest.raises(UserError, match=needle):
+        models.resolve(name)
+
+
+def test_directory_without_safetensors_is_refused(tiny_model_dir, tmp_path):
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError, match="no safetensors weights"):
+        models.resolve(str(tmp_path))
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        models.resolve(str(tmp_path))
+
+
+def test_head_is_sized_and_named_from_the_labels(tiny_model_dir):
+    model = models.load_classifier(tiny_model_dir, ["neg", "neu", "pos"])
+    assert model.config.num_labels == 3
+    assert model.config.id2label == {0: "neg", 1: "neu", 2: "pos"}
+    assert model.config.label2id == {"neg": 0, "neu": 1, "pos": 2}
+    assert model.classifier.out_features == 3
+
+
+def test_parameter_counts(tiny_model_dir):
+    model = models.load_classifier(tiny_model_dir, ["a", "b"])
+    model.bert.pooler.dense.weight.requires_grad_(False)
+    counts = models.parameter_counts(model)
+    emb = model.bert.embeddings
+    expected_embedding = sum(m.weight.numel() for m in (emb.word_embeddings, emb.position_embeddings,
+                                                        emb.token_type_embeddings))
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["trainable"] == counts["total"] - 32 * 32
+    assert counts["embedding"] == expected_embedding
+
+
+def test_meta_model_has_the_real_shapes_without_memory(tiny_model_dir):
+    meta = models.build_on_meta(tiny_model_dir, "sequence-classification")
+    real = models.load_classifier(tiny_model_dir, ["a", "b"])
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    assert models.parameter_counts(meta) == models.parameter_counts(real)

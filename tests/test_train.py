@@ -1,0 +1,129 @@
+"""In-process training runs on the tiny random BERT and a slice of the SMS spam data."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from conftest import read_jsonl, read_weights
+
+import effitrain
+from effitrain.errors import UserError
+
+
+def small(tiny_model_dir, out, **overrides):
+    values = dict(model=str(tiny_model_dir), output_dir=str(out), max_train_samples=64, max_eval_samples=40,
+                  batch_size=8, eval_batch_size=16, max_steps=6, log_every=2, lr=1e-3)
+    values.update(overrides)
+    return values
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "out"
+    metrics = effitrain.train(small(tiny_model_dir, out))
+    return out, metrics
+
+
+def test_run_writes_every_output_of_the_contract(finished_run):
+    out, metrics = finished_run
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    for split in ("validation", "test"):
+        assert set(on_disk[split]) >= {"accuracy", "f1_macro", "f1_ham", "f1_spam", "loss"}
+        assert on_disk[split]["samples"] == 40
+    assert on_disk["steps"] == 6 and on_disk["world_size"] == 1
+    for key in ("train_samples_per_second", "train_tokens_per_second", "peak_memory_bytes", "wall_seconds"):
+        assert on_disk[key] > 0
+    # 6 steps of 8 examples, and tokens/s counts real (non-pad) tokens only: at most max_length per example.
+    assert on_disk["train_samples_per_second"] * on_disk["train_seconds"] == pytest.approx(48)
+    assert on_disk["train_tokens_per_second"] / on_disk["train_samples_per_second"] < 128
+
+
+def test_log_has_one_object_per_logged_step_then_evaluations(finished_run):
+    out, _ = finished_run
+    records = read_jsonl(out / "log.jsonl")
+    train_records = [r for r in records if "split" not in r]
+    assert [r["step"] for r in train_records] == [2, 4, 6]
+    assert all(r["loss"] > 0 and r["lr"] >= 0 and r["grad_norm"] > 0 for r in train_records)
+    assert train_records[-1]["lr"] == 0.0  # linear decay ends at zero
+    assert [r["split"] for r in records if "split" in r] == ["validation", "test"]
+
+
+def test_saved_model_loads_with_plain_transformers(finished_run):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out, _ = finished_run
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.id2label == {0: "ham", 1: "spam"}
+    assert tokenizer.model_max_length == 128  # predictions truncate where training did
+    assert (out / "model" / "model.safetensors").is_file()
+    assert not list((out / "model").glob("*.bin"))
+
+
+def test_predict_agrees_with_plain_transformers(finished_run):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from effitrain.predict import predict
+
+    out, _ = finished_run
+    texts = ["WINNER!! Claim your free prize now, call 09061701461", "see you at lunch?", "ok"]
+    ours = predict(str(out / "model"), texts, batch_size=2)
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    with torch.no_grad():
+        for text, result in zip(texts, ours):
+            probs = model(**tokenizer(text, return_tensors="pt")).logits.softmax(-1)[0]
+            assert result["label"] == model.config.id2label[int(probs.argmax())]
+            assert result["score"] == pytest.approx(float(probs.max()), abs=1e-5)
+
+
+def test_config_yaml_reproduces_the_run_bitwise(finished_run, tmp_path):
+    out, _ = finished_run
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["output_dir"] == str(out)
+    resolved["output_dir"] = str(tmp_path / "again")
+    effitrain.train(resolved)
+    first, second = read_weights(out), read_weights(tmp_path / "again")
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, group_by_length):
+    """14 examples, 2 epochs: steps of [4+4] and [4+2] micro-batches against batches of 8 and 6.
+    The short step only matches if the loss is normalised by the step's item count, not per micro-batch."""
+    common = dict(max_train_samples=14, max_steps=None, epochs=2, log_every=1, group_by_length=group_by_length,
+                  warmup_ratio=0.0)
+    effitrain.train(small(tiny_model_dir, tmp_path / "accum", batch_size=4, grad_accum=2, **common))
+    effitrain.train(small(tiny_model_dir, tmp_path / "big", batch_size=8, grad_accum=1, **common))
+    effitrain.train(small(tiny_model_dir, tmp_path / "small", batch_size=4, grad_accum=1, **common))
+    accum, big, small_ = (read_weights(tmp_path / name) for name in ("accum", "big", "small"))
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    for name in big:
+        torch.testing.assert_close(accum[name], big[name], rtol=1e-5, atol=1e-6)
+    # The comparison is sensitive: training moved the weights, and other batching gives other weights.
+    assert not torch.allclose(big["bert.encoder.layer.0.attention.self.query.weight"],
+                              initial["bert.encoder.layer.0.attention.self.query.weight"], atol=1e-4)
+    assert not torch.allclose(big["classifier.weight"], small_["classifier.weight"], atol=1e-4)
+    assert len([r for r in read_jsonl(tmp_path / "accum" / "log.jsonl") if "split" not in r]) == 4
+
+
+def test_non_empty_output_dir_is_never_overwritten(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.json").write_text("precious")
+    with pytest.raises(UserError, match="already holds files"):
+        effitrain.train(small(tiny_model_dir, out))
+    assert (out / "metrics.json").read_text() == "precious"
+    effitrain.train(small(tiny_model_dir, out, overwrite=True, max_steps=1))
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1
+
+
+def test_epochs_run_to_the_end_of_the_data(tiny_model_dir, tmp_path):
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=None, epochs=2, max_train_samples=20,
+                                    batch_size=8))
+    assert metrics["steps"] == 6 and metrics["epochs"] == 2.0  # ceil(20 / 8) = 3 steps an epoch
+    evaluations = [r for r in read_jsonl(tmp_path / "o" / "log.jsonl") if r.get("split") == "validation"]
+    assert [r["epoch"] for r in evaluations] == [1.0, 2.0]
