@@ -80,3 +80,22 @@ def test_env_reports_the_cpu_without_error():
     assert data["device_type"] in ("cpu", "cuda", "mps", "xpu")
     assert data["versions"]["torch"] and data["versions"]["accelerate"]
     assert data["precision"]["fp16_supported"] == bool(data["gpus"])
+
+
+def test_hub_id_is_found_in_the_local_cache_offline(tiny_model_dir, tmp_path):
+    """The layout huggingface_hub writes: models--ORG--NAME/refs/main -> snapshots/<commit>/."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someorg--tiny-bert"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = subprocess.run([sys.executable, "-m", "effitrain", "inspect", "someorg/tiny-bert", "--json"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"].endswith(commit)

@@ -23,6 +23,7 @@ def test_cli_overrides_file_and_file_overrides_defaults(tmp_path):
     values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     config = cfg.build(cfg.load_yaml(path), values)
     assert (config.lr, config.batch_size, config.epochs, config.seed) == (0.001, 4, 3, 42)
+    assert config.max_length == cfg.TrainConfig().max_length
 
 
 def test_bool_flags_have_a_negative_form():

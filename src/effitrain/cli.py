@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from effitrain import config as cfg
@@ -125,6 +126,8 @@ COMMANDS = {"train": cmd_train, "predict": cmd_predict, "inspect": cmd_inspect, 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # effitrain never downloads: without this, a hub look-up would wait on network time-outs.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)

@@ -32,7 +32,7 @@ class TrainConfig:
     overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing")
     epochs: int = _opt(1, "passes over the training split")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
-    batch_size: int = _opt(32, "micro-batch per device")
+    batch_size: int = _opt(16, "micro-batch per device")
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
     eval_batch_size: int = _opt(128, "batch per device for evaluation")
     lr: float = _opt(1e-4, "peak learning rate of AdamW")

@@ -1,0 +1,30 @@
+# Set-up and the two everyday commands. `make demo` trains the default job, `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build that lies on this project's machines. On a GPU machine: make demo TORCH=torch
+TORCH ?= torch==2.13.0
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, so that nothing that depends on it pulls a multi-GB build of its own choosing.
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/pip install "$(TORCH)"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/effitrain train
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest
+
+.PHONY: demo test
