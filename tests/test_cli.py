@@ -99,3 +99,20 @@ def test_hub_id_is_found_in_the_local_cache_offline(tiny_model_dir, tmp_path):
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["model"].endswith(commit)
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("config", "is not a valid JSON file"),
+    ("weights", "cannot load the model"),
+])
+def test_damaged_checkpoint_is_a_user_error(tiny_model_dir, tmp_path, damage, needle):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    target = model / ("config.json" if damage == "config" else "model.safetensors")
+    target.write_text("{not json or safetensors")
+    result = run_cli("train", "--model", model, "--max-steps", "1", "--max-train-samples", "8",
+                     "--output-dir", tmp_path / "out", cwd=tmp_path)
+    assert_user_error(result, needle)
+

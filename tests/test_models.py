@@ -62,3 +62,11 @@ def test_meta_model_has_the_real_shapes_without_memory(tiny_model_dir):
     real = models.load_classifier(tiny_model_dir, ["a", "b"])
     assert all(p.device.type == "meta" for p in meta.parameters())
     assert models.parameter_counts(meta) == models.parameter_counts(real)
+
+
+def test_model_without_a_classification_head_is_refused(tmp_path):
+    from transformers import ViTConfig
+
+    ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(tmp_path / "vit")
+    with pytest.raises(UserError, match="model type `vit` has no sequence-classification head"):
+        models.load_classifier(tmp_path / "vit", ["a", "b"])

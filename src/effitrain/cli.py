@@ -92,15 +92,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from accelerate import Accelerator
-
     from effitrain import models
+    from effitrain.devices import make_accelerator
 
     models.quiet_transformers(args.debug)
     path = models.resolve(args.model)
     model = models.build_on_meta(path, args.task)
     counts = models.parameter_counts(model)
-    device = str(Accelerator().device)
+    device = str(make_accelerator().device)
     if args.json:
         print(json.dumps({"model": str(path), "config": model.config.to_dict(), "parameters": counts,
                           "device": device}))

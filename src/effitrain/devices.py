@@ -13,6 +13,24 @@ LIBRARIES = ("effitrain", "torch", "transformers", "accelerate", "datasets", "sa
              "bitsandbytes", "torchao")
 
 
+def has_accelerator() -> bool:
+    import torch
+
+    if hasattr(torch, "accelerator"):  # torch >= 2.6
+        return torch.accelerator.is_available()
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or bool(mps and mps.is_available()) or bool(xpu and xpu.is_available())
+
+
+def make_accelerator(**kwargs):
+    """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
+    multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not has_accelerator(), **kwargs)
+
+
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -68,9 +86,8 @@ def versions() -> dict[str, str | None]:
 def report() -> dict:
     """Everything `effitrain env` prints, as data."""
     import torch
-    from accelerate import Accelerator
 
-    accelerator = Accelerator()
+    accelerator = make_accelerator()
     info: dict = {
         "device": str(accelerator.device),
         "device_type": accelerator.device.type,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from importlib import resources
 from pathlib import Path
 
@@ -55,6 +56,21 @@ def _checked_dir(path: Path, name: str) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def loading(path: Path):
+    """A checkpoint that transformers or safetensors cannot read is the user's file to fix, not a crash."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError, ValueError, KeyError) as err:
+        if isinstance(err, UserError):
+            raise
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"cannot load the model in {path}: {first_line[:300]}",
+                        "check that the directory is a complete save_pretrained output, or save it again")
+
+
 def quiet_transformers(debug: bool) -> None:
     """transformers prints a load report and progress bars; keep them for --debug only."""
     import datasets
@@ -70,15 +86,20 @@ def quiet_transformers(debug: bool) -> None:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with loading(path):
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_classifier(path: Path, labels: list[str]):
     """AutoModelForSequenceClassification with a head sized for `labels`, names stored in the config."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    try:
+    with loading(path):
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+            raise UserError(f"model type `{config.model_type}` has no sequence-classification head in transformers",
+                            "pass an encoder or decoder checkpoint that AutoModelForSequenceClassification supports")
         return AutoModelForSequenceClassification.from_pretrained(
             str(path),
             num_labels=len(labels),
@@ -89,11 +110,6 @@ def load_classifier(path: Path, labels: list[str]):
             use_safetensors=True,
             local_files_only=True,
         )
-    except ValueError as err:
-        if "Unrecognized configuration class" in str(err):
-            raise UserError(f"model type `{config.model_type}` has no sequence-classification head in transformers",
-                            "pass an encoder or decoder checkpoint that AutoModelForSequenceClassification supports")
-        raise
 
 
 def parameter_counts(model) -> dict[str, int]:
@@ -112,6 +128,7 @@ def build_on_meta(path: Path, task: str, num_labels: int = 2):
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=num_labels)
+    with loading(path):
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=num_labels)
     with torch.device("meta"):
         return AutoModelForSequenceClassification.from_config(config)

@@ -38,8 +38,9 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 64) -> list[dict
 
     path = models.resolve(model_dir)
     tokenizer = models.load_tokenizer(path)
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), use_safetensors=True,
-                                                               local_files_only=True).eval()
+    with models.loading(path):
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), use_safetensors=True,
+                                                                   local_files_only=True).eval()
     results = []
     with torch.inference_mode():
         for start in range(0, len(texts), batch_size):

@@ -20,21 +20,27 @@ from torch.utils.data import DataLoader
 from effitrain import models, outputs
 from effitrain.config import TrainConfig
 from effitrain.data import sources, text
-from effitrain.devices import peak_memory_bytes
+from effitrain.devices import make_accelerator, peak_memory_bytes
 from effitrain.engine import optim
 from effitrain.engine.metrics import classification_metrics
 
 
-def micro_batch_groups(iterator, size: int):
-    """Yield lists of up to `size` micro-batches: one optimizer step each (the last may be short)."""
-    group = []
-    for batch in iterator:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
+def step_sizes(num_batches: int, world: int, accum: int) -> list[int]:
+    """Micro-batches per process in each optimizer step of an epoch of `num_batches` global micro-batches.
+
+    Process p holds micro-batches p, p + W, p + 2W, ... so step s covers global micro-batches
+    [s*k*W, (s+1)*k*W): the same examples as one process with a batch W*k times larger. In the last
+    step a process whose shard ended one micro-batch early runs an empty one (see `step_groups`)."""
+    per_process = math.ceil(num_batches / world)
+    steps = math.ceil(per_process / accum)
+    return [accum] * (steps - 1) + [per_process - (steps - 1) * accum]
+
+
+def step_groups(dataloader, sizes: list[int]):
+    """One list per optimizer step; None stands for a micro-batch this process does not have."""
+    batches = iter(dataloader)
+    for size in sizes:
+        yield [next(batches, None) for _ in range(size)]
 
 
 def item_count(batch) -> torch.Tensor:
@@ -73,7 +79,6 @@ def evaluate(accelerator, model, dataloader, label_names: list[str]) -> dict[str
 
 def run(config: TrainConfig) -> dict:
     """Train, evaluate, save. Returns the metrics written to metrics.json."""
-    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list, set_seed
     from tqdm.auto import tqdm
 
@@ -84,7 +89,7 @@ def run(config: TrainConfig) -> dict:
     if config.output_dir is not None:
         outputs.check_free(Path(config.output_dir), config.overwrite)
 
-    accelerator = Accelerator()
+    accelerator = make_accelerator()
     # Every process must write to the same directory: the main process picks the default name.
     chosen = [str(config.output_dir or outputs.default_dir())]
     broadcast_object_list(chosen, from_process=0)
@@ -114,14 +119,24 @@ def run(config: TrainConfig) -> dict:
     train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=collate)
     eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=collate)
                 for split in ("validation", "test")}
+    # A zero-weight stand-in for micro-batches a process lacks at the end of an epoch: every process
+    # must run the same forward/backward passes for DDP's collectives to match.
+    stand_in = collate([encoded["train"][0]])
 
-    steps_per_epoch = math.ceil(math.ceil(len(encoded["train"]) / (config.batch_size * world)) / config.grad_accum)
+    sizes = step_sizes(len(train_dl), world, config.grad_accum)
+    steps_per_epoch = len(sizes)
     total_steps = config.max_steps or config.epochs * steps_per_epoch
     optimizer = optim.adamw(model, config.lr, config.weight_decay)
     scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
                                       world)
-    model, optimizer, train_dl, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
-        model, optimizer, train_dl, eval_dls["validation"], eval_dls["test"], scheduler)
+    # Training shards must not recycle examples to even out the processes (accelerate's default):
+    # that would train on duplicates that one process with a big batch never sees.
+    accelerator.even_batches = False
+    train_dl = accelerator.prepare(train_dl)
+    accelerator.even_batches = True  # evaluation: gather_for_metrics drops the padded-in duplicates
+    model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
+        model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
+    stand_in = {key: value.to(accelerator.device) for key, value in stand_in.items()}
 
     accelerator.print(f"training {config.model} on {config.data}: {len(encoded['train'])} train / "
                       f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples, "
@@ -136,13 +151,17 @@ def run(config: TrainConfig) -> dict:
     history: dict[str, dict] = {}
     while step < total_steps:
         tick = time.perf_counter()
-        for group in micro_batch_groups(train_dl, config.grad_accum):
-            items = sum(item_count(batch) for batch in group)
+        for group in step_groups(train_dl, sizes):
+            items = sum((item_count(batch) for batch in group if batch is not None),
+                        torch.zeros((), dtype=torch.long, device=accelerator.device))
             step_items = accelerator.reduce(items, "sum") if world > 1 else items
             for i, batch in enumerate(group):
                 # Gradients are all-reduced only on the last micro-batch of the step.
                 sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
                 with sync:
+                    if batch is None:
+                        accelerator.backward(loss_sum(model, stand_in) * 0.0)
+                        continue
                     loss = loss_sum(model, batch)
                     # DDP averages gradients over W processes, hence the factor W.
                     accelerator.backward(loss * world / step_items)
