@@ -143,8 +143,8 @@ def run(config: TrainConfig) -> dict:
                       f"labels {label_names}, {total_steps} steps of {config.batch_size} x {config.grad_accum} "
                       f"x {world} process(es) on {accelerator.device}")
     # disable=None: no bar when stderr is not a terminal (CI logs), and none on other processes.
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=None if accelerator.is_local_main_process else True,
-               mininterval=1.0)
+    bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=1.0,
+               disable=None if accelerator.is_local_main_process else True)
     step, epoch, train_seconds = 0, 0, 0.0
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # items, tokens (this process)
     window = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss sum, items since last log
