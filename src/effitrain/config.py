@@ -13,7 +13,7 @@ from typing import Any
 
 from effitrain.errors import UserError
 
-TASKS = ("sequence-classification",)
+TASKS = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -26,7 +26,18 @@ class TrainConfig:
                       "a local directory with config.json and safetensors weights, or a hub id in the local "
                       "Hugging Face cache (never downloaded)")
     task: str = _opt("sequence-classification", "what the model learns", choices=TASKS)
-    data: str = _opt("sms-spam", "a built-in data set name")
+    data: str = _opt("sms-spam", "a built-in (sms-spam, bbc-news, fashion-mnist, digits), a CSV/TSV/JSON/JSONL/"
+                     "Parquet file, a folder from datasets' save_to_disk, or a data set id in the local "
+                     "Hugging Face cache")
+    validation_file: str | None = _opt(None, "validation data in its own file (else split from --data)")
+    test_file: str | None = _opt(None, "test data in its own file (else split from --data)")
+    text_column: str = _opt("text", "column holding the text")
+    text_pair_column: str | None = _opt(None, "column holding the second text of a pair (as in GLUE MRPC)")
+    label_column: str = _opt("label", "column holding the label (strings or integers)")
+    image_column: str = _opt("image", "column holding images (file paths relative to the data file, or images)")
+    audio_column: str = _opt("audio", "column holding audio file paths (relative to the data file)")
+    skip_bad_rows: bool = _opt(False, "skip rows with a missing text, label, image or audio (and report how "
+                               "many) instead of stopping on the first")
     output_dir: str | None = _opt(None, "where the run writes model/, metrics.json, config.yaml, log.jsonl "
                                   "(default runs/<timestamp>)")
     overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing")
@@ -41,6 +52,9 @@ class TrainConfig:
     max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)")
     seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order")
     max_length: int = _opt(128, "truncate inputs to this many tokens")
+    max_duration: float = _opt(10.0, "audio: keep at most this many seconds of each clip")
+    packing: bool = _opt(False, "causal-lm: concatenate the examples of a micro-batch into one row without "
+                         "padding; attention stays within each example (position ids restart)")
     group_by_length: bool = _opt(True, "batch examples of similar length together (random mega-batches sorted "
                                  "by length): far less padding, so faster; --no-group-by-length for plain shuffling")
     validation_split: float = _opt(0.1, "share of the data held out for validation (stratified)")
@@ -155,7 +169,10 @@ def validate(config: TrainConfig) -> None:
     for f in fields():
         coerce(f.name, getattr(config, f.name), "config")
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
-              "max_length", "max_train_samples", "max_eval_samples", "log_every")
+              "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration")
+    if config.packing and config.task != "causal-lm":
+        raise UserError(f"--packing applies to --task causal-lm, not {config.task}",
+                        "drop --packing, or pass --task causal-lm")
     if config.task not in TASKS:
         raise UserError(f"unknown task `{config.task}`", f"pass --task {' or '.join(TASKS)}")
     for name in ("weight_decay", "max_grad_norm"):

