@@ -24,7 +24,12 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.installed
 	$(BIN)/effitrain train
 
-test: $(VENV)/.installed-dev
+# The built-in `fashion-mnist` reads Debian's package (the tests train on it).
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+$(FASHION_MNIST):
+	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
+
+test: $(VENV)/.installed-dev $(FASHION_MNIST)
 	$(BIN)/python -m pytest
 
 .PHONY: demo test

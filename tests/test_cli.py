@@ -20,7 +20,7 @@ def assert_user_error(result, needle):
     (["train", "--task", "translation"], "invalid choice"),
     (["train", "--model", "./missing-model-dir"], "is not a directory"),
     (["train", "--model", "nobody/no-such-model"], "nor in the Hugging Face cache"),
-    (["train", "--data", "imagenet"], "unknown data `imagenet`"),
+    (["train", "--data", "imagenet"], "--data imagenet: no such file, folder or built-in data set"),
     (["train", "--config", "missing.yaml"], "config file missing.yaml does not exist"),
     (["predict", "--model", "./missing-model-dir", "--text", "hi"], "is not a directory"),
     (["predict", "--model", "default"], "nothing to predict"),

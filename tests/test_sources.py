@@ -137,3 +137,24 @@ def test_missing_value_is_named_or_skipped_and_counted(tmp_path):
 def test_bad_json_line_names_the_file(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "a", "label": "x"}\n{not json\n')
     check("cannot be read as json", tmp_path / "d.jsonl")
+
+
+def test_data_set_from_the_local_hub_cache_offline(tmp_path):
+    """The layout huggingface_hub writes for a data set repo: datasets--ORG--NAME/refs/main -> snapshots/<commit>/."""
+    import os
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "datasets--someorg--tiny-spam" / "snapshots" / commit / "data"
+    snapshot.mkdir(parents=True)
+    write_csv(snapshot / "train.csv")
+    (tmp_path / "hub" / "datasets--someorg--tiny-spam" / "refs").mkdir()
+    (tmp_path / "hub" / "datasets--someorg--tiny-spam" / "refs" / "main").write_text(commit)
+    code = ("from effitrain.config import TrainConfig; from effitrain.data import sources; "
+            "print(sum(len(s) for s in sources.load(TrainConfig(data='someorg/tiny-spam')).splits.values()))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(len(ROWS))

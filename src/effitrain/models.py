@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -64,7 +65,7 @@ def config_for(model_type: str, sizes: str):
     from transformers import AutoConfig
 
     kwargs = {}
-    for item in filter(None, sizes.split(",")):
+    for item in filter(None, re.split(r",(?![^\[]*\])", sizes)):  # commas inside [..] belong to a list
         key, eq, value = item.partition("=")
         if not eq:
             raise UserError(f"--model {model_type}:{sizes}: `{item}` is not key=value",

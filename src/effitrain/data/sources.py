@@ -83,10 +83,16 @@ def _read_saved(path: Path) -> dict:
 
 
 def _read_hub_cache(name: str) -> dict:
+    """A data set repo already in the local hub cache: its snapshot folder, loaded by datasets (which
+    infers the builder from the files). datasets cannot resolve a repo id offline by itself."""
     from datasets import load_dataset
+    from huggingface_hub import snapshot_download
 
     try:
-        return _named_splits(load_dataset(name), name)
+        folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
+        return _named_splits(load_dataset(folder), name)
+    except UserError:
+        raise
     except Exception as err:
         raise UserError(f"--data {name} is not a local file nor a data set in the Hugging Face cache "
                         f"({_first_line(err)})", "pass a file path, or download the data set where there is internet")
