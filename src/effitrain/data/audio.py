@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from effitrain.data import cache
 from effitrain.errors import UserError
 
 
@@ -72,7 +73,9 @@ def preprocess(splits, extractor, max_duration: float, base_dir):
         return extractor(arrays, sampling_rate=rate)
 
     # Small batches: a batch holds its decoded waveforms (and AST's 512 KB spectrograms) in memory at once.
-    encoded = splits.map(encode, batched=True, batch_size=64, writer_batch_size=64, remove_columns=["audio"])
+    key = [extractor.to_dict(), max_duration, cache.file_signature(splits, "audio", base_dir)]
+    encoded = splits.map(encode, batched=True, batch_size=64, writer_batch_size=64, remove_columns=["audio"],
+                         cache_file_names=cache.files(splits, key))
     return encoded.rename_column("label", "labels")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from effitrain.data import cache
+
 
 def image_processor(model_dir, config):
     """The checkpoint's own processor when it ships one; else a ViT-style one sized from the config.
@@ -83,7 +85,8 @@ def preprocess(splits, processor, base_dir):
         # UserError naming it instead of a PIL traceback from inside datasets. Changes no data, only the feature.
         splits = splits.cast_column("image", Image(decode=False))
     base_dir = None if base_dir is None else Path(base_dir)
-    encoded = splits.map(_encode, batched=True, remove_columns=["image"],
+    key = [processor.to_dict(), cache.file_signature(splits, "image", base_dir)]
+    encoded = splits.map(_encode, batched=True, remove_columns=["image"], cache_file_names=cache.files(splits, key),
                          fn_kwargs={"processor": processor, "base_dir": base_dir})
     encoded = encoded.rename_column("label", "labels")
     # Arrow holds pixel_values as nested lists; numpy format reads each row back as one array, not 3*s*s floats.

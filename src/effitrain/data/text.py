@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-
-def cache_files(splits, key: list) -> dict[str, str]:
-    """Where `datasets.map` keeps a preprocessed split: named by the data's content fingerprint and the
-    preprocessing settings, so a rerun with nothing changed loads it instead of recomputing."""
-    from pathlib import Path
-
-    from datasets import config as datasets_config
-    from datasets.fingerprint import Hasher
-
-    folder = Path(datasets_config.HF_DATASETS_CACHE) / "effitrain"
-    folder.mkdir(parents=True, exist_ok=True)
-    return {name: str(folder / f"{Hasher.hash([split._fingerprint, key])}.arrow") for name, split in splits.items()}
+from effitrain.data import cache
 
 
 def tokenize(splits, tokenizer, max_length: int, labels: bool = True):
@@ -27,7 +16,7 @@ def tokenize(splits, tokenizer, max_length: int, labels: bool = True):
 
     removed = [c for c in splits["train"].column_names if c != "label"]
     key = [tokenizer.name_or_path, len(tokenizer), max_length, pairs, labels]
-    encoded = splits.map(encode, batched=True, remove_columns=removed, cache_file_names=cache_files(splits, key))
+    encoded = splits.map(encode, batched=True, remove_columns=removed, cache_file_names=cache.files(splits, key))
     return encoded.rename_column("label", "labels") if labels else encoded
 
 
