@@ -32,10 +32,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import models
+from effitrain import models, tasks
+from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.engine import optim
-from effitrain.engine.loop import item_count, loss_sum
+
+TASK = "sequence-classification"
 
 MAX_LENGTH = 128
 WARMUP_STEPS = 3
@@ -107,8 +109,8 @@ def train_speed(model_path, labels, loader, steps: int, seed: int) -> dict:
 
     def one_step():
         batch = next(batches)  # fetching and collating count: the training loop pays for them too
-        n = item_count(batch)
-        loss = loss_sum(model, batch) / n
+        n = tasks.item_count(TASK, batch)
+        loss = tasks.loss_sum(TASK, model, batch) / n
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -155,7 +157,8 @@ def main(argv=None) -> None:
 
     model_path = models.resolve("default")
     tokenizer = models.load_tokenizer(model_path)
-    splits = sources.load_splits("sms-spam", 0.1, 0.1, args.seed)
+    # effitrain train's split of the built-in data: stratified, test then validation held out, by seed.
+    splits = sources.load(TrainConfig(data="sms-spam", validation_split=0.1, test_split=0.1, seed=args.seed)).splits
     labels = splits["train"].features["label"].names
     train = text.tokenize(splits, tokenizer, MAX_LENGTH)["train"]
     batches_per_epoch = -(-len(train) // args.batch_size)
@@ -178,7 +181,8 @@ def main(argv=None) -> None:
             raise RuntimeError(f"{key}: the timed batches differ from the epoch order measured without the model")
         results[key] = {"description": description, "epoch": epoch, "timed_window": timed, "speed": speed}
         print(f"{description}: padding waste {epoch['padding_waste']:.1%} over the epoch, "
-              f"{args.steps} steps in {speed['seconds']:.1f} s, {speed['samples_per_second']:.1f} samples/s, "
+              f"{args.steps} timed step{'' if args.steps == 1 else 's'} in {speed['seconds']:.1f} s, "
+              f"{speed['samples_per_second']:.1f} samples/s, "
               f"{speed['tokens_per_second']:.0f} tokens/s", flush=True)
 
     base = results["fixed"]["speed"]["samples_per_second"]
