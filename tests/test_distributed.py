@@ -42,3 +42,83 @@ def test_two_processes_equal_one_big_batch(tiny_model_dir, tmp_path, train_sampl
         assert m_ddp[split]["samples"] == m_single[split]["samples"] == 40
         assert m_ddp[split]["accuracy"] == m_single[split]["accuracy"]
         assert m_ddp[split]["loss"] == pytest.approx(m_single[split]["loss"], rel=1e-5)
+
+
+def effitrain_launch(*args, cwd=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "effitrain", "launch", *map(str, args)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine_equal_one_process(tiny_model_dir, tmp_path):
+    """Two launcher invocations, one process each, rendezvous on 127.0.0.1 as two machines would."""
+    common = dict(model=tiny_model_dir, max_train_samples=24, max_eval_samples=20, epochs=1, lr=1e-3,
+                  warmup_ratio=0.0, eval_batch_size=16)
+    flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
+    port = free_port()
+    nodes = [effitrain_launch("--nnodes", 2, "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port",
+                              port, "--", "train", *flags, "--batch-size", 4, "--output-dir", tmp_path / "nodes")
+             for rank in (0, 1)]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=300)
+        assert node.returncode == 0, stderr[-3000:]
+    effitrain.train({**common, "model": str(tiny_model_dir), "batch_size": 8, "output_dir": str(tmp_path / "one")})
+    nodes_w, one_w = read_weights(tmp_path / "nodes"), read_weights(tmp_path / "one")
+    for name in one_w:
+        torch.testing.assert_close(nodes_w[name], one_w[name], rtol=1e-5, atol=1e-6)
+    assert json.loads((tmp_path / "nodes" / "metrics.json").read_text())["world_size"] == 2
+
+
+def children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_killed_worker_ends_the_job_within_60_seconds(tiny_model_dir, tmp_path):
+    import os
+    import signal
+    import time
+
+    job = effitrain_launch("--nproc", 2, "--", "train", "--model", tiny_model_dir, "--max-steps", 100000,
+                           "--max-train-samples", 64, "--max-eval-samples", 16, "--batch-size", 4, "--log-every", 1,
+                           "--output-dir", tmp_path / "out", "--ddp-timeout", 30)
+    log = tmp_path / "out" / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text().count("\n") >= 3):  # training is under way
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.5)
+    workers = children(job.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    killed_at = time.time()
+    _, stderr = job.communicate(timeout=90)
+    assert time.time() - killed_at < 60
+    assert job.returncode != 0
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("effitrain launch: error: rank ") and "SIGKILL" in last
+
+
+def test_launch_without_a_command_is_a_user_error(tmp_path):
+    from conftest import run_cli
+
+    result = run_cli("launch", "--nproc", "2", cwd=tmp_path)
+    assert result.returncode == 2 and "needs the command to run after `--`" in result.stderr
+    result = run_cli("launch", "--nnodes", "2", "--", "train", cwd=tmp_path)
+    assert result.returncode == 2 and "needs --master-port" in result.stderr

@@ -55,6 +55,17 @@ def build_parser() -> Parser:
     inspect.add_argument("--json", action="store_true", help="print the counts and device as JSON")
     inspect.add_argument("--debug", action="store_true")
 
+    launch = commands.add_parser("launch", help="run a command on several processes and machines (torchrun)",
+                                 description="effitrain launch [options] -- train ...")
+    launch.add_argument("--nproc", type=int, default=1, help="processes on this node (one per GPU, or CPU workers)")
+    launch.add_argument("--nnodes", type=int, default=1, help="number of machines")
+    launch.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 for the master")
+    launch.add_argument("--master-addr", default=None, help="address of node 0 (default 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on all nodes")
+    launch.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
+    launch.add_argument("--debug", action="store_true")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the effitrain command and its flags")
+
     env = commands.add_parser("env", help="show the devices and precisions Accelerator detects")
     env.add_argument("--json", action="store_true")
     env.add_argument("--debug", action="store_true")
@@ -120,7 +131,23 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "predict": cmd_predict, "inspect": cmd_inspect, "env": cmd_env}
+def cmd_launch(args: argparse.Namespace) -> int:
+    from effitrain.launch import launch
+
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    return launch(args, command)
+
+
+def _record_for_launcher(err: BaseException) -> None:
+    """Under torchrun, leave the cause where the launcher reads it, so its one line can name it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+
+
+COMMANDS = {"train": cmd_train, "predict": cmd_predict, "inspect": cmd_inspect, "env": cmd_env,
+            "launch": cmd_launch}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         if debug:
             raise
+        _record_for_launcher(err)
         print(f"effitrain: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except Exception as err:
+        if type(err).__name__ != "LaunchFailed":
+            _record_for_launcher(err)
+            raise
+        print(f"effitrain launch: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("effitrain: interrupted", file=sys.stderr)

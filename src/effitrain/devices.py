@@ -23,12 +23,17 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or bool(mps and mps.is_available()) or bool(xpu and xpu.is_available())
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(ddp_timeout: float | None = None, **kwargs):
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
-    multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently."""
-    from accelerate import Accelerator
+    multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
+    `ddp_timeout` bounds how long a collective waits for a dead or stuck peer."""
+    from datetime import timedelta
 
-    return Accelerator(cpu=not has_accelerator(), **kwargs)
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else []
+    return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, **kwargs)
 
 
 def cpu_flags() -> set[str]:

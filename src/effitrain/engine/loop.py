@@ -81,7 +81,7 @@ def run(config: TrainConfig) -> dict:
     source = models.resolve_source(config.model)
     if config.output_dir is not None:
         outputs.check_free(Path(config.output_dir), config.overwrite)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(config.ddp_timeout)
     out_dir = _claim_output_dir(accelerator, config)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
 
