@@ -122,3 +122,19 @@ def test_launch_without_a_command_is_a_user_error(tmp_path):
     assert result.returncode == 2 and "needs the command to run after `--`" in result.stderr
     result = run_cli("launch", "--nnodes", "2", "--", "train", cwd=tmp_path)
     assert result.returncode == 2 and "needs --master-port" in result.stderr
+
+
+def test_local_sgd_all_reduces_about_one_in_k_and_still_learns(tiny_model_dir, tmp_path):
+    common = ["train", "--model", tiny_model_dir, "--max-steps", 16, "--max-train-samples", 256,
+              "--max-eval-samples", 16, "--batch-size", 8, "--lr", 3e-3, "--log-every", 4]
+    ddp = torchrun(2, *common, "--output-dir", tmp_path / "ddp")
+    local = torchrun(2, *common, "--local-sgd-steps", 4, "--output-dir", tmp_path / "local")
+    assert ddp.returncode == 0 and local.returncode == 0, (ddp.stderr + local.stderr)[-3000:]
+    m_ddp, m_local = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ddp", "local"))
+    assert m_ddp["sync_allreduce_calls"] >= 16  # at least one gradient bucket per step
+    # 16 steps / K=4 averagings, plus the final one when the run ends.
+    assert m_local["sync_allreduce_calls"] == 16 // 4 + 1
+    assert m_local["sync_allreduce_calls"] <= m_ddp["sync_allreduce_calls"] / 4 + 1
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "local" / "log.jsonl").read_text().splitlines())
+              if "split" not in r]
+    assert losses[-1] < losses[0]

@@ -61,6 +61,8 @@ class TrainConfig:
     test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)")
     max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)")
     max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples")
+    local_sgd_steps: int | None = _opt(None, "local SGD: no gradient all-reduce; each process steps on its own "
+                                       "data and parameters are averaged every K optimizer steps")
     ddp_timeout: int = _opt(600, "seconds a process waits in a collective (all-reduce, barrier) for the others "
                             "before failing, instead of hanging")
     log_every: int = _opt(10, "write a log line every N optimizer steps")
@@ -171,7 +173,8 @@ def validate(config: TrainConfig) -> None:
     for f in fields():
         coerce(f.name, getattr(config, f.name), "config")
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
-              "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout")
+              "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
+              "local_sgd_steps")
     if config.packing and config.task != "causal-lm":
         raise UserError(f"--packing applies to --task causal-lm, not {config.task}",
                         "drop --packing, or pass --task causal-lm")

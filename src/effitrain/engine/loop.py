@@ -20,7 +20,7 @@ from effitrain import models, outputs, tasks
 from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.devices import make_accelerator, peak_memory_bytes
-from effitrain.engine import optim
+from effitrain.engine import communication, optim
 
 
 def step_sizes(num_batches: int, world: int, accum: int) -> list[int]:
@@ -120,6 +120,14 @@ def run(config: TrainConfig) -> dict:
     model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
         model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
     stand_in = {key: value.to(accelerator.device) for key, value in stand_in.items()}
+    # What crosses the wire: DDP's gradient buckets, or local SGD's parameter averaging.
+    wire = communication.Counter()
+    local_sgd = None
+    if world > 1 and config.local_sgd_steps:
+        local_sgd = communication.AveragingLocalSGD(accelerator, model, config.local_sgd_steps, wire)
+        local_sgd.__enter__()  # no gradient sync until __exit__ after the loop (a final average)
+    elif world > 1:
+        communication.count_gradient_allreduces(model, wire)
 
     skipped = f", {loaded.skipped_rows} bad rows skipped" if loaded.skipped_rows else ""
     accelerator.print(f"training {config.model} ({task}) on {config.data}: {len(encoded['train'])} train / "
@@ -139,7 +147,9 @@ def run(config: TrainConfig) -> dict:
         for group in step_groups(train_dl, sizes):
             items = sum((tasks.item_count(task, batch) for batch in group if batch is not None),
                         torch.zeros((), dtype=torch.long, device=accelerator.device))
-            step_items = accelerator.reduce(items, "sum") if world > 1 else items
+            # Local SGD: each process minimises its own loss; otherwise one loss over all processes.
+            synced = world > 1 and local_sgd is None
+            step_items = accelerator.reduce(items, "sum") if synced else items
             for i, batch in enumerate(group):
                 # Gradients are all-reduced only on the last micro-batch of the step.
                 sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
@@ -149,7 +159,7 @@ def run(config: TrainConfig) -> dict:
                         continue
                     loss = tasks.loss_sum(task, model, batch)
                     # DDP averages gradients over W processes, hence the factor W.
-                    accelerator.backward(loss * world / step_items)
+                    accelerator.backward(loss * (world if synced else 1) / step_items)
                 count = tasks.item_count(task, batch).double()
                 tokens = tasks.token_count(task, batch)
                 window += torch.stack([loss.detach().double(), count])
@@ -160,6 +170,8 @@ def run(config: TrainConfig) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if local_sgd is not None:
+                local_sgd.step()
             step += 1
             bar.update(1)
             if step % config.log_every == 0 or step == total_steps:
@@ -184,6 +196,8 @@ def run(config: TrainConfig) -> dict:
         if accelerator.is_local_main_process:
             bar.write(f"epoch {epoch} validation: " + _short(history["validation"]))
     bar.close()
+    if local_sgd is not None:
+        local_sgd.__exit__(None, None, None)  # leaves every process with the averaged parameters
     test = evaluate(accelerator, task, model, eval_dls["test"], label_names)
     log.write({"step": step, "epoch": round(step / steps_per_epoch, 4), "split": "test", **test})
 
@@ -203,6 +217,9 @@ def run(config: TrainConfig) -> dict:
         "device": accelerator.device.type,
         "labels": label_names,
         "skipped_rows": loaded.skipped_rows,
+        # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
+        "sync_allreduce_calls": wire.calls,
+        "sync_allreduce_bytes": wire.bytes,
     }
     _save(accelerator, model, processor, config, out_dir)
     metrics["wall_seconds"] = time.perf_counter() - wall_start
