@@ -18,30 +18,39 @@ def torchrun(nproc: int, *args, cwd=None) -> subprocess.CompletedProcess:
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("train_samples", [14, 18])
-def test_two_processes_equal_one_big_batch(tiny_model_dir, tmp_path, train_samples):
-    """2 processes x micro-batch 4 x accumulation 2 against 1 process x batch 16, 2 epochs.
+TINY_GPT2 = "gpt2:n_layer=2,n_embd=32,n_head=2,n_positions=128,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
+
+
+@pytest.mark.parametrize("task, train_samples", [("sequence-classification", 14), ("sequence-classification", 18),
+                                                 ("causal-lm", 18)])
+def test_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir, tmp_path, task, train_samples):
+    """(2 processes x micro-batch 4 x accumulation 2), (1 x 4 x 4) and (1 x 16), 2 epochs, fp32.
     14 examples: micro-batches 4+4 | 4+2, a short one in the step. 18: 4+4 | 4+4 | 2+nothing, so the
-    second process runs a zero-weight stand-in in the last step of each epoch."""
-    common = dict(model=tiny_model_dir, max_train_samples=train_samples, max_eval_samples=40, epochs=2,
+    second process runs a zero-weight stand-in in the last step of each epoch. Causal LM: the loss is
+    normalised over the non-pad tokens of the whole step, which differ between micro-batches."""
+    model = str(tiny_model_dir) if task == "sequence-classification" else TINY_GPT2
+    common = dict(model=model, task=task, max_train_samples=train_samples, max_eval_samples=40, epochs=2,
                   lr=1e-3, warmup_ratio=0.0, log_every=1, eval_batch_size=16)
     flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
     result = torchrun(2, "train", *flags, "--batch-size", 4, "--grad-accum", 2, "--output-dir",
                       tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
-    effitrain.train({**common, "model": str(tiny_model_dir), "batch_size": 16,
-                     "output_dir": str(tmp_path / "single")})
+    effitrain.train({**common, "batch_size": 4, "grad_accum": 4, "output_dir": str(tmp_path / "accum")})
+    effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
 
-    ddp, single = read_weights(tmp_path / "ddp"), read_weights(tmp_path / "single")
-    for name in single:
-        torch.testing.assert_close(ddp[name], single[name], rtol=1e-5, atol=1e-6)
-    m_ddp, m_single = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ddp", "single"))
-    assert m_ddp["world_size"] == 2 and m_single["world_size"] == 1
-    assert m_ddp["steps"] == m_single["steps"] == 2 * -(-train_samples // 16)  # 2 epochs
+    single = read_weights(tmp_path / "single")
+    for other in ("ddp", "accum"):
+        weights = read_weights(tmp_path / other)
+        for name in single:
+            torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-6)
+    runs = {d: json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ddp", "accum", "single")}
+    assert [runs[d]["world_size"] for d in ("ddp", "accum", "single")] == [2, 1, 1]
+    assert runs["ddp"]["steps"] == runs["single"]["steps"] == 2 * -(-train_samples // 16)  # 2 epochs
     for split in ("validation", "test"):  # gathered without duplicated samples
-        assert m_ddp[split]["samples"] == m_single[split]["samples"] == 40
-        assert m_ddp[split]["accuracy"] == m_single[split]["accuracy"]
-        assert m_ddp[split]["loss"] == pytest.approx(m_single[split]["loss"], rel=1e-5)
+        assert runs["ddp"][split]["samples"] == runs["single"][split]["samples"] == 40
+        assert runs["ddp"][split]["loss"] == pytest.approx(runs["single"][split]["loss"], rel=1e-5)
+        key = "accuracy" if task == "sequence-classification" else "token_accuracy"
+        assert runs["ddp"][split][key] == runs["single"][split][key]
 
 
 def effitrain_launch(*args, cwd=None) -> subprocess.Popen:
