@@ -5,6 +5,10 @@ import json
 import pytest
 from conftest import run_cli
 
+from effitrain.devices import has_accelerator
+
+CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="the refusal is for machines without an accelerator")
+
 
 def assert_user_error(result, needle):
     assert result.returncode == 2, result.stderr
@@ -26,6 +30,11 @@ def assert_user_error(result, needle):
     (["predict", "--model", "default"], "nothing to predict"),
     (["inspect", "./missing-model-dir"], "is not a directory"),
     ([], "required: command"),
+    pytest.param(["train", "--strategy", "fsdp"], "--strategy fsdp needs GPUs", marks=CPU_ONLY),
+    pytest.param(["train", "--strategy", "deepspeed"], "--strategy deepspeed needs GPUs", marks=CPU_ONLY),
+    (["train", "--strategy", "fsdp", "--local-sgd-steps", "4"], "--local-sgd-steps works with --strategy ddp"),
+    (["train", "--ddp-timeout", "0"], "--ddp-timeout must be > 0"),
+    (["launch", "--nproc", "0", "--", "train"], "--nproc must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     assert_user_error(run_cli(*args, cwd=tmp_path), needle)

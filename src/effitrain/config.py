@@ -13,6 +13,7 @@ from typing import Any
 
 from effitrain.errors import UserError
 
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
 TASKS = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
 
 
@@ -61,6 +62,10 @@ class TrainConfig:
     test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)")
     max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)")
     max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples")
+    strategy: str = _opt("ddp", "data parallelism: ddp (replicas), fsdp (sharded weights, gradients and optimizer "
+                         "states, FSDP2 where torch has it; GPUs), deepspeed (ZeRO; the deepspeed extra; GPUs)",
+                         choices=STRATEGIES)
+    zero_stage: int = _opt(2, "deepspeed: ZeRO stage 1, 2 or 3", choices=(1, 2, 3))
     local_sgd_steps: int | None = _opt(None, "local SGD: no gradient all-reduce; each process steps on its own "
                                        "data and parameters are averaged every K optimizer steps")
     ddp_timeout: int = _opt(600, "seconds a process waits in a collective (all-reduce, barrier) for the others "
@@ -175,6 +180,13 @@ def validate(config: TrainConfig) -> None:
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
               "local_sgd_steps")
+    if config.strategy not in STRATEGIES:
+        raise UserError(f"unknown strategy `{config.strategy}`", f"pass --strategy {' or '.join(STRATEGIES)}")
+    if config.zero_stage not in (1, 2, 3):
+        raise UserError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage}", "pass --zero-stage 2")
+    if config.local_sgd_steps and config.strategy != "ddp":
+        raise UserError(f"--local-sgd-steps works with --strategy ddp, not {config.strategy}",
+                        "drop --local-sgd-steps, or use --strategy ddp")
     if config.packing and config.task != "causal-lm":
         raise UserError(f"--packing applies to --task causal-lm, not {config.task}",
                         "drop --packing, or pass --task causal-lm")

@@ -23,7 +23,8 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or bool(mps and mps.is_available()) or bool(xpu and xpu.is_available())
 
 
-def make_accelerator(ddp_timeout: float | None = None, **kwargs):
+def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", zero_stage: int = 2,
+                     max_grad_norm: float = 1.0):
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
     multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
     `ddp_timeout` bounds how long a collective waits for a dead or stuck peer."""
@@ -33,7 +34,41 @@ def make_accelerator(ddp_timeout: float | None = None, **kwargs):
     from accelerate.utils import InitProcessGroupKwargs
 
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else []
-    return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, **kwargs)
+    return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, **strategy_plugins(strategy, zero_stage, max_grad_norm))
+
+
+def strategy_plugins(strategy: str, zero_stage: int, max_grad_norm: float = 1.0) -> dict:
+    """accelerate's plugin for a sharded strategy. accelerate runs FSDP and DeepSpeed on accelerators
+    only: on a CPU it ignores the FSDP plugin and trains plain DDP without a word, so that is refused."""
+    from effitrain.errors import UserError
+
+    if strategy == "ddp":
+        return {}
+    if not has_accelerator():
+        raise UserError(f"--strategy {strategy} needs GPUs (accelerate shards on accelerators only, and on a CPU "
+                        "would silently fall back to DDP)", "use --strategy ddp on CPUs")
+    if strategy == "fsdp":
+        import torch
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp2 = hasattr(torch.distributed, "fsdp") and hasattr(torch.distributed.fsdp, "fully_shard")
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            fsdp_version=2 if fsdp2 else 1,
+            # model/ must hold the whole model, as plain transformers expects it.
+            state_dict_type="FULL_STATE_DICT",
+            auto_wrap_policy="transformer_based_wrap",  # one shard unit per transformer block (_no_split_modules)
+        )}
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UserError("--strategy deepspeed needs DeepSpeed, which is not installed",
+                        "pip install 'effitrain[deepspeed]'")
+    from accelerate.utils import DeepSpeedPlugin
+
+    # DeepSpeed clips inside its engine step: accelerate's clip_grad_norm_ does nothing there.
+    return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=zero_stage, gradient_accumulation_steps=1,
+                                                gradient_clipping=max_grad_norm or None,
+                                                zero3_save_16bit_model=True)}
 
 
 def cpu_flags() -> set[str]:

@@ -81,7 +81,7 @@ def run(config: TrainConfig) -> dict:
     source = models.resolve_source(config.model)
     if config.output_dir is not None:
         outputs.check_free(Path(config.output_dir), config.overwrite)
-    accelerator = make_accelerator(config.ddp_timeout)
+    accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm)
     out_dir = _claim_output_dir(accelerator, config)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
 
@@ -126,7 +126,7 @@ def run(config: TrainConfig) -> dict:
     if world > 1 and config.local_sgd_steps:
         local_sgd = communication.AveragingLocalSGD(accelerator, model, config.local_sgd_steps, wire)
         local_sgd.__enter__()  # no gradient sync until __exit__ after the loop (a final average)
-    elif world > 1:
+    elif world > 1 and config.strategy == "ddp":
         communication.count_gradient_allreduces(model, wire)
 
     skipped = f", {loaded.skipped_rows} bad rows skipped" if loaded.skipped_rows else ""
