@@ -152,7 +152,7 @@ def machine() -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    models.quiet_transformers(False)
+    models.quiet_libraries(False)
     import transformers
 
     model_path = models.resolve("default")

@@ -96,7 +96,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.batch_size <= 0:
         raise UserError(f"--batch-size must be > 0, got {args.batch_size}", "pass e.g. --batch-size 64")
     texts = read_inputs(args.text, args.input)
-    models.quiet_transformers(args.debug)
+    models.quiet_libraries(args.debug)
     for result in predict(args.model, texts, args.batch_size):
         print(json.dumps(result, ensure_ascii=False))
     return 0
@@ -106,7 +106,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from effitrain import models
     from effitrain.devices import make_accelerator
 
-    models.quiet_transformers(args.debug)
+    models.quiet_libraries(args.debug)
     path = models.resolve(args.model)
     model = models.build_on_meta(path, args.task)
     counts = models.parameter_counts(model)
@@ -152,9 +152,13 @@ COMMANDS = {"train": cmd_train, "predict": cmd_predict, "inspect": cmd_inspect, 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
     # effitrain never downloads: without this, a hub look-up would wait on network time-outs.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    debug = "--debug" in argv
+    if not debug:
+        from effitrain.models import quiet_import_warnings
+
+        quiet_import_warnings()
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)

@@ -122,8 +122,9 @@ def loading(path: Path):
                         "check that the directory is a complete save_pretrained output, or save it again")
 
 
-def quiet_transformers(debug: bool) -> None:
-    """transformers prints a load report and progress bars; keep them for --debug only."""
+def quiet_libraries(debug: bool) -> None:
+    """transformers prints a load report and progress bars, torchao and torch warn at import: keep them
+    for --debug only, so that a user error stays one line on stderr."""
     import datasets
     import transformers
 
@@ -132,6 +133,15 @@ def quiet_transformers(debug: bool) -> None:
         transformers.logging.disable_progress_bar()
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity_error()
+        quiet_import_warnings()
+
+
+def quiet_import_warnings() -> None:
+    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree)."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def load_tokenizer(path: Path):

@@ -76,7 +76,7 @@ def run(config: TrainConfig) -> dict:
 
     wall_start = time.perf_counter()
     task = config.task
-    models.quiet_transformers(config.debug)
+    models.quiet_libraries(config.debug)
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model)
     if config.output_dir is not None:
