@@ -14,6 +14,8 @@ from typing import Any
 from effitrain.errors import UserError
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
 TASKS = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
 
 
@@ -46,6 +48,16 @@ class TrainConfig:
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
     batch_size: int = _opt(16, "micro-batch per device")
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    effective_batch_size: int | None = _opt(None, "examples per optimizer step over all processes: sets "
+                                            "--grad-accum to it / (--batch-size x processes)")
+    gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass instead of keeping "
+                                        "them (less memory, about a third more compute)")
+    precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
+                          "(GPU, with a gradient scaler)", choices=PRECISIONS)
+    optim: str = _opt("adamw", "adamw (fused), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else torchao), "
+                      "sgd (momentum = --beta1)", choices=OPTIMIZERS)
+    beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)")
+    beta2: float = _opt(0.999, "second-moment decay")
     eval_batch_size: int = _opt(128, "batch per device for evaluation")
     lr: float = _opt(1e-4, "peak learning rate of AdamW")
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)")
@@ -179,9 +191,18 @@ def validate(config: TrainConfig) -> None:
         coerce(f.name, getattr(config, f.name), "config")
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
-              "local_sgd_steps")
+              "local_sgd_steps", "effective_batch_size")
     if config.strategy not in STRATEGIES:
         raise UserError(f"unknown strategy `{config.strategy}`", f"pass --strategy {' or '.join(STRATEGIES)}")
+    for name, allowed in (("precision", PRECISIONS), ("optim", OPTIMIZERS)):
+        if getattr(config, name) not in allowed:
+            raise UserError(f"unknown {flag(name)} `{getattr(config, name)}`", f"pass one of {', '.join(allowed)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            raise UserError(f"{flag(name)} must be in [0, 1), got {getattr(config, name)}", f"pass e.g. {flag(name)} 0.9")
+    if config.effective_batch_size is not None and config.grad_accum != 1:
+        raise UserError("--effective-batch-size and --grad-accum both set the accumulation",
+                        "pass only one of them")
     if config.zero_stage not in (1, 2, 3):
         raise UserError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage}", "pass --zero-stage 2")
     if config.local_sgd_steps and config.strategy != "ddp":

@@ -24,7 +24,7 @@ def has_accelerator() -> bool:
 
 
 def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", zero_stage: int = 2,
-                     max_grad_norm: float = 1.0):
+                     max_grad_norm: float = 1.0, mixed_precision: str = "no"):
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
     multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
     `ddp_timeout` bounds how long a collective waits for a dead or stuck peer."""
@@ -34,7 +34,21 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     from accelerate.utils import InitProcessGroupKwargs
 
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else []
-    return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, **strategy_plugins(strategy, zero_stage, max_grad_norm))
+    fresh_accelerator_state()
+    return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
+                       **strategy_plugins(strategy, zero_stage, max_grad_norm))
+
+
+def fresh_accelerator_state() -> None:
+    """accelerate keeps one process-wide state (precision, plugins, accumulation), so a second training
+    run in the same Python process could not change precision. Each run starts from a clean one; the
+    process group and device (PartialState) are kept. This is what accelerate's own tests do."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):  # set by a previous run's plugin
+        os.environ.pop(name, None)
 
 
 def strategy_plugins(strategy: str, zero_stage: int, max_grad_norm: float = 1.0) -> dict:

@@ -75,6 +75,16 @@ def build_model(task: str, source: models.ModelSource, labels: list[str] | None,
     return model
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Non-reentrant checkpointing (works with DDP, accumulation and frozen inputs)."""
+    if not model.supports_gradient_checkpointing:
+        raise UserError(f"{type(model).__name__} does not support gradient checkpointing",
+                        "drop --gradient-checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
+
+
 def preprocess(task: str, splits, processor, config, base_dir):
     from effitrain.data import audio, image, text
 

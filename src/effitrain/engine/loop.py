@@ -20,7 +20,7 @@ from effitrain import models, outputs, tasks
 from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.devices import make_accelerator, peak_memory_bytes
-from effitrain.engine import communication, optim
+from effitrain.engine import communication, optim, precision
 
 
 def step_sizes(num_batches: int, world: int, accum: int) -> list[int]:
@@ -39,6 +39,20 @@ def step_groups(dataloader, sizes: list[int]):
     batches = iter(dataloader)
     for size in sizes:
         yield [next(batches, None) for _ in range(size)]
+
+
+def accumulation(config: TrainConfig, world: int) -> int:
+    """--grad-accum, or what --effective-batch-size asks for given the micro-batch and the processes."""
+    if config.effective_batch_size is None:
+        return config.grad_accum
+    per_pass = config.batch_size * world
+    if config.effective_batch_size % per_pass:
+        from effitrain.errors import UserError
+
+        raise UserError(f"--effective-batch-size {config.effective_batch_size} is not a multiple of --batch-size "
+                        f"{config.batch_size} x {world} process(es)",
+                        f"pass a multiple of {per_pass}, or change --batch-size")
+    return config.effective_batch_size // per_pass
 
 
 def evaluate(accelerator, task: str, model, dataloader, label_names) -> dict[str, float]:
@@ -81,7 +95,10 @@ def run(config: TrainConfig) -> dict:
     source = models.resolve_source(config.model)
     if config.output_dir is not None:
         outputs.check_free(Path(config.output_dir), config.overwrite)
-    accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm)
+    mixed_precision, precision_reason = precision.choose(config.precision)
+    accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
+                                   mixed_precision)
+    grad_accum = accumulation(config, accelerator.num_processes)
     out_dir = _claim_output_dir(accelerator, config)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
 
@@ -93,11 +110,13 @@ def run(config: TrainConfig) -> dict:
     with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
         encoded = tasks.preprocess(task, splits, processor, config, loaded.base_dir)
     model = tasks.build_model(task, source, label_names, processor)
+    if config.gradient_checkpointing:
+        tasks.enable_gradient_checkpointing(model)
     model.train()
 
     world = accelerator.num_processes
     train_collate, eval_collate = tasks.collators(task, processor, config)
-    sampler = text.train_sampler(encoded["train"], config.batch_size * world * config.grad_accum,
+    sampler = text.train_sampler(encoded["train"], config.batch_size * world * grad_accum,
                                  config.group_by_length, config.seed)
     train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=train_collate)
     eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=eval_collate)
@@ -106,10 +125,10 @@ def run(config: TrainConfig) -> dict:
     # must run the same forward/backward passes for DDP's collectives to match.
     stand_in = train_collate([encoded["train"][0]])
 
-    sizes = step_sizes(len(train_dl), world, config.grad_accum)
+    sizes = step_sizes(len(train_dl), world, grad_accum)
     steps_per_epoch = len(sizes)
     total_steps = config.max_steps or config.epochs * steps_per_epoch
-    optimizer = optim.adamw(model, config.lr, config.weight_decay)
+    optimizer = optim.build(config.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2))
     scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
                                       world)
     # Training shards must not recycle examples to even out the processes (accelerate's default):
@@ -133,12 +152,13 @@ def run(config: TrainConfig) -> dict:
     accelerator.print(f"training {config.model} ({task}) on {config.data}: {len(encoded['train'])} train / "
                       f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples{skipped}"
                       + (f", labels {label_names}" if label_names else "")
-                      + f", {total_steps} steps of {config.batch_size} x {config.grad_accum} x {world} process(es) "
-                        f"on {accelerator.device}")
+                      + f", {total_steps} steps of {config.batch_size} x {grad_accum} x {world} process(es) "
+                        f"on {accelerator.device}; {precision_reason}; optimizer {config.optim}"
+                      + (", gradient checkpointing" if config.gradient_checkpointing else ""))
     # disable=None: no bar when stderr is not a terminal (CI logs), and none on other processes.
     bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=1.0,
                disable=None if accelerator.is_local_main_process else True)
-    step, epoch, train_seconds = 0, 0, 0.0
+    step, epoch, train_seconds, last_loss = 0, 0, 0.0, None
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # items, tokens (this process)
     window = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss sum, items since last log
     history: dict[str, dict] = {}
@@ -182,6 +202,7 @@ def run(config: TrainConfig) -> dict:
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "elapsed_seconds": round(train_seconds + time.perf_counter() - tick, 3)}
                 log.write(record)
+                last_loss = record["loss"]
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
                 if accelerator.is_local_main_process:
                     bar.write(f"step {step}/{total_steps} epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
@@ -202,6 +223,9 @@ def run(config: TrainConfig) -> dict:
     log.write({"step": step, "epoch": round(step / steps_per_epoch, 4), "split": "test", **test})
 
     samples, tokens = (accelerator.reduce(totals, "sum") if world > 1 else totals).tolist()
+    # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
+    state_size = optim.state_bytes(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer)
+    trainable = max(1, sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad))
     peak = torch.tensor([peak_memory_bytes(accelerator.device)], device=accelerator.device)
     metrics = {
         "task": task,
@@ -217,6 +241,13 @@ def run(config: TrainConfig) -> dict:
         "device": accelerator.device.type,
         "labels": label_names,
         "skipped_rows": loaded.skipped_rows,
+        "train_loss": last_loss,  # mean over the last logged window
+        "precision": {"no": "fp32"}.get(mixed_precision, mixed_precision),
+        "optimizer": config.optim,
+        "optimizer_state_bytes": state_size,
+        "optimizer_state_bytes_per_param": state_size / trainable,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "grad_accum": grad_accum,
         # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
         "sync_allreduce_calls": wire.calls,
         "sync_allreduce_bytes": wire.bytes,

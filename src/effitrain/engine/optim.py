@@ -1,10 +1,15 @@
-"""AdamW with decoupled weight decay and a linear warm-up then decay schedule."""
+"""Optimizers and the learning-rate schedule. The trade-off between them is how many numbers each
+stores per parameter, at what precision: reported from the optimizer's own state tensors."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from effitrain.errors import UserError
+
+OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -16,13 +21,66 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.999)) -> torch.optim.Optimizer:
     groups = param_groups(model, weight_decay)
     try:
         # One fused kernel for all parameters: measured 7x faster than the per-tensor loop on CPU.
-        return torch.optim.AdamW(groups, lr=lr, fused=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=lr, foreach=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+
+
+def build(name: str, model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.999)):
+    """adamw: 2 fp32 states (8 bytes/param). adafactor: factored second moment, no first moment (well
+    under 1 byte/param for matrices). 8-bit Adam(W): 2 states quantised to 8 bits (about 2 bytes/param),
+    bitsandbytes, else torchao. sgd: momentum only (4 bytes/param)."""
+    if name == "adamw":
+        return adamw(model, lr, weight_decay, betas)
+    groups = param_groups(model, weight_decay)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # A fixed lr (the schedule drives it), not Adafactor's own relative step size.
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False,
+                         beta1=None)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=betas[0])
+    return _eight_bit(name, groups, lr, betas)
+
+
+def _eight_bit(name: str, groups, lr: float, betas):
+    cls = {"adamw-8bit": "AdamW8bit", "adam-8bit": "Adam8bit"}[name]
+    try:
+        import bitsandbytes.optim as bnb
+
+        return getattr(bnb, cls)(groups, lr=lr, betas=betas)
+    except ImportError:
+        pass
+    try:
+        import torchao.optim as tao
+
+        return getattr(tao, cls)(groups, lr=lr, betas=betas)
+    except ImportError:
+        raise UserError(f"--optim {name} needs bitsandbytes or torchao, and neither is installed",
+                        "pip install bitsandbytes (or torchao)")
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes really stored: tensor subclasses (torchao's 8-bit states) hold inner tensors."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(tensor, n)) for n in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Every tensor in the optimizer's state (moments, quantisation scales, step counters)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += _tensor_bytes(value)
+    return total
 
 
 def warmup_steps(total_steps: int, warmup_ratio: float) -> int:

@@ -1,0 +1,515 @@
+"""effitrain.train against the Hugging Face transformers.Trainer, same model, data and hyper-parameters.
+
+Both fine-tune the default model (all-MiniLM-L6-v2) on effitrain's sms-spam training split for the
+same number of optimizer steps, micro-batch size, seed, lr 1e-4, weight decay 0.01, warm-up ratio 0.1
+(linear warm-up then linear decay), max grad norm 1.0, max_length 128, fp32, no gradient accumulation.
+The Trainer gets what a user gets from its documentation: the tokenizer with truncation,
+DataCollatorWithPadding, TrainingArguments defaults for everything not listed here (so no length
+grouping). effitrain gets its own defaults (length grouping, padding to a multiple of 8, ...). The
+notes printed at the end list where the two differ.
+
+Each run is a fresh subprocess of this script (`--only trainer` / `--only effitrain`), one after the
+other, so that each one's peak memory is its own; the parent prints the comparison.
+
+    .venv/bin/python benchmarks/vs_trainer.py [--steps 60] [--batch-size 16] [--seed 42] [--json PATH]
+
+What is timed: the Trainer's `trainer.train()` wall clock (and its own `train_runtime` /
+`train_samples_per_second`); effitrain's `train_seconds` / `train_samples_per_second` (the training
+loop only: not the data loading, tokenization, evaluation or saving that effitrain.train also does).
+Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training. For effitrain
+that moment is taken by wrapping `effitrain.engine.loop.evaluate` (first called right after the
+loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
+The wrappers only observe: they return what the wrapped functions return.
+
+Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MAX_LENGTH = 128
+LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
+DATA = "sms-spam"
+VALIDATION_SPLIT = TEST_SPLIT = 0.1
+RUNS = ("trainer", "effitrain")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each run (default 60)")
+    parser.add_argument("--batch-size", type=int, default=16, help="micro-batch per device (default 16)")
+    parser.add_argument("--seed", type=int, default=42, help="split, head initialisation, data order (default 42)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--only", choices=RUNS, default=None,
+                        help="run only this side, in this process (what the parent starts each subprocess with)")
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where --only writes
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.steps < 1:
+        parser.error("--batch-size and --steps must be at least 1")
+    return args
+
+
+def rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def cpu_snapshot() -> tuple[float, float | None, float]:
+    """(wall clock, CPU seconds all processes have used so far (/proc/stat), CPU seconds of this process)."""
+    busy = None
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+
+
+def cpu_share(start, end) -> dict:
+    """CPU use between two snapshots: this process's, and everyone else's (cores busy on average)."""
+    seconds = end[0] - start[0]
+    own = end[2] - start[2]
+    other = None if start[1] is None or end[1] is None else max(end[1] - start[1] - own, 0.0)
+    return {"seconds": seconds, "own_cpu_seconds": own, "own_cores": own / seconds,
+            "other_cpu_seconds": other, "other_cores": None if other is None else other / seconds}
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name(0)}"
+    return text
+
+
+class CountingCollator:
+    """Wraps a collator; records examples, real (attention_mask) and padded tokens of each batch."""
+
+    def __init__(self, inner, first_batch_size: int = 0):
+        self.inner = inner
+        self.batches: list[tuple[int, int, int]] = []
+        self.first_batch_size = first_batch_size
+        self.first_snapshot = None  # cpu_snapshot() when the first batch of that size is collated
+
+    def __call__(self, features):
+        if self.first_snapshot is None and len(features) == self.first_batch_size:
+            self.first_snapshot = cpu_snapshot()
+        batch = self.inner(features)
+        mask = batch["attention_mask"]
+        self.batches.append((int(mask.shape[0]), int(mask.sum()), int(mask.numel())))
+        return batch
+
+
+def token_summary(batches: list[tuple[int, int, int]], steps: int) -> dict | None:
+    """Real and padded tokens of the first `steps` batches (the dataloader fetches one batch ahead, so
+    more may have been collated than trained on)."""
+    trained = batches[:steps]
+    if len(trained) < steps:
+        return None
+    samples = sum(b[0] for b in trained)
+    real = sum(b[1] for b in trained)
+    padded = sum(b[2] for b in trained)
+    return {"samples": samples, "real_tokens": real, "padded_tokens": padded,
+            "padding_waste": 1 - real / padded, "mean_padded_length": padded / samples,
+            "mean_real_length": real / samples}
+
+
+def cuda_peak() -> int | None:
+    import torch
+
+    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+
+
+def effitrain_split(seed: int):
+    """effitrain train's split of the built-in data: stratified, test then validation held out, by seed."""
+    from effitrain.config import TrainConfig
+    from effitrain.data import sources
+
+    config = TrainConfig(data=DATA, validation_split=VALIDATION_SPLIT, test_split=TEST_SPLIT, seed=seed)
+    return sources.load(config).splits
+
+
+# --- the Trainer side ------------------------------------------------------------------------------
+
+
+def run_trainer(args) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              TrainingArguments, set_seed)
+
+    from effitrain import devices, models
+
+    models.quiet_libraries(False)  # no load reports / progress bars from datasets and transformers
+    model_path = models.resolve("default")
+    # Same order as effitrain's loop: seed, tokenizer, data, tokenization, then the model (and its new head).
+    set_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    splits = effitrain_split(args.seed)
+    labels = splits["train"].features["label"].names
+
+    def encode(batch):
+        return tokenizer(batch["text"], truncation=True, max_length=MAX_LENGTH)
+
+    train = splits["train"].map(encode, batched=True)  # `text` stays: the Trainer drops unused columns
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(model_path), num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)}, local_files_only=True)
+    dtype = str(next(model.parameters()).dtype)
+    head_checksum = float(model.classifier.weight.detach().double().sum()) if hasattr(model, "classifier") else None
+    collator = CountingCollator(DataCollatorWithPadding(tokenizer))
+
+    out_dir = tempfile.mkdtemp(prefix="vs_trainer_hf_")
+    training_args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        warmup_steps=WARMUP_RATIO,  # transformers 5: a float < 1 is a ratio of the steps (warmup_ratio is gone)
+        max_grad_norm=MAX_GRAD_NORM,
+        seed=args.seed,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=10**9,
+        use_cpu=not devices.has_accelerator(),
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
+    rss_before = rss_peak_bytes()
+    cpu_start = cpu_snapshot()
+    output = trainer.train()
+    cpu_end = cpu_snapshot()
+    seconds = cpu_end[0] - cpu_start[0]
+    rss_after = rss_peak_bytes()
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    tokens = token_summary(collator.batches, args.steps)
+    samples = args.steps * args.batch_size
+    return {
+        "side": "trainer",
+        "steps": output.global_step,
+        "seconds": seconds,
+        "seconds_measured_by": "time.perf_counter around trainer.train()",
+        "samples_per_second": samples / seconds,
+        "own_samples_per_second": output.metrics.get("train_samples_per_second"),
+        "own_runtime_seconds": output.metrics.get("train_runtime"),
+        "tokens_per_second": tokens["real_tokens"] / seconds if tokens else None,
+        "peak_rss_bytes_end_of_training": rss_after,
+        "peak_rss_bytes_before_training": rss_before,
+        "peak_rss_bytes_end_of_process": rss_peak_bytes(),
+        "cuda_peak_allocated_bytes": cuda_peak(),
+        "cpu": cpu_share(cpu_start, cpu_end),
+        "train_loss_mean": output.training_loss,
+        "tokens": tokens,
+        "dtype": dtype,
+        "head_checksum": head_checksum,
+        "settings": {
+            "optim": str(getattr(training_args.optim, "value", training_args.optim)),
+            "optimizer_class": type(inner).__name__,
+            "fused": inner.defaults.get("fused"),
+            "foreach": inner.defaults.get("foreach"),
+            "decayed_tensors": sum(len(g["params"]) for g in inner.param_groups if g["weight_decay"] > 0),
+            "undecayed_tensors": sum(len(g["params"]) for g in inner.param_groups if g["weight_decay"] == 0),
+            "lr_scheduler_type": str(getattr(training_args.lr_scheduler_type, "value",
+                                             training_args.lr_scheduler_type)),
+            "warmup_steps": training_args.get_warmup_steps(args.steps),
+            "train_sampling_strategy": getattr(training_args, "train_sampling_strategy", None),
+            "group_by_length": getattr(training_args, "group_by_length", None),
+            "pad_to_multiple_of": collator.inner.pad_to_multiple_of,
+            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "bf16": training_args.bf16, "fp16": training_args.fp16,
+            "torch_compile": training_args.torch_compile,
+            "dataloader_pin_memory": training_args.dataloader_pin_memory,
+        },
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": machine(),
+    }
+
+
+# --- the effitrain side ----------------------------------------------------------------------------
+
+
+def run_effitrain(args) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    import effitrain
+    from effitrain import tasks
+    from effitrain.engine import loop, optim
+
+    observed: dict = {}
+    counters: list[CountingCollator] = []
+
+    # Instrumentation only: each wrapper returns exactly what the wrapped function returns.
+    if hasattr(loop, "evaluate"):
+        evaluate = loop.evaluate
+
+        def evaluate_after_training(*a, **k):
+            observed.setdefault("rss_end_of_training", rss_peak_bytes())  # the first call follows the loop
+            observed.setdefault("cpu_end_of_training", cpu_snapshot())
+            return evaluate(*a, **k)
+
+        loop.evaluate = evaluate_after_training
+    if hasattr(tasks, "collators"):
+        collators = tasks.collators
+
+        def counting_collators(*a, **k):
+            train_collate, eval_collate = collators(*a, **k)
+            counters.append(CountingCollator(train_collate, args.batch_size))
+            return counters[-1], eval_collate
+
+        tasks.collators = counting_collators
+    if hasattr(tasks, "build_model"):
+        build_model = tasks.build_model
+
+        def recording_build_model(*a, **k):
+            model = build_model(*a, **k)
+            observed["dtype"] = str(next(model.parameters()).dtype)
+            if hasattr(model, "classifier"):
+                observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
+            return model
+
+        tasks.build_model = recording_build_model
+
+    out_dir = Path(tempfile.mkdtemp(prefix="vs_trainer_effitrain_")) / "run"
+    config = {
+        "output_dir": str(out_dir), "data": DATA, "max_steps": args.steps, "batch_size": args.batch_size,
+        "grad_accum": 1, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
+        "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed, "max_length": MAX_LENGTH,
+        "validation_split": VALIDATION_SPLIT, "test_split": TEST_SPLIT, "log_every": args.steps,
+    }
+    try:
+        start = time.perf_counter()
+        metrics = effitrain.train(config)
+        call_seconds = time.perf_counter() - start
+        loss = None
+        log_path = out_dir / "log.jsonl"
+        if log_path.is_file():
+            for line in log_path.read_text().splitlines():
+                record = json.loads(line)
+                if "split" not in record and record.get("step") == metrics["steps"]:
+                    loss = record["loss"]  # log_every = steps: the mean over every example of the run
+    finally:
+        shutil.rmtree(out_dir.parent, ignore_errors=True)  # the saved model is not needed
+    tokens = None
+    if counters:
+        # The loop collates one 1-example stand-in batch before training; leave it out.
+        batches = [b for b in counters[-1].batches if not (b[0] == 1 and args.batch_size > 1)]
+        tokens = token_summary(batches, args.steps)
+    from effitrain.config import TrainConfig
+
+    defaults = TrainConfig()
+    try:  # what effitrain's AdamW factory builds (its signature may grow)
+        probe = optim.adamw(torch.nn.Linear(2, 2), LR, WEIGHT_DECAY)
+    except Exception:  # noqa: BLE001
+        probe = None
+    seconds = metrics["train_seconds"]
+    samples = args.steps * args.batch_size
+    return {
+        "side": "effitrain",
+        "steps": metrics["steps"],
+        "seconds": seconds,
+        "seconds_measured_by": "effitrain's train_seconds (the training loop)",
+        "samples_per_second": samples / seconds,
+        "own_samples_per_second": metrics["train_samples_per_second"],
+        "own_runtime_seconds": seconds,
+        "tokens_per_second": metrics.get("train_tokens_per_second"),
+        "peak_rss_bytes_end_of_training": observed.get("rss_end_of_training"),
+        "peak_rss_bytes_end_of_process": rss_peak_bytes(),
+        "peak_memory_bytes": metrics.get("peak_memory_bytes"),
+        "cuda_peak_allocated_bytes": cuda_peak(),
+        # from the first training batch to the end of the loop: close to train_seconds
+        "cpu": (cpu_share(counters[-1].first_snapshot, observed["cpu_end_of_training"])
+                if counters and counters[-1].first_snapshot and "cpu_end_of_training" in observed else None),
+        "train_loss_mean": loss,
+        "test": metrics.get("test"),
+        "validation": metrics.get("validation"),
+        "wall_seconds": metrics.get("wall_seconds"),
+        "call_seconds": call_seconds,
+        "tokens": tokens,
+        "dtype": observed.get("dtype"),
+        "head_checksum": observed.get("head_checksum"),
+        "settings": {
+            "optimizer_class": type(probe).__name__ if probe is not None else None,
+            "fused": probe.defaults.get("fused") if probe is not None else None,
+            "foreach": probe.defaults.get("foreach") if probe is not None else None,
+            "group_by_length": defaults.group_by_length,
+            "pad_to_multiple_of": getattr(counters[-1].inner, "pad_to_multiple_of", None) if counters else None,
+            "warmup_steps": optim.warmup_steps(args.steps, WARMUP_RATIO),
+            "eval_batch_size": defaults.eval_batch_size,
+        },
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "effitrain": effitrain.__version__},
+        "machine": machine(),
+    }
+
+
+# --- the parent ------------------------------------------------------------------------------------
+
+
+def run_child(side: str, args, tmp: Path) -> dict:
+    result = tmp / f"{side}.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--result", str(result),
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed)]
+    print(f"running {side} ({args.steps} steps) in a fresh process ...", flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not result.is_file():
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise SystemExit(f"the {side} run failed (exit code {done.returncode})")
+    return json.loads(result.read_text())
+
+
+def mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f} MiB"
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def notes(trainer: dict, ours: dict) -> list[str]:
+    t, e = trainer["settings"], ours["settings"]
+    lines = []
+    sampling = t.get("train_sampling_strategy") or ("group_by_length" if t.get("group_by_length") else "random")
+    lines.append(f"batch order: Trainer {sampling} (its default), effitrain "
+                 f"{'length-grouped (LengthGroupedSampler, its default)' if e['group_by_length'] else 'random'}")
+    lines.append(f"padding: both pad to the longest example of the batch; multiple of "
+                 f"{t['pad_to_multiple_of'] or 1} (Trainer, DataCollatorWithPadding default) vs "
+                 f"{e['pad_to_multiple_of'] or 1} (effitrain)")
+    for side, run in (("Trainer", trainer), ("effitrain", ours)):
+        if run["tokens"]:
+            k = run["tokens"]
+            lines.append(f"  {side}: {k['mean_padded_length']:.1f} padded / {k['mean_real_length']:.1f} real tokens "
+                         f"per sample over the {run['steps']} steps, padding waste {k['padding_waste']:.1%}")
+    same = t["fused"] == e["fused"]
+    lines.append(f"optimizer: Trainer optim={t['optim']} ({t['optimizer_class']}, fused={t['fused']}), "
+                 f"effitrain {e['optimizer_class']} fused={e['fused']}"
+                 + (" -- the same kernel" if same else " -- different kernels"))
+    lines.append(f"weight decay: Trainer decays {t['decayed_tensors']} tensors and exempts "
+                 f"{t['undecayed_tensors']} (biases, LayerNorm); effitrain exempts every 1-d tensor (the same set "
+                 f"on this BERT)")
+    lines.append(f"schedule: linear, warm-up {t['warmup_steps']} steps (Trainer) / {e['warmup_steps']} (effitrain); "
+                 f"accumulation {t['gradient_accumulation_steps']} in both, so the Trainer's loss scaling with "
+                 f"gradient accumulation plays no part; dtype {trainer['dtype']} / {ours['dtype']}")
+    if trainer.get("head_checksum") is not None and ours.get("head_checksum") is not None:
+        same_head = trainer["head_checksum"] == ours["head_checksum"]
+        lines.append("initial classifier head: " + ("identical in both runs" if same_head
+                                                      else "differs between the runs"))
+    lines.append(f"timed: Trainer = trainer.train() wall clock ({trainer['seconds']:.1f} s; its own train_runtime "
+                 f"{fmt(trainer['own_runtime_seconds'], '.1f')} s starts after its dataloader, optimizer and "
+                 f"accelerate setup); effitrain = its train_seconds, the loop only "
+                 f"(effitrain.train took {ours['call_seconds']:.1f} s in all: data, tokenization, model load, "
+                 f"validation + test at batch {e['eval_batch_size']}, saving)")
+    share = [(run.get("cpu") or {}) for run in (trainer, ours)]
+    lines.append(f"CPU during training ({os.cpu_count()} cores): the run itself kept "
+                 f"{fmt(share[0].get('own_cores'), '.2f')} (Trainer) / {fmt(share[1].get('own_cores'), '.2f')} "
+                 f"(effitrain) cores busy, other processes {fmt(share[0].get('other_cores'), '.2f')} / "
+                 f"{fmt(share[1].get('other_cores'), '.2f')} cores; above ~0.1 the speeds are not clean")
+    lines.append("peak RSS: ru_maxrss of each subprocess at the end of training (imports, data, model, optimizer "
+                 f"state, training); effitrain's own peak_memory_bytes ({mib(ours['peak_memory_bytes'])}) is taken "
+                 "after its evaluation")
+    return lines
+
+
+def compare(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:
+        results = {side: run_child(side, args, Path(tmp)) for side in RUNS}
+    trainer, ours = results["trainer"], results["effitrain"]
+    print(f"\nall-MiniLM-L6-v2 on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
+          f"lr {LR}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
+          f"max_length {MAX_LENGTH}, fp32; {trainer['machine']}; torch {trainer['versions']['torch']}, "
+          f"transformers {trainer['versions']['transformers']}, effitrain {ours['versions']['effitrain']}")
+
+    ratios = {
+        "samples_per_second": ours["samples_per_second"] / trainer["samples_per_second"],
+        "own_samples_per_second": (ours["own_samples_per_second"] / trainer["own_samples_per_second"]
+                                   if trainer["own_samples_per_second"] else None),
+        "peak_rss_end_of_training": (ours["peak_rss_bytes_end_of_training"]
+                                     / trainer["peak_rss_bytes_end_of_training"]
+                                     if ours["peak_rss_bytes_end_of_training"] else None),
+    }
+    header = ("", "seconds", "samples/s", "own samples/s", "tokens/s", "peak RSS", "mean train loss", "test acc")
+    rows = []
+    for name, run in (("transformers.Trainer", trainer), ("effitrain.train", ours)):
+        rows.append((name, f"{run['seconds']:.1f}", f"{run['samples_per_second']:.1f}",
+                     fmt(run["own_samples_per_second"], ".1f"), fmt(run["tokens_per_second"], ".0f"),
+                     mib(run["peak_rss_bytes_end_of_training"]), fmt(run["train_loss_mean"], ".4f"),
+                     fmt((run.get("test") or {}).get("accuracy"), ".4f")))
+    rows.append(("effitrain / Trainer", f"{ours['seconds'] / trainer['seconds']:.2f}x",
+                 f"{ratios['samples_per_second']:.2f}x", fmt(ratios["own_samples_per_second"], ".2f") + "x",
+                 (f"{ours['tokens_per_second'] / trainer['tokens_per_second']:.2f}x"
+                  if ours["tokens_per_second"] and trainer["tokens_per_second"] else "-"),
+                 fmt(ratios["peak_rss_end_of_training"], ".2f") + "x", "", ""))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    print()
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print("samples/s: steps x batch / seconds (like for like); own samples/s: Trainer's train_samples_per_second, "
+          "effitrain's train_samples_per_second; tokens/s: real (non-pad) tokens; peak RSS: at the end of training; "
+          "mean train loss: over all steps (neither logs per step here); test acc: effitrain only (the Trainer "
+          "run does not evaluate)")
+    print("\nnotes:")
+    for line in notes(trainer, ours):
+        print(("  " if line.startswith("  ") else "- ") + line.strip())
+
+    if args.json is not None:
+        report = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": trainer["machine"],
+            "model": "all-MiniLM-L6-v2 (effitrain default)",
+            "data": f"{DATA} train split (validation {VALIDATION_SPLIT}, test {TEST_SPLIT})",
+            "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "lr": LR,
+            "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO, "max_grad_norm": MAX_GRAD_NORM,
+            "max_length": MAX_LENGTH,
+            "ratios_effitrain_over_trainer": ratios,
+            "runs": results,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nfigures written to {args.json}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.only is None:
+        compare(args)
+        return
+    result = run_trainer(args) if args.only == "trainer" else run_effitrain(args)
+    text = json.dumps(result, indent=2) + "\n"
+    if args.result is not None:
+        args.result.write_text(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    if args.result is None and args.json is None:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,418 @@
+"""`effitrain bench`: the same short training job under several efficiency settings, side by side.
+
+Each variant is one `effitrain train` run of `--steps` optimizer steps in a fresh process (so one
+variant's memory peak, allocator state or thread settings cannot leak into the next), written to
+`<output-dir>/<variant>/`. The bench then reads each run's metrics.json and prints a table of
+samples/s, tokens/s, peak memory, optimizer state bytes per parameter and the training loss, each
+also as a ratio to the baseline, and writes `bench.json` and `bench.png` next to the runs.
+
+Every variant is the baseline (`--precision fp32 --optim adamw`, micro-batch `--batch-size`) with
+one change, so a ratio measures that change alone:
+
+    baseline                 --precision fp32 --optim adamw
+    grad-accum               micro-batch halved, --grad-accum 2 (the same effective batch)
+    gradient-checkpointing   --gradient-checkpointing
+    bf16                     --precision bf16
+    adafactor                --optim adafactor
+    adamw-8bit               --optim adamw-8bit
+    recommended              --precision auto --optim adamw, plus --gradient-checkpointing when the
+                             baseline needed more than 80% of the machine's memory (see `needs_checkpointing`)
+
+Variants run in this order whatever the order of `--variants`: recommended needs the baseline's
+measurement, so it runs after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from effitrain.errors import UserError
+
+BASELINE = "baseline"
+BASE_SETTINGS = {"precision": "fp32", "optim": "adamw"}
+VARIANTS = ("baseline", "grad-accum", "gradient-checkpointing", "bf16", "adafactor", "adamw-8bit", "recommended")
+# recommended turns gradient checkpointing on when the baseline's peak memory is above this share.
+CHECKPOINTING_THRESHOLD = 0.8
+# Flags the bench sets on every run itself, and the bench flag to use instead. From --extra they would
+# break its layout (--output-dir), its measure (--log-every sets what train_loss averages), or make
+# the variants alike (a --batch-size there would undo grad-accum's halving, --optim every optimizer).
+RESERVED_FLAGS = {
+    "--output-dir": "--output-dir", "--max-steps": "--steps", "--epochs": "--steps", "--log-every": "--steps",
+    "--model": "--model", "--task": "--task", "--data": "--data", "--max-length": "--max-length",
+    "--seed": "--seed", "--batch-size": "--batch-size", "--grad-accum": "--variants",
+    "--effective-batch-size": "--batch-size", "--precision": "--variants", "--optim": "--variants",
+    "--gradient-checkpointing": "--variants", "--debug": "--debug",
+}
+
+# (metrics.json key, table column, cell format). Any of them may be missing or null (image and audio
+# runs have no tokens/s; older runs lack the optimizer and loss keys): the table shows "-".
+MEASURES = (
+    ("train_samples_per_second", "samples/s", lambda v: f"{v:.1f}"),
+    ("train_tokens_per_second", "tokens/s", lambda v: f"{v:.0f}"),
+    ("peak_memory_bytes", "peak MiB", lambda v: f"{v / 2**20:.0f}"),
+    ("optimizer_state_bytes_per_param", "optim B/param", lambda v: f"{v:.2f}"),
+    ("train_loss", "loss", lambda v: f"{v:.4f}"),
+)
+CHART_MEASURES = ("train_samples_per_second", "peak_memory_bytes", "optimizer_state_bytes_per_param", "train_loss")
+# What bench.json keeps of each run's metrics.json.
+KEPT_METRICS = tuple(key for key, _, _ in MEASURES) + (
+    "optimizer_state_bytes", "train_seconds", "steps", "precision", "device")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="as for `effitrain train` (default: default)")
+    parser.add_argument("--task", default="sequence-classification", help="as for `effitrain train`")
+    parser.add_argument("--data", default="sms-spam", help="as for `effitrain train` (default: sms-spam)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per variant (default: 20)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="micro-batch per device of the baseline; grad-accum halves it (default: 16)")
+    parser.add_argument("--max-length", type=int, default=128, help="truncate inputs to this many tokens")
+    parser.add_argument("--seed", type=int, default=42, help="the same seed for every variant (default: 42)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where the runs, bench.json and bench.png go (default: bench/<timestamp>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--extra", default="",
+                        help='more `effitrain train` flags for every variant, one quoted string, e.g. '
+                             '--extra="--max-train-samples 500"')
+    parser.add_argument("--debug", action="store_true",
+                        help="pass --debug to the runs and show all their output")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the matrix, print the table, write bench.json and bench.png. 0 when every variant ran, else 1."""
+    from effitrain import outputs
+
+    check_args(args)
+    extra = parse_extra(args.extra)
+    explicit = args.variants is not None
+    names = select_variants(args.variants)
+    for name in names:  # a setting that cannot work fails now, not after the other variants ran
+        variant_settings(name, args.batch_size)
+    skipped = {} if explicit else default_skips(names)
+    bench_dir = Path(args.output_dir) if args.output_dir else default_dir()
+    outputs.check_free(bench_dir, args.overwrite)
+    outputs.prepare(bench_dir, args.overwrite)
+
+    results = run_matrix(args, names, skipped, extra, bench_dir)
+    add_ratios(results)
+    print()
+    print(format_table(results))
+    outputs.write_json(bench_dir / "bench.json", report(args, extra, results))
+    chart = write_chart(bench_dir / "bench.png", results)
+    print(f"\nwrote {bench_dir / 'bench.json'}" + (f" and {chart}" if chart else ""))
+    return 0 if all(r["status"] != "failed" for r in results) else 1
+
+
+# --- choosing and building the matrix -----------------------------------------------------------
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "max_length"):
+        value = getattr(args, name)
+        if value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} must be > 0, got {value}", f"pass a positive value to {flag}")
+
+
+def parse_extra(extra: str | None) -> list[str]:
+    try:
+        flags = shlex.split(extra or "")
+    except ValueError as err:
+        raise UserError(f"--extra {extra!r} cannot be split into flags: {err}", "close the quotes in --extra")
+    for flag in flags:
+        name = flag.split("=", 1)[0]
+        if name in RESERVED_FLAGS:
+            raise UserError(f"--extra sets {name}, which the bench sets on every run itself",
+                            f"use `effitrain bench {RESERVED_FLAGS[name]}` instead")
+    return flags
+
+
+def select_variants(spec: str | None) -> list[str]:
+    """The named variants in the matrix order (baseline first, recommended last); None means all."""
+    if spec is None:
+        return list(VARIANTS)
+    wanted = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in VARIANTS]
+    if unknown or not wanted:
+        what = f"unknown variant(s) {', '.join(unknown)}" if unknown else "--variants names no variant"
+        raise UserError(what, f"pass a comma-separated subset of: {', '.join(VARIANTS)}")
+    return [name for name in VARIANTS if name in wanted]
+
+
+def default_skips(names: list[str]) -> dict[str, str]:
+    """Variants left out of the default matrix because they would run for ages here. Only bf16 on a CPU
+    without bf16 units: emulated bf16 is 80-350x slower than fp32 (devices.cpu_has_fast_bf16). Naming it
+    in --variants runs it anyway."""
+    from effitrain import devices
+
+    if "bf16" in names and not devices.has_accelerator() and not devices.cpu_has_fast_bf16():
+        return {"bf16": "this CPU emulates bf16 (no AVX-512 BF16 or AMX), many times slower; "
+                        "--variants bf16 runs it anyway"}
+    return {}
+
+
+def variant_settings(name: str, batch_size: int, checkpointing: bool = False) -> dict[str, Any]:
+    """`effitrain train` settings of a variant: the baseline's, with that variant's one change.
+    `checkpointing` is the recommended variant's decision, taken from the baseline run."""
+    if name == "grad-accum" and (batch_size < 2 or batch_size % 2):
+        raise UserError(f"the grad-accum variant halves the micro-batch, and --batch-size {batch_size} is odd "
+                        "or 1, so the effective batch would differ from the baseline's",
+                        "pass an even --batch-size, or leave grad-accum out of --variants")
+    change = {
+        "baseline": {},
+        "grad-accum": {"batch_size": batch_size // 2, "grad_accum": 2},
+        "gradient-checkpointing": {"gradient_checkpointing": True},
+        "bf16": {"precision": "bf16"},
+        "adafactor": {"optim": "adafactor"},
+        "adamw-8bit": {"optim": "adamw-8bit"},
+        "recommended": {"precision": "auto", "optim": "adamw", "gradient_checkpointing": checkpointing},
+    }[name]
+    return {"batch_size": batch_size, **BASE_SETTINGS, **change}
+
+
+def settings_flags(settings: dict[str, Any]) -> list[str]:
+    """True is a bare switch, False leaves it out (the train default is off)."""
+    flags: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def train_command(args: argparse.Namespace, settings: dict[str, Any], run_dir: Path, extra: list[str]) -> list[str]:
+    """The child's argv. Logging once, at the last step, makes train_loss the mean over all the steps."""
+    command = [sys.executable, "-m", "effitrain", "train", "--model", str(args.model), "--task", args.task,
+               "--data", str(args.data), "--max-length", str(args.max_length), "--seed", str(args.seed)]
+    command += settings_flags(settings)
+    command += ["--max-steps", str(args.steps), "--log-every", str(args.steps), "--output-dir", str(run_dir)]
+    command += ["--debug"] if args.debug else []
+    return command + extra
+
+
+def needs_checkpointing(baseline: dict | None, memory_bytes: int | None) -> tuple[bool, str]:
+    """The recommended variant's rule: gradient checkpointing (trading about a third more compute for
+    activation memory) only when the baseline's peak memory was above 80% of the machine's memory,
+    i.e. when memory, not speed, is what limits this job. Without a baseline measurement (not run,
+    failed, or no peak reported) or a known memory size it stays off."""
+    peak = (baseline or {}).get("peak_memory_bytes")
+    if not peak or not memory_bytes:
+        return False, "gradient checkpointing off: no baseline peak memory to decide from"
+    share = peak / memory_bytes
+    on = share > CHECKPOINTING_THRESHOLD
+    return on, (f"gradient checkpointing {'on' if on else 'off'}: baseline peak {peak / 2**30:.2f} GiB is "
+                f"{share:.0%} of {memory_bytes / 2**30:.1f} GiB ({'>' if on else '<='} "
+                f"{CHECKPOINTING_THRESHOLD:.0%})")
+
+
+def machine_memory_bytes(device_type: str | None) -> int | None:
+    """What the baseline's peak is measured against: the GPU's memory when it trained on CUDA (its peak
+    is torch.cuda's peak allocation), else the RAM (its peak is the process's resident set)."""
+    from effitrain import devices
+
+    if device_type == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    return devices.total_memory_bytes()
+
+
+def default_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = Path("bench") / stamp, 1
+    while path.exists():  # two benches started in the same second
+        n += 1
+        path = Path("bench") / f"{stamp}-{n}"
+    return path
+
+
+# --- running ------------------------------------------------------------------------------------
+
+def run_matrix(args: argparse.Namespace, names: list[str], skipped: dict[str, str], extra: list[str],
+               bench_dir: Path) -> list[dict]:
+    results: list[dict] = []
+    todo = [name for name in names if name not in skipped]
+    for index, name in enumerate(todo, 1):
+        note = None
+        checkpointing = False
+        if name == "recommended":
+            baseline = next((r["metrics"] for r in results if r["name"] == BASELINE and r["status"] == "ok"), None)
+            device = (baseline or {}).get("device")
+            checkpointing, note = needs_checkpointing(baseline, machine_memory_bytes(device) if baseline else None)
+        settings = variant_settings(name, args.batch_size, checkpointing)
+        command = train_command(args, settings, bench_dir / name, extra)
+        print(f"[{index}/{len(todo)}] {name}: {display(command)}", flush=True)
+        result = run_variant(name, command, bench_dir / f"{name}.log", stream=args.debug)
+        result.update(settings=settings, note=note)
+        print(f"[{index}/{len(todo)}] {name}: {outcome_line(result)}", flush=True)
+        results.append(result)
+    for name, reason in skipped.items():
+        results.append({"name": name, "status": "skipped", "error": reason, "metrics": {}, "note": None})
+    # Keep the matrix order in the table, skipped ones included.
+    return sorted(results, key=lambda r: VARIANTS.index(r["name"]))
+
+
+def display(command: list[str]) -> str:
+    """The command as a user would type it: `effitrain ...` instead of `<python> -m effitrain ...`."""
+    return "effitrain " + shlex.join(command[3:])
+
+
+def run_variant(name: str, command: list[str], log_path: Path, stream: bool = False) -> dict:
+    """Run one child to the end; its output goes to `log_path` (or straight through with `stream`). A
+    failure is recorded, with the child's last stderr line, rather than raised: the other variants
+    still run."""
+    start = time.perf_counter()
+    if stream:
+        proc = subprocess.run(command)
+        stdout, stderr = "", ""
+    else:
+        proc = subprocess.run(command, capture_output=True, text=True)
+        stdout, stderr = proc.stdout, proc.stderr
+        log_path.write_text(f"$ {display(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    seconds = time.perf_counter() - start
+    result = {"name": name, "command": command, "returncode": proc.returncode, "seconds": round(seconds, 3),
+              "status": "ok", "error": None, "metrics": {}}
+    if proc.returncode != 0:
+        where = "its output above" if stream else log_path
+        result.update(status="failed", error=last_line(stderr) or f"exit code {proc.returncode}, see {where}")
+        return result
+    run_dir = Path(command[command.index("--output-dir") + 1])
+    try:
+        result["metrics"] = read_metrics(run_dir / "metrics.json")
+    except (OSError, ValueError) as err:
+        result.update(status="failed", error=f"cannot read {run_dir / 'metrics.json'}: {err}")
+    return result
+
+
+def last_line(text: str) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def read_metrics(path: Path) -> dict[str, Any]:
+    """The measures of one run; keys a run does not write (yet) are None."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return {key: data.get(key) for key in KEPT_METRICS}
+
+
+def outcome_line(result: dict) -> str:
+    if result["status"] != "ok":
+        return f"FAILED (exit {result['returncode']}) after {result['seconds']:.1f} s: {result['error']}"
+    speed = result["metrics"].get("train_samples_per_second")
+    return f"done in {result['seconds']:.1f} s, " + (f"{speed:.1f} samples/s" if speed is not None else "- samples/s")
+
+
+# --- ratios, table, JSON, chart -----------------------------------------------------------------
+
+def ratio(value: Any, base: Any) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    return value / base
+
+
+def add_ratios(results: list[dict]) -> None:
+    """Each ok result gets `ratios`: its measure / the baseline's; None where either is missing."""
+    baseline = next((r["metrics"] for r in results if r["name"] == BASELINE and r["status"] == "ok"), None)
+    for result in results:
+        ok = result["status"] == "ok" and baseline is not None
+        result["ratios"] = {key: ratio(result["metrics"].get(key), baseline.get(key)) if ok else None
+                            for key, _, _ in MEASURES}
+
+
+def cell(value: Any, rel: float | None, fmt) -> str:
+    if value is None:
+        return "-"
+    return fmt(value) + (f" ({rel:.2f}x)" if rel is not None else "")
+
+
+def table_rows(results: list[dict]) -> list[list[str]]:
+    header = ["variant", "status"] + [title for _, title, _ in MEASURES] + ["seconds"]
+    rows = [header]
+    for r in results:
+        ratios = r.get("ratios") or {}
+        cells = [cell(r["metrics"].get(key), ratios.get(key), fmt) for key, _, fmt in MEASURES]
+        seconds = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
+        rows.append([r["name"], r["status"]] + cells + [seconds])
+    return rows
+
+
+def format_table(results: list[dict]) -> str:
+    """Aligned columns, value (ratio to baseline) per measure; failures and notes listed below it."""
+    rows = table_rows(results)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(text.ljust(width) if i < 2 else text.rjust(width)
+                       for i, (text, width) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"{r['name']} {r['status']}: {r['error']}")
+        if r.get("note"):
+            lines.append(f"{r['name']}: {r['note']}")
+    if not any(r["name"] == BASELINE and r["status"] == "ok" for r in results):
+        lines.append("no ratios: the baseline did not run")
+    return "\n".join(lines)
+
+
+def report(args: argparse.Namespace, extra: list[str], results: list[dict]) -> dict:
+    """bench.json: the bench's settings and, per variant, its flags, outcome, measures and ratios."""
+    settings = {key: getattr(args, key) for key in ("model", "task", "data", "steps", "batch_size", "max_length",
+                                                     "seed")}
+    variants = [{key: r.get(key) for key in ("name", "status", "error", "note", "settings", "command",
+                                              "returncode", "seconds", "metrics", "ratios")} for r in results]
+    return {**settings, "extra": extra, "baseline": BASELINE, "variants": variants}
+
+
+def chart_series(results: list[dict], key: str) -> tuple[list[str], list[float | None], bool]:
+    """Names and bar heights for one measure: ratios to the baseline, or the raw values without one."""
+    names = [r["name"] for r in results]
+    use_ratios = any(r.get("ratios", {}).get(key) is not None for r in results)
+    if use_ratios:
+        return names, [(r.get("ratios") or {}).get(key) for r in results], True
+    return names, [r["metrics"].get(key) for r in results], False
+
+
+def write_chart(path: Path, results: list[dict]) -> Path | None:
+    """bench.png: one bar subplot per measure. None (and a note) when matplotlib is not installed: the
+    table and bench.json already hold every figure, so a long bench must not fail on its last step."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("no bench.png: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    titles = {key: title for key, title, _ in MEASURES}
+    # A bare Figure on the Agg canvas: no pyplot, so no global backend switch and no display needed.
+    fig = Figure(figsize=(4 * len(CHART_MEASURES), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, key in zip(fig.subplots(1, len(CHART_MEASURES)), CHART_MEASURES):
+        plot_measure(ax, results, key, titles[key])
+    fig.suptitle("effitrain bench: each variant / baseline")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_measure(ax, results: list[dict], key: str, title: str) -> None:
+    names, values, is_ratio = chart_series(results, key)
+    xs = range(len(names))
+    ax.bar(xs, [0 if v is None else v for v in values], color="tab:blue")
+    for x, value, r in zip(xs, values, results):
+        # A missing bar must not read as zero: say why it is missing.
+        label = (f"{value:.2f}" + ("x" if is_ratio else "")) if value is not None else (
+            r["status"] if r["status"] != "ok" else "-")
+        ax.annotate(label, (x, value or 0), ha="center", va="bottom", fontsize=8)
+    if is_ratio:
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_title(f"{title} (x baseline)" if is_ratio else title)
+    ax.set_xticks(list(xs), names, rotation=45, ha="right")

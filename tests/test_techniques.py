@@ -1,0 +1,126 @@
+"""Efficiency techniques: optimizer state sizes, checkpointing, precision, accumulation, and every pair."""
+
+import itertools
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import read_jsonl, read_weights
+
+import effitrain
+from effitrain.engine import optim, precision
+from effitrain.errors import UserError
+
+
+def fake_step(optimizer, model):
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from effitrain import models
+
+    return models.load_classifier(models.resolve("default"), ["ham", "spam"])
+
+
+@pytest.mark.parametrize("name, low, high", [("adamw", 8.0, 8.01), ("adamw-8bit", 1.9, 2.2), ("adam-8bit", 1.9, 2.2),
+                                             ("adafactor", 0.0, 1.0), ("sgd", 4.0, 4.0)])
+def test_optimizer_state_bytes_per_parameter_on_the_default_model(default_model, name, low, high):
+    optimizer = optim.build(name, default_model, 1e-5, 0.01)
+    fake_step(optimizer, default_model)
+    per_param = optim.state_bytes(optimizer) / sum(p.numel() for p in default_model.parameters())
+    assert low <= per_param <= high
+
+
+def test_torchao_is_the_8bit_fallback(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_bitsandbytes(name, *args, **kwargs):
+        if name.startswith("bitsandbytes"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bitsandbytes)
+    model = torch.nn.Linear(256, 256)
+    optimizer = optim.build("adamw-8bit", model, 1e-3, 0.0)
+    assert type(optimizer).__module__.startswith("torchao")
+    fake_step(optimizer, model)
+    assert optim.state_bytes(optimizer) / 256 / 257 <= 2.2  # codes are 1 byte, plus block scales
+
+
+def test_auto_precision_is_fp32_on_a_cpu_and_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("GPU machine")
+    mixed, reason = precision.choose("auto")
+    assert mixed == "no" and reason.startswith("auto: fp32 on a CPU") and "bf16 matmul measured" in reason
+
+
+def test_fp16_on_a_cpu_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("GPU machine")
+    with pytest.raises(UserError, match="--precision fp16 needs a CUDA GPU"):
+        precision.choose("fp16")
+
+
+def test_bf16_on_a_cpu_without_fast_bf16_warns_with_the_slowdown(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("GPU machine")
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda: 1 / 80)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert precision.choose("bf16")[0] == "bf16"
+    assert any("measured 80x slower than fp32" in str(w.message) for w in caught)
+
+
+def small(tiny_model_dir, out, **overrides):
+    values = dict(model=str(tiny_model_dir), output_dir=str(out), max_train_samples=48, max_eval_samples=16,
+                  batch_size=8, max_steps=4, log_every=1, lr=1e-3, warmup_ratio=0.0, precision="fp32")
+    values.update(overrides)
+    return values
+
+
+def test_gradient_checkpointing_leaves_every_step_loss_unchanged(tiny_model_dir, tmp_path):
+    effitrain.train(small(tiny_model_dir, tmp_path / "plain"))
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "ckpt", gradient_checkpointing=True))
+    assert metrics["gradient_checkpointing"] is True
+    plain, ckpt = (read_jsonl(tmp_path / d / "log.jsonl") for d in ("plain", "ckpt"))
+    for a, b in zip(plain, ckpt):
+        if "split" not in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+    first, second = read_weights(tmp_path / "plain"), read_weights(tmp_path / "ckpt")
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], rtol=1e-5, atol=1e-6)
+
+
+def test_effective_batch_size_sets_the_accumulation(tiny_model_dir, tmp_path):
+    by_size = effitrain.train(small(tiny_model_dir, tmp_path / "size", batch_size=4, effective_batch_size=8))
+    effitrain.train(small(tiny_model_dir, tmp_path / "accum", batch_size=4, grad_accum=2))
+    assert by_size["grad_accum"] == 2
+    a, b = read_weights(tmp_path / "size"), read_weights(tmp_path / "accum")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+TECHNIQUES = {
+    "grad-accum": {"grad_accum": 2, "batch_size": 4},
+    "checkpointing": {"gradient_checkpointing": True},
+    "bf16": {"precision": "bf16"},
+    "adafactor": {"optim": "adafactor"},
+    "adamw-8bit": {"optim": "adamw-8bit"},
+}
+
+
+@pytest.mark.parametrize("pair", [p for p in itertools.combinations(TECHNIQUES, 2)
+                                  if not {"adafactor", "adamw-8bit"} <= set(p)], ids="+".join)
+def test_every_pair_of_techniques_trains(tiny_model_dir, tmp_path, pair):
+    values = {}
+    for technique in pair:
+        values.update(TECHNIQUES[technique])
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=3, **values))
+    assert metrics["steps"] == 3 and metrics["train_loss"] is not None
+    assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "o").values())
+    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["optimizer_state_bytes"] > 0
