@@ -113,7 +113,7 @@ def test_ratios_and_table_from_fake_metrics():
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["variant", "status", "samples/s"]
     assert "100.0 (1.00x)" in lines[1] and "2048 (1.00x)" in lines[1] and "8.00 (1.00x)" in lines[1]
-    assert "50.0 (0.50x)" in lines[2] and "0.50 (0.06x)" in lines[2]
+    assert "50.0 (0.50x)" in lines[2] and "0.50 (0.062x)" in lines[2]
     assert lines[2].split().count("-") == 2  # no tokens/s, no loss
     assert lines[3].split()[:2] == ["adamw-8bit", "failed"] and "adamw-8bit failed: boom" in table
     assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
@@ -202,3 +202,11 @@ def test_bench_runs_two_variants_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert baseline["metrics"]["steps"] == accum["metrics"]["steps"] == 2
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "grad-accum" / "metrics.json").is_file()
+
+
+def test_machine_memory_is_the_ram_on_cpu_and_a_gpu_size_or_none_on_cuda():
+    from effitrain import devices
+
+    assert bench.machine_memory_bytes("cpu") == devices.total_memory_bytes()
+    gpu = bench.machine_memory_bytes("cuda")
+    assert gpu is None or gpu > 2**30

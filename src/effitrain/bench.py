@@ -57,7 +57,7 @@ MEASURES = (
     ("train_samples_per_second", "samples/s", lambda v: f"{v:.1f}"),
     ("train_tokens_per_second", "tokens/s", lambda v: f"{v:.0f}"),
     ("peak_memory_bytes", "peak MiB", lambda v: f"{v / 2**20:.0f}"),
-    ("optimizer_state_bytes_per_param", "optim B/param", lambda v: f"{v:.2f}"),
+    ("optimizer_state_bytes_per_param", "optim B/param", lambda v: f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"),
     ("train_loss", "loss", lambda v: f"{v:.4f}"),
 )
 CHART_MEASURES = ("train_samples_per_second", "peak_memory_bytes", "optimizer_state_bytes_per_param", "train_loss")
@@ -221,10 +221,13 @@ def machine_memory_bytes(device_type: str | None) -> int | None:
     from effitrain import devices
 
     if device_type == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
+        # Asked in a throwaway process: CUDA set up here would hold GPU memory through the next variant.
+        probe = subprocess.run([sys.executable, "-c", "import torch; "
+                                "print(torch.cuda.get_device_properties(0).total_memory)"],
+                               capture_output=True, text=True)
+        if probe.returncode == 0 and probe.stdout.strip().isdigit():
+            return int(probe.stdout.strip())
+        return None
     return devices.total_memory_bytes()
 
 
@@ -332,10 +335,15 @@ def add_ratios(results: list[dict]) -> None:
                             for key, _, _ in MEASURES}
 
 
+def times(rel: float) -> str:
+    """A ratio as "0.92x"; small ones keep two significant digits (adafactor's state is ~0.003x AdamW's)."""
+    return f"{rel:.2f}x" if rel >= 0.1 else f"{rel:.2g}x"
+
+
 def cell(value: Any, rel: float | None, fmt) -> str:
     if value is None:
         return "-"
-    return fmt(value) + (f" ({rel:.2f}x)" if rel is not None else "")
+    return fmt(value) + (f" ({times(rel)})" if rel is not None else "")
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
@@ -361,7 +369,7 @@ def format_table(results: list[dict]) -> str:
         if r.get("note"):
             lines.append(f"{r['name']}: {r['note']}")
     if not any(r["name"] == BASELINE and r["status"] == "ok" for r in results):
-        lines.append("no ratios: the baseline did not run")
+        lines.append("no ratios: the baseline did not run, or failed")
     return "\n".join(lines)
 
 
@@ -377,7 +385,7 @@ def report(args: argparse.Namespace, extra: list[str], results: list[dict]) -> d
 def chart_series(results: list[dict], key: str) -> tuple[list[str], list[float | None], bool]:
     """Names and bar heights for one measure: ratios to the baseline, or the raw values without one."""
     names = [r["name"] for r in results]
-    use_ratios = any(r.get("ratios", {}).get(key) is not None for r in results)
+    use_ratios = any((r.get("ratios") or {}).get(key) is not None for r in results)
     if use_ratios:
         return names, [(r.get("ratios") or {}).get(key) for r in results], True
     return names, [r["metrics"].get(key) for r in results], False
@@ -409,7 +417,7 @@ def plot_measure(ax, results: list[dict], key: str, title: str) -> None:
     ax.bar(xs, [0 if v is None else v for v in values], color="tab:blue")
     for x, value, r in zip(xs, values, results):
         # A missing bar must not read as zero: say why it is missing.
-        label = (f"{value:.2f}" + ("x" if is_ratio else "")) if value is not None else (
+        label = (times(value) if is_ratio else f"{value:.3g}") if value is not None else (
             r["status"] if r["status"] != "ok" else "-")
         ax.annotate(label, (x, value or 0), ha="center", va="bottom", fontsize=8)
     if is_ratio:

@@ -66,6 +66,11 @@ def build_parser() -> Parser:
     launch.add_argument("--debug", action="store_true")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the effitrain command and its flags")
 
+    bench = commands.add_parser("bench", help="measure each efficiency technique against a baseline")
+    from effitrain import bench as bench_module
+
+    bench_module.add_arguments(bench)
+
     env = commands.add_parser("env", help="show the devices and precisions Accelerator detects")
     env.add_argument("--json", action="store_true")
     env.add_argument("--debug", action="store_true")
@@ -123,6 +128,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from effitrain import bench
+
+    return bench.run(args)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from effitrain import devices
 
@@ -147,7 +158,7 @@ def _record_for_launcher(err: BaseException) -> None:
 
 
 COMMANDS = {"train": cmd_train, "predict": cmd_predict, "inspect": cmd_inspect, "env": cmd_env,
-            "launch": cmd_launch}
+            "launch": cmd_launch, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
