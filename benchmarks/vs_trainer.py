@@ -181,6 +181,12 @@ def run_trainer(args) -> dict:
     head_checksum = float(model.classifier.weight.detach().double().sum()) if hasattr(model, "classifier") else None
     collator = CountingCollator(DataCollatorWithPadding(tokenizer))
 
+    # transformers 5 dropped warmup_ratio: a warmup_steps float < 1 is a share of the steps.
+    import dataclasses
+
+    warmup = ({"warmup_ratio": WARMUP_RATIO}
+              if "warmup_ratio" in {f.name for f in dataclasses.fields(TrainingArguments)}
+              else {"warmup_steps": WARMUP_RATIO})
     out_dir = tempfile.mkdtemp(prefix="vs_trainer_hf_")
     training_args = TrainingArguments(
         output_dir=out_dir,
@@ -188,7 +194,7 @@ def run_trainer(args) -> dict:
         per_device_train_batch_size=args.batch_size,
         learning_rate=LR,
         weight_decay=WEIGHT_DECAY,
-        warmup_steps=WARMUP_RATIO,  # transformers 5: a float < 1 is a ratio of the steps (warmup_ratio is gone)
+        **warmup,
         max_grad_norm=MAX_GRAD_NORM,
         seed=args.seed,
         report_to="none",
@@ -304,17 +310,23 @@ def run_effitrain(args) -> dict:
         "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed, "max_length": MAX_LENGTH,
         "validation_split": VALIDATION_SPLIT, "test_split": TEST_SPLIT, "log_every": args.steps,
     }
+    # fp32 and AdamW whatever effitrain's defaults become; settings this version lacks are left out.
+    from effitrain.config import fields as config_fields
+
+    known = {f.name for f in config_fields()}
+    config.update({k: v for k, v in {"precision": "fp32", "optim": "adamw", "gradient_checkpointing": False,
+                                     "beta1": 0.9, "beta2": 0.999}.items() if k in known})
     try:
         start = time.perf_counter()
         metrics = effitrain.train(config)
         call_seconds = time.perf_counter() - start
-        loss = None
+        loss = metrics.get("train_loss")  # log_every = steps: the mean over every example of the run
         log_path = out_dir / "log.jsonl"
         if log_path.is_file():
             for line in log_path.read_text().splitlines():
                 record = json.loads(line)
-                if "split" not in record and record.get("step") == metrics["steps"]:
-                    loss = record["loss"]  # log_every = steps: the mean over every example of the run
+                if loss is None and "split" not in record and record.get("step") == metrics["steps"]:
+                    loss = record["loss"]
     finally:
         shutil.rmtree(out_dir.parent, ignore_errors=True)  # the saved model is not needed
     tokens = None
@@ -364,6 +376,7 @@ def run_effitrain(args) -> dict:
             "warmup_steps": optim.warmup_steps(args.steps, WARMUP_RATIO),
             "eval_batch_size": defaults.eval_batch_size,
         },
+        "config": config,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "effitrain": effitrain.__version__},
         "machine": machine(),
@@ -474,6 +487,11 @@ def compare(args) -> None:
           "effitrain's train_samples_per_second; tokens/s: real (non-pad) tokens; peak RSS: at the end of training; "
           "mean train loss: over all steps (neither logs per step here); test acc: effitrain only (the Trainer "
           "run does not evaluate)")
+    busy = [(run.get("cpu") or {}).get("other_cores") for run in (trainer, ours)]
+    if any(b is not None and b > 0.1 for b in busy):
+        print(f"\nWARNING: other processes kept {fmt(busy[0], '.2f')} (during the Trainer run) / "
+              f"{fmt(busy[1], '.2f')} (during the effitrain run) cores busy: these speeds and their ratio "
+              "measure the contention as much as the code; rerun on an idle machine")
     print("\nnotes:")
     for line in notes(trainer, ours):
         print(("  " if line.startswith("  ") else "- ") + line.strip())

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     for name in names:  # a setting that cannot work fails now, not after the other variants ran
         variant_settings(name, args.batch_size)
     skipped = {} if explicit else default_skips(names)
-    bench_dir = Path(args.output_dir) if args.output_dir else default_dir()
+    bench_dir = Path(args.output_dir) if args.output_dir else outputs.default_dir("bench")
     outputs.check_free(bench_dir, args.overwrite)
     outputs.prepare(bench_dir, args.overwrite)
 
@@ -229,15 +229,6 @@ def machine_memory_bytes(device_type: str | None) -> int | None:
             return int(probe.stdout.strip())
         return None
     return devices.total_memory_bytes()
-
-
-def default_dir() -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = Path("bench") / stamp, 1
-    while path.exists():  # two benches started in the same second
-        n += 1
-        path = Path("bench") / f"{stamp}-{n}"
-    return path
 
 
 # --- running ------------------------------------------------------------------------------------

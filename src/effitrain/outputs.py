@@ -11,12 +11,13 @@ from typing import Any
 from effitrain.errors import UserError
 
 
-def default_dir() -> Path:
+def default_dir(root: str = "runs") -> Path:
+    """root/<timestamp>, never an existing folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = Path("runs") / stamp, 1
+    path, n = Path(root) / stamp, 1
     while path.exists():  # two runs started in the same second
         n += 1
-        path = Path("runs") / f"{stamp}-{n}"
+        path = Path(root) / f"{stamp}-{n}"
     return path
 
 
