@@ -21,6 +21,10 @@ that moment is taken by wrapping `effitrain.engine.loop.evaluate` (first called 
 loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
 The wrappers only observe: they return what the wrapped functions return.
 
+Each run also records the CPU that other processes used during its training (/proc/stat minus its
+own getrusage); above 0.1 core the parent prints a WARNING, since two torch threads sharing two cores
+with another busy process slow down far more than the lost share (8x was seen on a 2-core machine).
+
 Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
 """
 
