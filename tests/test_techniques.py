@@ -124,3 +124,38 @@ def test_every_pair_of_techniques_trains(tiny_model_dir, tmp_path, pair):
     assert metrics["steps"] == 3 and metrics["train_loss"] is not None
     assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "o").values())
     assert json.loads((tmp_path / "o" / "metrics.json").read_text())["optimizer_state_bytes"] > 0
+
+
+def nan_at(calls: set[int], monkeypatch):
+    """Make the training loss non-finite on the given micro-batch calls (1-based)."""
+    from effitrain import tasks
+
+    real, seen = tasks.loss_sum, {"n": 0}
+
+    def loss_sum(task, model, batch):
+        loss = real(task, model, batch)
+        if model.training:
+            seen["n"] += 1
+            if seen["n"] in calls:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(tasks, "loss_sum", loss_sum)
+
+
+def test_a_nan_loss_is_skipped_counted_and_training_ends_normally(tiny_model_dir, tmp_path, monkeypatch):
+    nan_at({3}, monkeypatch)
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=5))
+    assert metrics["skipped_steps"] == 1 and metrics["steps"] == 5
+    records = read_jsonl(tmp_path / "o" / "log.jsonl")
+    assert [r["step"] for r in records if r.get("skipped")] == [3]
+    train = [r for r in records if "loss" in r and "split" not in r]
+    assert all(r["loss"] == r["loss"] for r in train)  # no NaN reached the logged losses
+    assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "o").values())
+
+
+def test_too_many_bad_steps_in_a_row_stop_with_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch):
+    nan_at({3, 4, 5}, monkeypatch)
+    with pytest.raises(UserError, match="3 steps in a row had a non-finite loss"):
+        effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=8, max_bad_steps=3))
+    assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "o").values())

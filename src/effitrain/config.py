@@ -80,6 +80,8 @@ class TrainConfig:
     zero_stage: int = _opt(2, "deepspeed: ZeRO stage 1, 2 or 3", choices=(1, 2, 3))
     local_sgd_steps: int | None = _opt(None, "local SGD: no gradient all-reduce; each process steps on its own "
                                        "data and parameters are averaged every K optimizer steps")
+    max_bad_steps: int = _opt(10, "stop (saving the last good weights) after this many steps in a row with a "
+                              "non-finite loss or gradient; single bad steps are skipped and counted")
     ddp_timeout: int = _opt(600, "seconds a process waits in a collective (all-reduce, barrier) for the others "
                             "before failing, instead of hanging")
     log_every: int = _opt(10, "write a log line every N optimizer steps")
@@ -191,7 +193,8 @@ def validate(config: TrainConfig) -> None:
         coerce(f.name, getattr(config, f.name), "config")
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
-              "local_sgd_steps", "effective_batch_size")
+              "local_sgd_steps", "effective_batch_size",
+              "max_bad_steps")
     if config.strategy not in STRATEGIES:
         raise UserError(f"unknown strategy `{config.strategy}`", f"pass --strategy {' or '.join(STRATEGIES)}")
     for name, allowed in (("precision", PRECISIONS), ("optim", OPTIMIZERS)):

@@ -21,6 +21,7 @@ from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.devices import make_accelerator, peak_memory_bytes
 from effitrain.engine import communication, optim, precision
+from effitrain.errors import UserError
 
 
 def step_sizes(num_batches: int, world: int, accum: int) -> list[int]:
@@ -47,8 +48,6 @@ def accumulation(config: TrainConfig, world: int) -> int:
         return config.grad_accum
     per_pass = config.batch_size * world
     if config.effective_batch_size % per_pass:
-        from effitrain.errors import UserError
-
         raise UserError(f"--effective-batch-size {config.effective_batch_size} is not a multiple of --batch-size "
                         f"{config.batch_size} x {world} process(es)",
                         f"pass a multiple of {per_pass}, or change --batch-size")
@@ -161,6 +160,8 @@ def run(config: TrainConfig) -> dict:
     step, epoch, train_seconds, last_loss = 0, 0, 0.0, None
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # items, tokens (this process)
     window = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss sum, items since last log
+    step_window = torch.zeros_like(window)  # this step's, added to window only if the step was good
+    skipped_steps, bad_in_a_row = 0, 0
     history: dict[str, dict] = {}
     while step < total_steps:
         tick = time.perf_counter()
@@ -182,14 +183,31 @@ def run(config: TrainConfig) -> dict:
                     accelerator.backward(loss * (world if synced else 1) / step_items)
                 count = tasks.item_count(task, batch).double()
                 tokens = tasks.token_count(task, batch)
-                window += torch.stack([loss.detach().double(), count])
+                step_window += torch.stack([loss.detach().double(), count])
                 totals += torch.stack([tasks.example_count(task, batch).double(),
                                        count.new_tensor(0.0) if tokens is None else tokens.double()])
-            grad_norm = (accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                         if config.max_grad_norm > 0 else None)
-            optimizer.step()
-            scheduler.step()
+            # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
+            # gradient is seen, the same on every process since gradients are already all-reduced.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+            finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+            if finite or accelerator.scaler is not None:  # an fp16 scaler skips the step and backs off itself
+                optimizer.step()
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if finite:
+                window += step_window
+                bad_in_a_row = 0
+            else:
+                skipped_steps, bad_in_a_row = skipped_steps + 1, bad_in_a_row + 1
+                log.write({"step": step + 1, "skipped": "non-finite loss or gradient", "grad_norm": None})
+                if accelerator.is_local_main_process:
+                    bar.write(f"step {step + 1}: non-finite loss or gradient, step skipped ({skipped_steps} so far)")
+                if bad_in_a_row >= config.max_bad_steps:
+                    _save(accelerator, model, processor, config, out_dir)  # the weights of the last good step
+                    raise UserError(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step "
+                                    f"{step + 1}); the last good weights are in {out_dir / 'model'}",
+                                    "lower --lr, use --precision fp32, or check the data for extreme values")
+            step_window.zero_()
             if local_sgd is not None:
                 local_sgd.step()
             step += 1
@@ -199,7 +217,7 @@ def run(config: TrainConfig) -> dict:
                 window.zero_()
                 record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
                           "loss": loss_total / max(item_total, 1), "lr": scheduler.get_last_lr()[0],
-                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "grad_norm": None if grad_norm is None or not finite else float(grad_norm),
                           "elapsed_seconds": round(train_seconds + time.perf_counter() - tick, 3)}
                 log.write(record)
                 last_loss = record["loss"]
@@ -242,6 +260,7 @@ def run(config: TrainConfig) -> dict:
         "labels": label_names,
         "skipped_rows": loaded.skipped_rows,
         "train_loss": last_loss,  # mean over the last logged window
+        "skipped_steps": skipped_steps,  # non-finite loss or gradient
         "precision": {"no": "fp32"}.get(mixed_precision, mixed_precision),
         "optimizer": config.optim,
         "optimizer_state_bytes": state_size,
