@@ -28,7 +28,7 @@ def test_unknown_models_are_user_errors(name, needle):
 def test_directory_without_safetensors_is_refused(tiny_model_dir, tmp_path):
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
     torch.save({}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(UserError, match="no safetensors weights"):
+    with pytest.raises(UserError, match="only pickle weights"):
         models.resolve(str(tmp_path))
 
 
@@ -70,3 +70,20 @@ def test_model_without_a_classification_head_is_refused(tmp_path):
     ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(tmp_path / "vit")
     with pytest.raises(UserError, match="model type `vit` has no sequence-classification head"):
         models.load_classifier(tmp_path / "vit", ["a", "b"])
+
+
+def test_pickle_weights_are_refused_unless_allowed_and_then_load(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from effitrain import tasks
+
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
+    torch.save(load_file(str(tiny_model_dir / "model.safetensors")), tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError, match="only pickle weights .*--allow-pickle"):
+        models.resolve(str(tmp_path))
+    source = models.resolve_source(str(tmp_path), allow_pickle=True)
+    tokenizer = tasks.load_processor("sequence-classification", models.ModelSource(tiny_model_dir))
+    model = tasks.build_model("sequence-classification", source, ["a", "b"], tokenizer)
+    expected = load_file(str(tiny_model_dir / "model.safetensors"))
+    torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight,
+                               expected["bert.embeddings.word_embeddings.weight"])

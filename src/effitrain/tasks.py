@@ -62,7 +62,9 @@ def build_model(task: str, source: models.ModelSource, labels: list[str] | None,
     if source.pretrained:
         with models.loading(source.path):
             # A checkpoint fine-tuned on other labels keeps its body and gets a new head.
-            model = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=bool(head), use_safetensors=True,
+            # Safetensors whenever they exist; pickle only where resolve() let it through (--allow-pickle).
+            model = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=bool(head),
+                                         use_safetensors=models.has_safetensors(source.path),
                                          local_files_only=True, **head)
     else:
         for key, value in head.items():

@@ -91,7 +91,7 @@ def run(config: TrainConfig) -> dict:
     task = config.task
     models.quiet_libraries(config.debug)
     # Fail on the cheap checks before loading anything heavy.
-    source = models.resolve_source(config.model)
+    source = models.resolve_source(config.model, config.allow_pickle)
     if config.output_dir is not None:
         outputs.check_free(Path(config.output_dir), config.overwrite)
     mixed_precision, precision_reason = precision.choose(config.precision)
