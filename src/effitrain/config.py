@@ -86,6 +86,11 @@ class TrainConfig:
                               "non-finite loss or gradient; single bad steps are skipped and counted")
     ddp_timeout: int = _opt(600, "seconds a process waits in a collective (all-reduce, barrier) for the others "
                             "before failing, instead of hanging")
+    save_every: int | None = _opt(None, "write a checkpoint (weights, optimizer, scheduler, RNG, data position) "
+                                  "every N optimizer steps into checkpoints/step-N, atomically")
+    keep_last: int | None = _opt(2, "keep only the newest K checkpoints (null keeps all)")
+    resume: str | None = _opt(None, "`auto` (the latest complete checkpoint in --output-dir, else a fresh start) "
+                              "or a checkpoint folder: continue at the next unseen batch")
     log_every: int = _opt(10, "write a log line every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks and library warnings")
 
@@ -196,7 +201,9 @@ def validate(config: TrainConfig) -> None:
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
               "local_sgd_steps", "effective_batch_size",
-              "max_bad_steps")
+              "max_bad_steps", "save_every", "keep_last")
+    if config.resume and not config.output_dir:
+        raise UserError("--resume needs the --output-dir of the run to continue", "pass --output-dir too")
     if config.strategy not in STRATEGIES:
         raise UserError(f"unknown strategy `{config.strategy}`", f"pass --strategy {' or '.join(STRATEGIES)}")
     for name, allowed in (("precision", PRECISIONS), ("optim", OPTIMIZERS)):

@@ -55,17 +55,38 @@ def lengths(dataset) -> list[int] | None:
     return None
 
 
+class EpochSeeded:
+    """A sampler whose order is a function of (seed, epoch) alone: resuming at epoch e replays exactly
+    the order the uninterrupted run had. accelerate's prepared loader calls set_epoch each epoch."""
+
+    def __init__(self, make, seed: int):
+        import torch
+
+        self.generator = torch.Generator()
+        self.seed = seed
+        self.sampler = make(self.generator)
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator.manual_seed(self.seed + epoch)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def train_sampler(dataset, step_batch_size: int, group_by_length: bool, seed: int):
     """A seeded shuffle, or transformers' length-grouped shuffle.
 
     Lengths are grouped by the global batch of one optimizer step (micro-batch x processes x
     accumulation), so the examples of each step are the same however that batch is split."""
-    import torch
     from torch.utils.data import RandomSampler
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    generator = torch.Generator().manual_seed(seed)
     sizes = lengths(dataset) if group_by_length else None
     if sizes is None:
-        return RandomSampler(dataset, generator=generator)
-    return LengthGroupedSampler(step_batch_size, lengths=sizes, generator=generator)
+        return EpochSeeded(lambda generator: RandomSampler(dataset, generator=generator), seed)
+    return EpochSeeded(lambda generator: LengthGroupedSampler(step_batch_size, lengths=sizes, generator=generator),
+                       seed)

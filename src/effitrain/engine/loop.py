@@ -20,7 +20,7 @@ from effitrain import models, outputs, tasks
 from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.devices import make_accelerator, peak_memory_bytes
-from effitrain.engine import communication, optim, precision
+from effitrain.engine import checkpoint, communication, optim, precision
 from effitrain.errors import UserError
 
 
@@ -66,7 +66,7 @@ def evaluate(accelerator, task: str, model, dataloader, label_names) -> dict[str
     return tasks.metrics(task, tuple(torch.cat(column) for column in zip(*gathered)), label_names)
 
 
-def _claim_output_dir(accelerator, config: TrainConfig) -> Path:
+def _claim_output_dir(accelerator, config: TrainConfig, clear: bool) -> Path:
     from accelerate.utils import broadcast_object_list
 
     # Every process must write to the same directory: the main process picks the default name.
@@ -76,7 +76,7 @@ def _claim_output_dir(accelerator, config: TrainConfig) -> Path:
     config.output_dir = str(out_dir)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        outputs.prepare(out_dir, config.overwrite)
+        outputs.prepare(out_dir, config.overwrite and clear)
         outputs.write_yaml(out_dir / "config.yaml", config.to_dict())
     accelerator.wait_for_everyone()
     return out_dir
@@ -92,13 +92,14 @@ def run(config: TrainConfig) -> dict:
     models.quiet_libraries(config.debug)
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model, config.allow_pickle)
-    if config.output_dir is not None:
+    resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
+    if config.output_dir is not None and resume_from is None:
         outputs.check_free(Path(config.output_dir), config.overwrite)
     mixed_precision, precision_reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
                                    mixed_precision)
     grad_accum = accumulation(config, accelerator.num_processes)
-    out_dir = _claim_output_dir(accelerator, config)
+    out_dir = _claim_output_dir(accelerator, config, clear=resume_from is None)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
 
     set_seed(config.seed)
@@ -117,7 +118,10 @@ def run(config: TrainConfig) -> dict:
     train_collate, eval_collate = tasks.collators(task, processor, config)
     sampler = text.train_sampler(encoded["train"], config.batch_size * world * grad_accum,
                                  config.group_by_length, config.seed)
-    train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=train_collate)
+    # Its own generator: the loader's base seed must not draw from the global RNG (dropout's), or a
+    # resumed run would draw differently from the uninterrupted one.
+    train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=train_collate,
+                          generator=torch.Generator().manual_seed(config.seed))
     eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=eval_collate)
                 for split in ("validation", "test")}
     # A zero-weight stand-in for micro-batches a process lacks at the end of an epoch: every process
@@ -157,15 +161,30 @@ def run(config: TrainConfig) -> dict:
     # disable=None: no bar when stderr is not a terminal (CI logs), and none on other processes.
     bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=1.0,
                disable=None if accelerator.is_local_main_process else True)
-    step, epoch, train_seconds, last_loss = 0, 0, 0.0, None
+    step, train_seconds, last_loss = 0, 0.0, None
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # items, tokens (this process)
     window = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss sum, items since last log
     step_window = torch.zeros_like(window)  # this step's, added to window only if the step was good
     skipped_steps, bad_in_a_row = 0, 0
     history: dict[str, dict] = {}
+    if resume_from is not None:
+        state = checkpoint.load(accelerator, resume_from, config.to_dict())
+        step, train_seconds, last_loss = state["step"], state["train_seconds"], state["last_loss"]
+        skipped_steps, bad_in_a_row = state["skipped_steps"], state["bad_in_a_row"]
+        window += torch.tensor(state["window"], dtype=window.dtype, device=window.device) / world
+        totals += torch.tensor(state["totals"], dtype=totals.dtype, device=totals.device) / world
+        if accelerator.is_main_process:
+            checkpoint.trim_log(out_dir / "log.jsonl", step)
+        bar.update(step)
+        accelerator.print(f"resumed from {resume_from} at step {step}")
     while step < total_steps:
         tick = time.perf_counter()
-        for group in step_groups(train_dl, sizes):
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        train_dl.set_epoch(epoch)  # the epoch's order is a function of (seed, epoch)
+        groups = step_groups(train_dl, sizes)
+        for _ in range(done_in_epoch):  # resumed mid-epoch: pass over the batches already trained on
+            next(groups)
+        for group in groups:
             items = sum((tasks.item_count(task, batch) for batch in group if batch is not None),
                         torch.zeros((), dtype=torch.long, device=accelerator.device))
             # Local SGD: each process minimises its own loss; otherwise one loss over all processes.
@@ -225,10 +244,21 @@ def run(config: TrainConfig) -> dict:
                 if accelerator.is_local_main_process:
                     bar.write(f"step {step}/{total_steps} epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
                               f"lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f}")
+            if config.save_every and step % config.save_every == 0 and step < total_steps:
+                saving = time.perf_counter()
+                checkpoint.save(accelerator, out_dir, step, {
+                    # Summed over processes here; on resume each process takes 1/W, so that the sums
+                    # over processes come out the same.
+                    "config": config.to_dict(), "world_size": world,
+                    "window": (accelerator.reduce(window.clone(), "sum") if world > 1 else window).tolist(),
+                    "totals": (accelerator.reduce(totals.clone(), "sum") if world > 1 else totals).tolist(),
+                    "train_seconds": train_seconds + saving - tick, "last_loss": last_loss,
+                    "skipped_steps": skipped_steps, "bad_in_a_row": bad_in_a_row}, config.keep_last)
+                tick += time.perf_counter() - saving  # saving is not training time
             if step >= total_steps:
                 break
         train_seconds += time.perf_counter() - tick
-        epoch += 1
+        epoch = math.ceil(step / steps_per_epoch)
         history["validation"] = evaluate(accelerator, task, model, eval_dls["validation"], label_names)
         log.write({"step": step, "epoch": round(step / steps_per_epoch, 4), "split": "validation",
                    **history["validation"]})

@@ -1,0 +1,95 @@
+"""Checkpoints that a crash cannot damage, and resuming from them at the exact data position.
+
+A checkpoint is accelerate's save_state (model, optimizer, scheduler, gradient scaler, every RNG
+state) plus trainer_state.json (step, loop counters, the settings that must match to resume). It is
+written to checkpoints/.tmp-step-N, flushed, then renamed to checkpoints/step-N: a rename is atomic,
+so a kill during a save leaves the previous checkpoint and a .tmp folder that is ignored and cleared."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from effitrain.errors import UserError
+
+# Settings that decide the arithmetic and the data order: resuming with others would not continue the run.
+MUST_MATCH = ("model", "task", "data", "validation_file", "test_file", "text_column", "text_pair_column",
+              "label_column", "image_column", "audio_column", "max_train_samples", "batch_size", "grad_accum",
+              "effective_batch_size", "seed", "max_length", "group_by_length", "packing", "optim", "precision",
+              "lr", "weight_decay", "warmup_ratio", "beta1", "beta2", "validation_split", "test_split",
+              "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration")
+
+
+def folder(out_dir: Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def complete(out_dir: Path) -> list[Path]:
+    """Finished checkpoints, oldest first."""
+    found = [p for p in folder(out_dir).glob("step-*") if re.fullmatch(r"step-\d+", p.name)
+             and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | None) -> None:
+    base = folder(out_dir)
+    tmp, final = base / f".tmp-step-{step}", base / f"step-{step}"
+    if accelerator.is_main_process:
+        base.mkdir(parents=True, exist_ok=True)
+        for stale in base.glob(".tmp-step-*"):  # left by a run killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in complete(out_dir)[:-keep_last] if keep_last else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def find(out_dir: Path, resume: str) -> Path | None:
+    """`auto`: the latest complete checkpoint in the output dir, or None for a fresh start; else a path."""
+    if resume == "auto":
+        found = complete(out_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise UserError(f"--resume {resume} is not a complete effitrain checkpoint (no trainer_state.json)",
+                        f"pass --resume auto, or a folder like {folder(out_dir) / 'step-100'}")
+    return path
+
+
+def load(accelerator, path: Path, config_values: dict) -> dict:
+    state = json.loads((path / "trainer_state.json").read_text())
+    for key in MUST_MATCH:
+        if key in state["config"] and state["config"][key] != config_values.get(key):
+            raise UserError(f"checkpoint {path} was made with {key}={state['config'][key]!r}, this run has "
+                            f"{config_values.get(key)!r}", "resume with the same settings, or start a new "
+                            "--output-dir")
+    if state["world_size"] != accelerator.num_processes:
+        raise UserError(f"checkpoint {path} was made by {state['world_size']} process(es), this run has "
+                        f"{accelerator.num_processes}", "resume with the same number of processes")
+    accelerator.load_state(str(path))
+    return state
+
+
+def trim_log(log_path: Path, step: int) -> None:
+    """Drop what a killed run logged after its checkpoint: those steps run again."""
+    if log_path.is_file():
+        keep = [line for line in log_path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+        log_path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,85 @@
+"""A run killed with SIGKILL and resumed with --resume auto ends with exactly the weights of the run
+that was never stopped (fp32, CPU, fixed seed)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import read_jsonl, read_weights
+
+
+@pytest.fixture(scope="module")
+def dropout_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny BERT with dropout on, so that resuming must also restore the RNG."""
+    path = tmp_path_factory.mktemp("tiny-dropout")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def train(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "effitrain", "train", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(job: subprocess.Popen) -> None:
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+
+
+@pytest.mark.parametrize("kill_after, accum", [(4, 1), (11, 1), (7, 2)])
+def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, kill_after, accum):
+    common = ["--model", dropout_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16,
+              "--batch-size", 4 // accum, "--grad-accum", accum, "--epochs", 2, "--lr", 1e-3, "--log-every", 1,
+              "--save-every", 3, "--seed", 7]
+    finished(train(*common, "--output-dir", tmp_path / "straight"))
+
+    out = tmp_path / "killed"
+    job = train(*common, "--output-dir", out)
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= kill_after for r in read_log(out)):
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert not (out / "metrics.json").exists()
+    (out / "checkpoints" / ".tmp-step-99").mkdir(parents=True, exist_ok=True)  # as a kill during a save leaves it
+    finished(train(*common, "--output-dir", out, "--resume", "auto"))
+
+    straight, resumed = read_weights(tmp_path / "straight"), read_weights(out)
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+    steps = [r["step"] for r in read_jsonl(out / "log.jsonl") if "split" not in r and "skipped" not in r]
+    assert steps == sorted(set(steps)) == list(range(1, 21))  # logs continue, no step twice
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-15", "step-18"]  # --keep-last 2
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 20
+
+
+def read_log(out):
+    path = out / "log.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return records
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(dropout_model_dir, tmp_path):
+    common = ["--model", dropout_model_dir, "--max-train-samples", 16, "--max-eval-samples", 8, "--batch-size", 4,
+              "--max-steps", 4, "--save-every", 2, "--output-dir", tmp_path / "o"]
+    finished(train(*common))
+    result = subprocess.run([sys.executable, "-m", "effitrain", "train", *map(str, common), "--resume", "auto",
+                             "--lr", "0.5"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "was made with lr=0.0001" in result.stderr
