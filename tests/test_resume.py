@@ -30,9 +30,10 @@ def train(*args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finished(job: subprocess.Popen) -> None:
-    _, stderr = job.communicate(timeout=300)
+def finished(job: subprocess.Popen) -> str:
+    stdout, stderr = job.communicate(timeout=300)
     assert job.returncode == 0, stderr[-3000:]
+    return stdout
 
 
 @pytest.mark.parametrize("kill_after, accum", [(4, 1), (11, 1), (7, 2)])
@@ -52,7 +53,7 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, k
     job.wait()
     assert not (out / "metrics.json").exists()
     (out / "checkpoints" / ".tmp-step-99").mkdir(parents=True, exist_ok=True)  # as a kill during a save leaves it
-    finished(train(*common, "--output-dir", out, "--resume", "auto"))
+    assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
 
     straight, resumed = read_weights(tmp_path / "straight"), read_weights(out)
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
@@ -83,3 +84,34 @@ def test_resume_refuses_a_checkpoint_of_other_settings(dropout_model_dir, tmp_pa
     result = subprocess.run([sys.executable, "-m", "effitrain", "train", *map(str, common), "--resume", "auto",
                              "--lr", "0.5"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "was made with lr=0.0001" in result.stderr
+
+
+def test_launch_restarts_a_killed_worker_and_resumes_bitwise(dropout_model_dir, tmp_path):
+    """2 processes; one worker is killed once; --max-restarts 1 restarts both, they resume from the latest
+    checkpoint, and the run ends with the weights of a 2-process run that was never stopped."""
+    from test_distributed import children
+
+    common = ["train", "--model", dropout_model_dir, "--max-train-samples", 48, "--max-eval-samples", 16,
+              "--batch-size", 4, "--epochs", 2, "--lr", 1e-3, "--log-every", 1, "--save-every", 2, "--seed", 3,
+              "--resume", "auto"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(out, *extra):
+        return subprocess.Popen([sys.executable, "-m", "effitrain", "launch", "--nproc", "2", *extra, "--",
+                                 *map(str, common), "--output-dir", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    finished(launch(tmp_path / "straight"))
+    out = tmp_path / "restarted"
+    job = launch(out, "--max-restarts", "1")
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 5 for r in read_log(out)):
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(children(job.pid)[1], signal.SIGKILL)
+    assert "resumed from" in finished(job)  # the restarted workers continued from a checkpoint
+
+    straight, restarted = read_weights(tmp_path / "straight"), read_weights(out)
+    assert all(torch.equal(straight[name], restarted[name]) for name in straight)
+    steps = [r["step"] for r in read_jsonl(out / "log.jsonl") if "split" not in r and "skipped" not in r]
+    assert steps == list(range(1, 13))
