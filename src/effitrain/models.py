@@ -81,7 +81,8 @@ def config_for(model_type: str, sizes: str):
     except ValueError as err:
         raise UserError(f"--model: unknown model type `{model_type}` ({str(err).splitlines()[0][:120]})",
                         "use a model_type that transformers knows, e.g. bert, gpt2, vit, wav2vec2")
-    unknown = [key for key in kwargs if not hasattr(config, key)]
+    defaults = AutoConfig.for_model(model_type)  # for_model keeps unknown keys as attributes: compare
+    unknown = [key for key in kwargs if not hasattr(defaults, key)]
     if unknown:
         raise UserError(f"--model: {model_type} has no setting `{unknown[0]}`",
                         f"use the names in {type(config).__name__}")

@@ -74,17 +74,17 @@ def find(out_dir: Path, resume: str) -> Path | None:
     return path
 
 
-def load(accelerator, path: Path, config_values: dict) -> dict:
+def check(path: Path, config_values: dict, world_size: int) -> dict:
+    """The checkpoint's trainer state, if this run may continue it (checked before anything is written)."""
     state = json.loads((path / "trainer_state.json").read_text())
     for key in MUST_MATCH:
         if key in state["config"] and state["config"][key] != config_values.get(key):
             raise UserError(f"checkpoint {path} was made with {key}={state['config'][key]!r}, this run has "
                             f"{config_values.get(key)!r}", "resume with the same settings, or start a new "
                             "--output-dir")
-    if state["world_size"] != accelerator.num_processes:
+    if state["world_size"] != world_size:
         raise UserError(f"checkpoint {path} was made by {state['world_size']} process(es), this run has "
-                        f"{accelerator.num_processes}", "resume with the same number of processes")
-    accelerator.load_state(str(path))
+                        f"{world_size}", "resume with the same number of processes")
     return state
 
 

@@ -99,8 +99,8 @@ def run(config: TrainConfig) -> dict:
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
                                    mixed_precision)
     grad_accum = accumulation(config, accelerator.num_processes)
-    out_dir = _claim_output_dir(accelerator, config, clear=resume_from is None)
-    log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
+    if resume_from is not None:
+        resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes)
 
     set_seed(config.seed)
     processor = tasks.load_processor(task, source)
@@ -113,6 +113,9 @@ def run(config: TrainConfig) -> dict:
     if config.gradient_checkpointing:
         tasks.enable_gradient_checkpointing(model)
     model.train()
+    # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
+    out_dir = _claim_output_dir(accelerator, config, clear=resume_from is None)
+    log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
 
     world = accelerator.num_processes
     train_collate, eval_collate = tasks.collators(task, processor, config)
@@ -168,7 +171,8 @@ def run(config: TrainConfig) -> dict:
     skipped_steps, bad_in_a_row = 0, 0
     history: dict[str, dict] = {}
     if resume_from is not None:
-        state = checkpoint.load(accelerator, resume_from, config.to_dict())
+        accelerator.load_state(str(resume_from))
+        state = resume_state
         step, train_seconds, last_loss = state["step"], state["train_seconds"], state["last_loss"]
         skipped_steps, bad_in_a_row = state["skipped_steps"], state["bad_in_a_row"]
         window += torch.tensor(state["window"], dtype=window.dtype, device=window.device) / world

@@ -1,0 +1,108 @@
+"""Table of user mistakes: each exits 2 with one line naming the problem and the fix, and leaves the
+previous run's files exactly as they were."""
+
+import hashlib
+import shutil
+
+import pytest
+import torch
+from conftest import run_cli
+
+from effitrain.devices import has_accelerator
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def workdir(tiny_model_dir, tmp_path_factory):
+    """A folder with a finished run (prev/) and the broken inputs the cases point at."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "prev" / "model").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, root / "prev" / "model" / name)
+    (root / "prev" / "metrics.json").write_text('{"test": {"accuracy": 0.99}}\n')
+    (root / "prev" / "log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    (root / "empty.csv").write_text("")
+    rows = "\n".join(f"message {i},{['ham', 'spam'][i % 2]}" for i in range(20))
+    (root / "d.csv").write_text("text,label\n" + rows + "\n")
+    (root / "badrow.csv").write_text("text,label\n" + rows + "\ntoo,many,fields\n")
+    (root / "dev.csv").write_text("text,label\nhello,ham\nbuy now,promo\n")
+    (root / "d.txt").write_text("plain text\n")
+    (root / "bad.yaml").write_text("learning_rate: 0.1\n")
+    (root / "badtype.yaml").write_text("lr: fast\n")
+    (root / "corrupt").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", root / "corrupt" / "config.json")
+    (root / "corrupt" / "model.safetensors").write_bytes(b"\x00" * 64)
+    (root / "pickled").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", root / "pickled" / "config.json")
+    torch.save({}, root / "pickled" / "pytorch_model.bin")
+    return root
+
+
+CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines without an accelerator")
+TINY = ["--model", "prev/model", "--max-train-samples", "8"]
+
+CASES = [
+    # flag values
+    (["train", "--lr", "abc"], "invalid float value"),
+    (["train", "--batch-size", "0"], "--batch-size must be > 0"),
+    (["train", "--warmup-ratio", "2"], "--warmup-ratio must be in [0, 1)"),
+    (["train", "--beta2", "1.5"], "--beta2 must be in [0, 1)"),
+    (["train", "--task", "translation"], "invalid choice"),
+    (["train", "--bogus"], "unrecognized arguments"),
+    # conflicting options
+    (["train", "--packing"], "--packing applies to --task causal-lm"),
+    (["train", "--effective-batch-size", "8", "--grad-accum", "2"], "both set the accumulation"),
+    (["train", "--resume", "auto"], "--resume needs the --output-dir"),
+    (["train", *TINY, "--output-dir", "new", "--resume", "nowhere"], "is not a complete effitrain checkpoint"),
+    (["train", "--effective-batch-size", "20", "--batch-size", "8", *TINY, "--output-dir", "new"],
+     "is not a multiple of --batch-size"),
+    pytest.param(["train", "--precision", "fp16", *TINY, "--output-dir", "new"], "needs a CUDA GPU", marks=CPU_ONLY),
+    pytest.param(["train", "--strategy", "fsdp", *TINY, "--output-dir", "new"], "needs GPUs", marks=CPU_ONLY),
+    # config files and keys
+    (["train", "--config", "missing.yaml"], "does not exist"),
+    (["train", "--config", "bad.yaml"], "unknown key `learning_rate`"),
+    (["train", "--config", "badtype.yaml"], "`lr` must be float"),
+    # model paths and weights
+    (["train", "--model", "./missing-model"], "is not a directory"),
+    (["train", "--model", "nobody/no-such-model"], "nor in the Hugging Face cache"),
+    (["train", "--model", "corrupt", "--output-dir", "new"], "cannot load the model"),
+    (["train", "--model", "pickled", "--output-dir", "new"], "only pickle weights"),
+    (["train", "--model", "gpt2:n_layerz=2", "--task", "causal-lm"], "gpt2 has no setting `n_layerz`"),
+    # data files, columns, labels, rows
+    (["train", *TINY, "--data", "imagenet"], "no such file, folder or built-in"),
+    (["train", *TINY, "--data", "empty.csv", "--output-dir", "new"], "is empty"),
+    (["train", *TINY, "--data", "d.txt", "--output-dir", "new"], "unknown file type"),
+    (["train", *TINY, "--data", "d.csv", "--text-column", "body", "--output-dir", "new"], "has no column `body`"),
+    (["train", *TINY, "--data", "badrow.csv", "--output-dir", "new"], "cannot be read"),
+    (["train", *TINY, "--data", "d.csv", "--validation-file", "dev.csv", "--output-dir", "new"],
+     "label `promo` is not in the training data"),
+    # outputs
+    (["train", *TINY, "--output-dir", "prev"], "already holds files"),
+    (["train", *TINY, "--output-dir", "d.csv"], "is a file"),
+    # other commands
+    (["predict", "--model", "prev/model"], "nothing to predict"),
+    (["predict", "--model", "prev/model", "--input", "missing.jsonl"], "does not exist"),
+    (["inspect", "./missing-model"], "is not a directory"),
+    (["launch", "--nproc", "2"], "needs the command to run after `--`"),
+    (["launch", "--nnodes", "2", "--", "train"], "needs --master-port"),
+    (["bench", "--variants", "nope"], "unknown"),
+]
+
+
+@pytest.mark.parametrize("args, needle", CASES)
+def test_bad_input(workdir, args, needle):
+    before = snapshot(workdir / "prev")
+    result = run_cli(*args, cwd=workdir)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], result.stderr[-2000:]
+    assert snapshot(workdir / "prev") == before
+    assert not (workdir / "new" / "metrics.json").exists()
+
+
+def test_the_table_is_long_enough():
+    assert len(CASES) >= 25
