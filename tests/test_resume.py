@@ -117,3 +117,28 @@ def test_launch_restarts_a_killed_worker_and_resumes_bitwise(dropout_model_dir, 
     assert all(torch.equal(straight[name], restarted[name]) for name in straight)
     steps = [r["step"] for r in read_jsonl(out / "log.jsonl") if "split" not in r and "skipped" not in r]
     assert steps == list(range(1, 13))
+
+
+def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(dropout_model_dir, tmp_path):
+    common = ["--model", dropout_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16, "--batch-size", 4,
+              "--epochs", 1, "--lr", 1e-3, "--log-every", 1, "--save-every", 3, "--seed", 5]
+    finished(train(*common, "--output-dir", tmp_path / "straight"))
+
+    out = tmp_path / "killed"
+    job = subprocess.Popen([sys.executable, "-m", "effitrain", "train", *map(str, common), "--output-dir", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "EFFITRAIN_TEST_SAVE_PAUSE": "3"})
+    partial = out / "checkpoints" / ".tmp-step-6"
+    deadline = time.time() + 120
+    while not (partial / "trainer_state.json").exists():  # the second save is under way
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert (out / "checkpoints" / "step-3" / "trainer_state.json").is_file()
+    assert not (out / "checkpoints" / "step-6").exists()
+
+    assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
+    assert not partial.exists()
+    straight, resumed = read_weights(tmp_path / "straight"), read_weights(out)
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from effitrain.errors import UserError
@@ -54,6 +55,8 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
         _fsync_tree(tmp)
+        # Crash tests hold the save open here, to kill the run in the middle of it.
+        time.sleep(float(os.environ.get("EFFITRAIN_TEST_SAVE_PAUSE", "0")))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
