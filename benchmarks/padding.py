@@ -25,7 +25,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -141,12 +140,9 @@ def train_speed(model_path, labels, loader, steps: int, seed: int) -> dict:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from effitrain.devices import cpu_name
+
+    cpu = cpu_name()
     return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
 
 

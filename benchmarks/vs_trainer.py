@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -95,12 +94,9 @@ def cpu_share(start, end) -> dict:
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from effitrain.devices import cpu_name
+
+    cpu = cpu_name()
     text = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
     if torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(0)}"

@@ -164,25 +164,11 @@ def load_tokenizer(path: Path):
 
 
 def load_classifier(path: Path, labels: list[str]):
-    """AutoModelForSequenceClassification with a head sized for `labels`, names stored in the config."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    """A pretrained directory as AutoModelForSequenceClassification with a head sized for `labels`: the
+    same builder `effitrain train` uses."""
+    from effitrain import tasks
 
-    with loading(path):
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
-            raise UserError(f"model type `{config.model_type}` has no sequence-classification head in transformers",
-                            "pass an encoder or decoder checkpoint that AutoModelForSequenceClassification supports")
-        return AutoModelForSequenceClassification.from_pretrained(
-            str(path),
-            num_labels=len(labels),
-            id2label=dict(enumerate(labels)),
-            label2id={label: i for i, label in enumerate(labels)},
-            # A checkpoint fine-tuned on other labels keeps its body and gets a new head.
-            ignore_mismatched_sizes=True,
-            use_safetensors=True,
-            local_files_only=True,
-        )
+    return tasks.build_model("sequence-classification", ModelSource(path), labels, processor=None)
 
 
 def parameter_counts(model) -> dict[str, int]:

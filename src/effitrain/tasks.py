@@ -72,7 +72,7 @@ def build_model(task: str, source: models.ModelSource, labels: list[str] | None,
         if task in TEXT_TASKS:
             config.vocab_size = len(processor)
         model = auto.from_config(config)
-    if task in TEXT_TASKS and model.config.pad_token_id is None:
+    if task in TEXT_TASKS and model.config.pad_token_id is None and processor is not None:
         model.config.pad_token_id = processor.pad_token_id  # sequence classification finds the last token by it
     return model
 
