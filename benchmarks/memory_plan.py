@@ -1,0 +1,162 @@
+"""Predicted vs measured peak training memory, for the default model and a GPT-2-shaped model.
+
+For each configuration, `effitrain.planning` predicts the peak per device (before anything is
+loaded), then a fresh Python process trains it for a few steps with effitrain's own pieces (the
+task's model class from its config, optim.build, tasks.loss_sum, gradient checkpointing, autocast)
+and reports its peak:
+- CPU: peak resident memory (VmHWM) minus the resident memory just before the model is built;
+- CUDA: torch.cuda.max_memory_allocated (the overhead allowance is left out of the prediction there).
+
+    python benchmarks/memory_plan.py              # the table and each error; exit 1 if one is > 15%
+    python benchmarks/memory_plan.py --calibrate  # also refit the CPU overhead constants
+
+The model is built from its config (random weights, same shapes as the checkpoint): loading the
+checkpoint would add the file's page cache to the resident set, which is not training memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+MiB = 2**20
+DEFAULT = "default"
+GPT2 = "gpt2:n_layer=4,n_embd=256,n_head=4"
+STEPS = 6  # resident memory stops growing after 4-5 steps (glibc heaps settle)
+
+# model, task, micro-batch, length, precision, optimizer, checkpointing, accumulation
+CONFIGS = [
+    (DEFAULT, "sequence-classification", 8, 128, "fp32", "adamw", False, 1),
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "adamw", False, 1),
+    (DEFAULT, "sequence-classification", 64, 128, "fp32", "adamw", False, 1),
+    (DEFAULT, "sequence-classification", 16, 256, "fp32", "adamw", False, 1),
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "adamw", True, 1),
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "sgd", False, 1),
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "adafactor", False, 1),
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "adamw-8bit", False, 1),
+    (DEFAULT, "sequence-classification", 16, 128, "fp32", "adamw", False, 2),
+    (DEFAULT, "sequence-classification", 32, 128, "bf16", "adamw", False, 1),
+    (GPT2, "causal-lm", 8, 128, "fp32", "adamw", False, 1),
+    (GPT2, "causal-lm", 16, 256, "fp32", "adamw", False, 1),
+    (GPT2, "causal-lm", 16, 256, "fp32", "adamw", True, 1),
+    (GPT2, "causal-lm", 4, 512, "fp32", "sgd", False, 1),
+    (GPT2, "causal-lm", 8, 256, "fp32", "adamw", False, 2),
+    (GPT2, "causal-lm", 8, 256, "bf16", "adamw", False, 1),
+]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def measure(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation) -> dict:
+    """In this (fresh) process: train STEPS steps, return the peak above the pre-model baseline."""
+    import torch
+
+    from effitrain import models, tasks
+    from effitrain.engine import optim
+    from effitrain.planning import plan, simulate
+
+    models.quiet_libraries(debug=False)
+    config = plan.model_config(model_name, task)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    batch = {k: v.to(device) for k, v in simulate.example_batch(task, config, micro, length).items()}
+    if "input_ids" in batch:
+        batch["input_ids"] = torch.randint(0, config.vocab_size, batch["input_ids"].shape, device=device)
+        if task == "causal-lm":
+            batch["labels"] = batch["input_ids"].clone()
+    baseline = torch.cuda.memory_allocated() if cuda else _status("VmRSS")
+    model = simulate.build(task, config).to(device)
+    model.train()
+    if checkpointing:
+        tasks.enable_gradient_checkpointing(model)
+    optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    started = time.perf_counter()
+    for _ in range(STEPS):
+        for _ in range(accumulation):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = tasks.loss_sum(task, model, batch) / micro
+            loss.backward()
+        optimizer_.step()
+        optimizer_.zero_grad(set_to_none=True)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - baseline
+    return {"measured": peak, "device": device.type, "seconds_per_step": (time.perf_counter() - started) / STEPS}
+
+
+def predict(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation, device, cache):
+    from effitrain.planning import plan
+
+    key = (model_name, task, length, device)
+    if key not in cache:
+        cache[key] = plan.Planner(plan.model_shapes(task, model_name), length, device)
+    estimate = cache[key].estimate(plan.Setting(precision, optimizer, checkpointing, micro, accumulation))
+    phases = cache[key].phases(precision, checkpointing, micro)
+    return estimate, phases.heap_churn
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibrate", action="store_true", help="refit CPU_OVERHEAD from these measurements")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(*json.loads(args.child))))
+        return 0
+
+    from effitrain.models import quiet_libraries
+
+    quiet_libraries(debug=False)
+    rows, cache = [], {}
+    header = f"{'model':8} {'b x len':>9} {'prec':4} {'optimizer':10} {'ckpt':4} {'acc':>3} " \
+             f"{'predicted':>10} {'measured':>10} {'error':>7}"
+    print(header)
+    for config in CONFIGS:
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], capture_output=True,
+                             text=True)
+        if out.returncode:
+            print(out.stderr[-2000:], file=sys.stderr)
+            return 1
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+        estimate, churn = predict(*config, measured["device"], cache)
+        predicted = estimate.total - (estimate.overhead if measured["device"] == "cuda" else 0)
+        error = predicted / measured["measured"] - 1
+        rows.append({"config": config, "predicted": predicted, "measured": measured["measured"], "error": error,
+                     "tensors": estimate.total - estimate.overhead, "heap_churn": churn,
+                     "breakdown": estimate.to_dict(), "device": measured["device"]})
+        name = "default" if config[0] == DEFAULT else "gpt2-4L"
+        print(f"{name:8} {config[2]:>3} x {config[3]:<4} {config[4]:4} {config[5]:10} "
+              f"{'yes' if config[6] else 'no':4} {config[7]:>3} {predicted / MiB:>8.0f}Mi {measured['measured'] / MiB:>8.0f}Mi "
+              f"{error:>+7.1%}", flush=True)
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst error {worst:.1%} over {len(rows)} configurations ({rows[0]['device']})")
+    if args.calibrate and rows[0]["device"] == "cpu":
+        _calibrate(rows)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+    return 0 if worst <= 0.15 else 1
+
+
+def _calibrate(rows) -> None:
+    """Least squares: measured - tensors = constant + heap_share x heap churn."""
+    import numpy as np
+
+    x = np.array([r["heap_churn"] for r in rows], dtype=float)
+    y = np.array([r["measured"] - r["tensors"] for r in rows], dtype=float)
+    share, constant = np.polyfit(x, y, 1)
+    print(f"calibration: CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {share:.3f}}}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""Peak memory per device of a training configuration, before anything is loaded, and the choice of
+settings that fit a budget.
+
+    peak = weights + gradients + optimizer states + activations + overhead
+
+- weights, gradients, optimizer states: exact arithmetic on the model's parameter shapes (the model
+  is built on fake tensors: no weights are read or allocated), divided by the processes where the
+  strategy shards them;
+- activations (and the temporaries of the forward, the loss and the backward): simulated operator
+  by operator on fake tensors (planning/simulate.py);
+- overhead: on CPU, what the C allocator keeps resident beyond live tensors, calibrated by
+  measurement (CPU_OVERHEAD, method in benchmarks/README.md); on CUDA, the context and caching
+  allocator slack (a documented allowance, not counted by torch.cuda.max_memory_allocated).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from effitrain import models
+from effitrain.errors import UserError
+from effitrain.planning import simulate
+
+GiB = 2**30
+MiB = 2**20
+
+# CPU resident memory beyond the live tensors = CONSTANT + HEAP_SHARE x heap churn, where heap churn is
+# the bytes a micro-step allocates in pieces small enough for glibc's heaps (< 32 MiB: they stay
+# resident, fragmented, between steps). Fitted by least squares on the 16 measurements of
+# benchmarks/memory_plan.py (fresh process each, peak RSS minus the RSS before the model is built);
+# `python benchmarks/memory_plan.py --calibrate` refits them.
+CPU_OVERHEAD = {"constant": 243 * MiB, "heap_share": 0.121}
+# CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
+# allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
+# measured here (no GPU was lent to this project yet).
+CUDA_OVERHEAD = {"context": 600 * MiB, "fragmentation": 0.05}
+
+# Relative speed of an optimizer step vs fused AdamW, measured by `effitrain bench` on this project's
+# CPU (20 steps of the default model); on GPUs all are fused kernels and taken as equal.
+OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8bit": 0.59, "adam-8bit": 0.59},
+                   "cuda": {}}
+# bf16/fp16 vs fp32 matmul throughput on GPUs with tensor cores (A100/H100 class): an assumption until
+# measured on a lent GPU; on CPU it is measured at plan time (precision.bf16_matmul_speedup).
+GPU_HALF_SPEEDUP = 2.0
+
+LIGHTER = {"adamw": ["adamw-8bit", "adafactor"], "adam-8bit": ["adafactor"], "adamw-8bit": ["adafactor"],
+           "sgd": [], "adafactor": []}
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
+BNB_BLOCK = 256  # values per quantisation block (one fp32 absmax each)
+
+
+@dataclass
+class ModelShapes:
+    """What the arithmetic needs from the model: parameter shapes, buffer bytes, the biggest layer."""
+
+    config: object
+    task: str
+    param_shapes: list[tuple[tuple[int, ...], bool]]  # (shape, trainable)
+    buffer_bytes: int
+    largest_layer_params: int
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(s) for s, _ in self.param_shapes)
+
+    @property
+    def trainable(self) -> int:
+        return sum(math.prod(s) for s, t in self.param_shapes if t)
+
+
+def model_shapes(task: str, model: str, num_labels: int = 2) -> ModelShapes:
+    """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
+    model_type:key=value), built on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = model_config(model, task, num_labels)
+    auto = simulate.tasks.auto_class(task)
+    if type(config) not in auto._model_mapping:
+        raise UserError(f"model type `{config.model_type}` has no {task} head in transformers",
+                        f"pass a model that {auto.__name__} supports, or another --task")
+    with FakeTensorMode():
+        built = simulate.build(task, config)
+    stack = simulate.layer_stack(built)
+    largest = max((sum(p.numel() for p in layer.parameters()) for layer in stack), default=0) if stack else 0
+    return ModelShapes(built.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
+                       sum(b.numel() * b.element_size() for b in built.buffers()), largest)
+
+
+def model_config(model: str, task: str, num_labels: int = 2):
+    """The transformers config of --model, with the head `effitrain train` would give it."""
+    from transformers import AutoConfig
+
+    source = models.resolve_source(model)
+    if source.config is not None:
+        config = source.config
+    else:
+        with models.loading(source.path):
+            config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+    config.num_labels = num_labels
+    if task in ("sequence-classification", "causal-lm") and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0  # sequence classification needs one to find the last token
+    return config
+
+
+def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]]) -> int:
+    """Bytes of the optimizer's state for trainable parameters of these shapes, as each library stores it."""
+    total = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if name == "adamw":  # fused AdamW: exp_avg, exp_avg_sq (fp32) and a float32 step tensor
+            total += 8 * n + 4
+        elif name == "sgd":  # momentum buffer
+            total += 4 * n
+        elif name == "adafactor":  # transformers' Adafactor without beta1: factored second moment
+            total += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if len(shape) >= 2 else 4 * n
+        elif name in ("adamw-8bit", "adam-8bit"):  # bitsandbytes blockwise 8-bit: 2 x (1 byte + absmax/256)
+            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK)) if n >= BNB_MIN_8BIT_SIZE else 8 * n
+        else:
+            raise ValueError(name)
+    return total
+
+
+def optimizer_step_temporary_bytes(name: str, shapes: list[tuple[int, ...]], weight_decay: bool = True) -> int:
+    """Transient bytes inside optimizer.step(): fused AdamW and bitsandbytes work in place; torch's
+    foreach SGD copies the decayed gradients; Adafactor makes a few tensors per parameter in turn."""
+    largest = max((math.prod(s) for s in shapes), default=0)
+    if name == "sgd" and weight_decay:
+        return 4 * sum(math.prod(s) for s in shapes if len(s) >= 2)
+    if name == "adafactor":
+        return 3 * 4 * largest
+    return 0
+
+
+@dataclass
+class Setting:
+    precision: str  # fp32 | bf16 | fp16
+    optimizer: str
+    checkpointing: bool
+    micro_batch: int
+    accumulation: int
+
+
+@dataclass
+class Estimate:
+    setting: Setting
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    overhead: int
+    relative_speed: float
+    fits: bool | None = None
+    rows: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    def to_dict(self) -> dict:
+        out = asdict(self.setting)
+        out.update(weights=self.weights, gradients=self.gradients, optimizer=self.optimizer,
+                   activations=self.activations, overhead=self.overhead, total=self.total,
+                   relative_speed=round(self.relative_speed, 3), fits=self.fits)
+        return out
+
+
+class Planner:
+    """Estimates for one model, task, sequence length, device and process layout; the simulations
+    (the costly part) are cached per (precision, checkpointing, micro-batch)."""
+
+    def __init__(self, shapes: ModelShapes, seq_len: int, device: str = "cpu", world_size: int = 1,
+                 strategy: str = "ddp", zero_stage: int = 2):
+        self.shapes, self.seq_len, self.device = shapes, seq_len, device
+        self.world_size, self.strategy, self.zero_stage = world_size, strategy, zero_stage
+        self._phases: dict[tuple, simulate.Phases] = {}
+        self._half_speedup: float | None = None
+
+    def phases(self, precision: str, checkpointing: bool, micro_batch: int) -> simulate.Phases:
+        key = (precision, checkpointing, micro_batch)
+        if key not in self._phases:
+            self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch, self.seq_len,
+                                                    precision, checkpointing)
+        return self._phases[key]
+
+    def _shard(self, nbytes: int, sharded: bool) -> int:
+        return math.ceil(nbytes / self.world_size) if sharded else nbytes
+
+    def estimate(self, setting: Setting) -> Estimate:
+        trainable_shapes = [s for s, t in self.shapes.param_shapes if t]
+        fsdp = self.strategy == "fsdp" and self.world_size > 1
+        zero = self.zero_stage if self.strategy == "deepspeed" and self.world_size > 1 else 0
+        weights = self._shard(4 * self.shapes.parameters, fsdp or zero >= 3) + self.shapes.buffer_bytes
+        gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
+        states = self._shard(optimizer_state_bytes(setting.optimizer, trainable_shapes), fsdp or zero >= 1)
+        if self.strategy == "ddp" and self.world_size > 1:
+            gradients += 4 * self.shapes.trainable  # DDP's gradient buckets: a second copy, all-reduced
+        phases = self.phases(setting.precision, setting.checkpointing, setting.micro_batch)
+        layer = 4 * 2 * self.shapes.largest_layer_params  # a layer and the prefetched next one, full size
+        if fsdp or zero >= 2:
+            # Sharded gradients: a layer's full gradient lives only until it is reduce-scattered.
+            above = max(phases.forward_held, phases.first_held, phases.last_held) + gradients + layer
+        else:
+            # A later micro-batch of an accumulated step starts with every gradient held; DDP's
+            # buckets are held throughout.
+            full = 4 * self.shapes.trainable
+            above = phases.peak(grads_before=full if setting.accumulation > 1 else 0) + gradients - full
+        if fsdp or zero >= 3:
+            above += layer  # the all-gathered weights of the current and the prefetched layer
+        # The optimizer step holds every gradient and the states, but no activations.
+        step = gradients + optimizer_step_temporary_bytes(setting.optimizer, trainable_shapes)
+        # What is left at the peak once weights, gradients and states are counted: activations and
+        # the temporaries of the forward, loss and backward.
+        activations = max(above, step) - gradients
+        tensors = weights + gradients + states + activations
+        overhead = self.overhead(phases, tensors)
+        return Estimate(setting, weights, gradients, states, activations, overhead, self.relative_speed(setting))
+
+    def overhead(self, phases: simulate.Phases, tensors: int) -> int:
+        if self.device == "cpu":
+            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * phases.heap_churn)
+        return round(CUDA_OVERHEAD["context"] + CUDA_OVERHEAD["fragmentation"] * tensors)
+
+    def relative_speed(self, setting: Setting) -> float:
+        """Samples per second relative to fp32 + AdamW without checkpointing at the same micro-batch:
+        operator FLOPs counted in the simulation (recomputation included), the precision's matmul
+        speed-up, the optimizer's measured cost. Small-batch kernel efficiency is not modelled."""
+        flops = self.phases(setting.precision, setting.checkpointing, setting.micro_batch).flops
+        base = self.phases(setting.precision, False, setting.micro_batch).flops
+        speed = base / flops if flops else 1.0
+        if setting.precision != "fp32":
+            speed *= self.half_speedup()
+        return speed * OPTIMIZER_SPEED.get(self.device, {}).get(setting.optimizer, 1.0)
+
+    def half_speedup(self) -> float:
+        if self._half_speedup is None:
+            if self.device == "cpu":
+                from effitrain.engine.precision import bf16_matmul_speedup
+
+                self._half_speedup = bf16_matmul_speedup()
+            else:
+                self._half_speedup = GPU_HALF_SPEEDUP
+        return self._half_speedup
+
+
+def micro_batches(batch: int) -> list[int]:
+    """The micro-batches that split `batch` evenly, largest first, halving (16, 8, 4, 2, 1)."""
+    sizes, size = [], batch
+    while True:
+        sizes.append(size)
+        if size % 2 or size == 1:
+            break
+        size //= 2
+    if sizes[-1] != 1:
+        sizes.append(1)  # an odd batch: its only other even split is one example at a time
+    return sizes
+
+
+def table(planner: Planner, batch: int, precisions: list[str], optimizers: list[str],
+          checkpointing: list[bool], budget: int | None) -> list[Estimate]:
+    """Every combination, for an effective batch of `batch` per device per step."""
+    estimates = []
+    for precision, optimizer, ckpt, micro in itertools.product(precisions, optimizers, checkpointing,
+                                                               micro_batches(batch)):
+        estimate = planner.estimate(Setting(precision, optimizer, ckpt, micro, batch // micro))
+        estimate.fits = None if budget is None else estimate.total <= budget
+        estimates.append(estimate)
+    return estimates
+
+
+def recommend(estimates: list[Estimate]) -> Estimate | None:
+    """The fastest that fits; among equals, the larger micro-batch (better kernel efficiency)."""
+    fitting = [e for e in estimates if e.fits]
+    return max(fitting, key=lambda e: (round(e.relative_speed, 2), e.setting.micro_batch), default=None)
+
+
+def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpointing: bool,
+        budget: int) -> tuple[Estimate, list[str]]:
+    """What `train --memory-budget` applies: the user's settings when they fit; else trade micro-batch
+    for accumulation (same effective batch), and only if even one example at a time does not fit,
+    turn on checkpointing, then a lighter optimizer. Returns the choice and what changed, in words."""
+    for ckpt, optim_name in [(checkpointing, optimizer), (True, optimizer)] + [
+            (ckpt, lighter) for lighter in LIGHTER[optimizer] for ckpt in (checkpointing, True)]:
+        for micro in micro_batches(batch):
+            estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro))
+            if estimate.total <= budget:
+                estimate.fits = True
+                changes = []
+                if micro != batch:
+                    changes.append(f"micro-batch {batch} -> {micro} with {batch // micro}x more accumulation")
+                if ckpt != checkpointing:
+                    changes.append("gradient checkpointing on")
+                if optim_name != optimizer:
+                    changes.append(f"optimizer {optimizer} -> {optim_name}")
+                return estimate, changes
+    smallest = planner.estimate(Setting(precision, (LIGHTER[optimizer] or [optimizer])[-1], True, 1, batch))
+    raise UserError(f"nothing fits in {budget / GiB:.2f} GiB: even one example at a time with gradient "
+                    f"checkpointing and {smallest.setting.optimizer} needs {smallest.total / GiB:.2f} GiB",
+                    "raise --memory-budget, shorten --max-length, use more processes with --strategy fsdp, "
+                    "or a smaller model")
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB', '8GB', '1.5G', '2000000000' -> bytes (G/GiB binary, GB decimal)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise UserError(f"`{text}` is not a memory size", "write e.g. 8GiB, 512MiB or 16GB")
+    number, prefix, suffix = float(match[1]), match[2].upper(), match[3].lower()
+    power = " KMGT".index(prefix or " ")
+    base = 1000 if suffix == "b" and prefix else 1024
+    return int(number * base**power)
+
+
+def available_bytes(device: str) -> int:
+    """Memory free for training now: CUDA free memory, or MemAvailable on Linux CPU."""
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from effitrain.devices import total_memory_bytes
+
+    return int((total_memory_bytes() or 8 * GiB) * 0.8)

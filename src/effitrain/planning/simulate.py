@@ -1,0 +1,229 @@
+"""One training micro-step (forward, loss, backward) run on fake tensors: every operator computes
+shapes only, so the bytes of every tensor the step creates are known exactly, for any model size,
+in well under a second per layer stack, with no weights allocated.
+
+A dispatch mode sees each tensor storage as it is created and a weak reference sees it freed; the
+live bytes after every operator make a timeline. Weights are counted from the model, optimizer
+states by arithmetic (see `optimizer_state_bytes`): neither needs simulating.
+
+Deep models are simulated at depth 2 and 3 and extrapolated: in a stack of identical layers each
+extra layer adds the same activations (forward) and the same gradients (backward), so each phase's
+peak is linear in depth. The backward is cut into its first layer (plus the head) and its last
+layer (plus the embeddings) because the backward peak sits at one of those two ends: there the
+held activations are largest, here the gradients are. `tests/test_planning.py` checks the
+extrapolation against a full-depth simulation.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from effitrain import tasks
+
+# glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
+# keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
+# counts the first kind (see plan.CPU_OVERHEAD).
+HEAP_LIMIT = 32 * 2**20
+
+
+@dataclass
+class Phases:
+    """Peaks (bytes above the weights) of the three phases of a micro-step.
+
+    `_held`: activations and temporaries; `_with_grads`: plus the gradients made so far (the first
+    micro-batch of a step, when no gradient exists before the backward)."""
+
+    forward_held: int
+    first_held: int
+    first_with_grads: int
+    last_held: int
+    last_with_grads: int
+    heap_churn: int  # bytes allocated in heap-sized pieces during the step (CPU overhead model)
+    flops: int
+
+    def peak(self, grads_before: int) -> int:
+        """Highest bytes above the weights; `grads_before`: gradients already held when the
+        micro-batch starts (a later micro-batch of an accumulated step holds them all)."""
+        if grads_before:
+            return grads_before + max(self.forward_held, self.first_held, self.last_held)
+        return max(self.forward_held, self.first_with_grads, self.last_with_grads)
+
+    @staticmethod
+    def extrapolate(at2: "Phases", at3: "Phases", depth: int) -> "Phases":
+        return Phases(**{name: max(0, round(getattr(at3, name) + (depth - 3) * (getattr(at3, name) - getattr(at2, name))))
+                         for name in Phases.__dataclass_fields__})
+
+
+class _Timeline(TorchDispatchMode):
+    """Live bytes of the storages created inside the mode (not the weights), after every operator."""
+
+    def __init__(self, flop_counter):
+        super().__init__()
+        self.held = 0  # activations and temporaries
+        self.grads = 0
+        self.points: list[tuple[int, int]] = []
+        self.heap_churn = 0
+        self.flops = 0
+        self._flop_registry = flop_counter
+        self._sizes = WeakIdKeyDictionary()  # storage -> [bytes, is_grad]
+
+    def _freed(self, record, _ref):
+        if record[1]:
+            self.grads -= record[0]
+        else:
+            self.held -= record[0]
+
+    def mark_grad(self, tensor: torch.Tensor) -> None:
+        record = self._sizes.get(tensor.untyped_storage())
+        if record is not None and not record[1]:
+            record[1] = True
+            self.held -= record[0]
+            self.grads += record[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = self._flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage in self._sizes:
+                continue
+            size = storage.nbytes()
+            record = [size, False]
+            self._sizes[storage] = record
+            weakref.finalize(storage, self._freed, record, None)
+            self.held += size
+            if size < HEAP_LIMIT:
+                self.heap_churn += size
+        self.points.append((self.held, self.grads))
+        return out
+
+
+def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The ModuleList of repeated layers holding most parameters (encoder.layer, model.layers, h...)."""
+    best, best_count = None, 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 1:
+            count = sum(p.numel() for p in module.parameters())
+            if count > best_count:
+                best, best_count = module, count
+    return best
+
+
+def with_depth(config, depth: int):
+    """A copy of a transformers config with `depth` layers (per-layer lists cut to match)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = depth
+    for key in ("layer_types",):
+        value = getattr(config, key, None)
+        if isinstance(value, list):
+            setattr(config, key, value[:depth])
+    return config
+
+
+def depth_of(config) -> int | None:
+    return getattr(config, "num_hidden_layers", None)
+
+
+def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
+    """Inputs of the shapes a training micro-batch has (values do not matter to memory)."""
+    if task == "causal-lm":
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    labels = torch.zeros(batch_size, dtype=torch.long)
+    if task == "sequence-classification":
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    if task == "image-classification":
+        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        return {"pixel_values": torch.zeros(batch_size, getattr(config, "num_channels", 3), size, size),
+                "labels": labels}
+    return {"input_values": torch.zeros(batch_size, seq_len), "labels": labels}  # audio: seq_len samples
+
+
+def build(task: str, config):
+    """The task's Auto model from `config`, its tensors fake (no memory)."""
+    return tasks.auto_class(task).from_config(config)
+
+
+def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool) -> Phases:
+    """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible."""
+    depth = depth_of(config)
+    if depth is not None and depth > 3:
+        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing)
+        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing)
+        if at2 is not None and at3 is not None:
+            return Phases.extrapolate(at2, at3, depth)
+    phases = _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False)
+    return phases
+
+
+def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True) -> Phases | None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import flop_registry
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model = build(task, config)
+        model.train()
+        if checkpointing:
+            tasks.enable_gradient_checkpointing(model)
+        stack = layer_stack(model) if split else None
+        if split and (stack is None or len(stack) != depth_of(config)):
+            return None  # no stack of identical layers to extrapolate over
+        batch = example_batch(task, model.config, batch_size, seq_len)
+        timeline = _Timeline(flop_registry)
+        # Which backward point each layer's gradients complete at: cuts the backward into phases.
+        done_at: dict[int, int] = {}
+        remaining = {i: sum(1 for p in layer.parameters() if p.requires_grad) for i, layer in enumerate(stack or [])}
+
+        def on_grad(param, layer_index=None):
+            timeline.mark_grad(param.grad)
+            if layer_index is not None:
+                remaining[layer_index] -= 1
+                if remaining[layer_index] == 0:
+                    done_at[layer_index] = len(timeline.points)
+
+        owner = {id(p): i for i, layer in enumerate(stack or []) for p in layer.parameters()}
+        handles = [p.register_post_accumulate_grad_hook(lambda p, i=owner.get(id(p)): on_grad(p, i))
+                   for p in model.parameters() if p.requires_grad]
+        autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+                    if precision in ("bf16", "fp16") else _nothing())
+        with timeline:
+            with autocast:
+                loss = tasks.loss_sum(task, model, batch) / batch_size
+            backward_start = len(timeline.points)
+            loss.backward()
+            del loss
+        for handle in handles:
+            handle.remove()
+    points = timeline.points
+    forward = points[:backward_start] or [(0, 0)]
+    if split:
+        top = len(stack) - 1
+        first = points[backward_start:done_at[top] + 1]
+        last = points[done_at[1]:] if 1 in done_at else points[backward_start:]
+    else:
+        first = last = points[backward_start:] or [(0, 0)]
+    return Phases(forward_held=max(h for h, _ in forward),
+                  first_held=max(h for h, _ in first), first_with_grads=max(h + g for h, g in first),
+                  last_held=max(h for h, _ in last), last_with_grads=max(h + g for h, g in last),
+                  heap_churn=timeline.heap_churn, flops=timeline.flops)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
