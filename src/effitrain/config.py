@@ -58,6 +58,12 @@ class TrainConfig:
                           "(GPU, with a gradient scaler)", choices=PRECISIONS)
     optim: str = _opt("adamw", "adamw (fused), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else torchao), "
                       "sgd (momentum = --beta1)", choices=OPTIMIZERS)
+    memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
+                                     "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
+                                     "splits the micro-batch and accumulates more (same effective batch), and "
+                                     "only if that is not enough turns on checkpointing, then a lighter "
+                                     "optimizer; on an out-of-memory error it halves the micro-batch and retries "
+                                     "the step")
     beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)")
     beta2: float = _opt(0.999, "second-moment decay")
     eval_batch_size: int = _opt(128, "batch per device for evaluation")
@@ -220,6 +226,14 @@ def validate(config: TrainConfig) -> None:
     if config.local_sgd_steps and config.strategy != "ddp":
         raise UserError(f"--local-sgd-steps works with --strategy ddp, not {config.strategy}",
                         "drop --local-sgd-steps, or use --strategy ddp")
+    if config.memory_budget is not None and config.memory_budget != "auto":
+        from effitrain.planning.sizes import parse_size
+
+        if parse_size(config.memory_budget) <= 0:
+            raise UserError(f"--memory-budget must be > 0, got {config.memory_budget}", "pass e.g. 8GiB or auto")
+    if config.memory_budget is not None and config.packing:
+        raise UserError("--memory-budget cannot split a packed micro-batch (it is one row)",
+                        "drop --packing, or lower --batch-size yourself")
     if config.packing and config.task != "causal-lm":
         raise UserError(f"--packing applies to --task causal-lm, not {config.task}",
                         "drop --packing, or pass --task causal-lm")

@@ -24,7 +24,7 @@ def has_accelerator() -> bool:
 
 
 def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", zero_stage: int = 2,
-                     max_grad_norm: float = 1.0, mixed_precision: str = "no"):
+                     max_grad_norm: float = 1.0, mixed_precision: str = "no", broadcast_buffers: bool = True):
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
     multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
     `ddp_timeout` bounds how long a collective waits for a dead or stuck peer."""
@@ -34,6 +34,12 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     from accelerate.utils import InitProcessGroupKwargs
 
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else []
+    if not broadcast_buffers:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        # DDP broadcasts buffers in every forward, a collective: a process that skipped a forward
+        # (out of memory) would leave the others waiting in it.
+        handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
     fresh_accelerator_state()
     return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
                        **strategy_plugins(strategy, zero_stage, max_grad_norm))

@@ -82,7 +82,11 @@ def enable_gradient_checkpointing(model) -> None:
     if not model.supports_gradient_checkpointing:
         raise UserError(f"{type(model).__name__} does not support gradient checkpointing",
                         "drop --gradient-checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
 

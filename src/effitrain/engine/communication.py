@@ -26,6 +26,28 @@ def count_gradient_allreduces(ddp_model, counter: Counter) -> None:
     ddp_model.register_comm_hook(None, hook)
 
 
+def allreduce_gradients(model, world: int, counter: Counter, bucket_bytes: int = 25 * 2**20) -> None:
+    """Average the gradients over the processes, as DDP's default does, in ~25 MB flat buckets (DDP's
+    default size). Used when every micro-batch ran under no_sync, so that the processes could first
+    agree that none of them ran out of memory (--memory-budget with several processes)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bucket, size = [], 0
+    for i, grad in enumerate(grads):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1:
+            flat = _flatten_dense_tensors(bucket)
+            flat.div_(world)  # before the sum, as DDP does
+            dist.all_reduce(flat)
+            for grad_, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad_.copy_(synced)
+            counter.calls += 1
+            counter.bytes += flat.numel() * flat.element_size()
+            bucket, size = [], 0
+
+
 class AveragingLocalSGD(LocalSGD):
     """accelerate's LocalSGD (no gradient sync inside the context, parameters averaged every K steps),
     averaging all parameters in one flattened all-reduce instead of one call per tensor and a barrier:

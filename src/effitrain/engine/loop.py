@@ -20,7 +20,7 @@ from effitrain import models, outputs, tasks
 from effitrain.config import TrainConfig
 from effitrain.data import sources, text
 from effitrain.devices import make_accelerator, peak_memory_bytes
-from effitrain.engine import checkpoint, communication, optim, precision
+from effitrain.engine import checkpoint, communication, memory_fit, optim, precision
 from effitrain.errors import UserError
 
 
@@ -97,7 +97,7 @@ def run(config: TrainConfig) -> dict:
         outputs.check_free(Path(config.output_dir), config.overwrite)
     mixed_precision, precision_reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
-                                   mixed_precision)
+                                   mixed_precision, broadcast_buffers=config.memory_budget is None)
     grad_accum = accumulation(config, accelerator.num_processes)
     if resume_from is not None:
         resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes)
@@ -109,6 +109,10 @@ def run(config: TrainConfig) -> dict:
     label_names = splits["train"].features["label"].names if "label" in splits["train"].column_names else None
     with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
         encoded = tasks.preprocess(task, splits, processor, config, loaded.base_dir)
+    split, fit_note = 1, None  # pieces each loaded micro-batch runs as (--memory-budget)
+    if config.memory_budget:
+        split, fit_note = memory_fit.plan_run(config, accelerator.device, accelerator.num_processes,
+                                              len(label_names or []), processor)
     model = tasks.build_model(task, source, label_names, processor)
     if config.gradient_checkpointing:
         tasks.enable_gradient_checkpointing(model)
@@ -116,6 +120,9 @@ def run(config: TrainConfig) -> dict:
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = _claim_output_dir(accelerator, config, clear=resume_from is None)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
+    if fit_note:
+        accelerator.print(fit_note)
+        log.write({"step": 0, "memory_plan": fit_note, "split": split})
 
     world = accelerator.num_processes
     train_collate, eval_collate = tasks.collators(task, processor, config)
@@ -194,21 +201,32 @@ def run(config: TrainConfig) -> dict:
             # Local SGD: each process minimises its own loss; otherwise one loss over all processes.
             synced = world > 1 and local_sgd is None
             step_items = accelerator.reduce(items, "sum") if synced else items
-            for i, batch in enumerate(group):
-                # Gradients are all-reduced only on the last micro-batch of the step.
-                sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
-                with sync:
-                    if batch is None:
-                        accelerator.backward(tasks.loss_sum(task, model, stand_in) * 0.0)
-                        continue
-                    loss = tasks.loss_sum(task, model, batch)
-                    # DDP averages gradients over W processes, hence the factor W.
-                    accelerator.backward(loss * (world if synced else 1) / step_items)
-                count = tasks.item_count(task, batch).double()
-                tokens = tasks.token_count(task, batch)
-                step_window += torch.stack([loss.detach().double(), count])
-                totals += torch.stack([tasks.example_count(task, batch).double(),
-                                       count.new_tensor(0.0) if tokens is None else tokens.double()])
+            while True:  # once, or again with smaller pieces after an out-of-memory error
+                step_totals = torch.zeros_like(totals)
+                try:
+                    out_of_memory = _forward_backward(accelerator, task, model, group, split, stand_in, step_items,
+                                                      world if synced else 1, step_window, step_totals,
+                                                      agree=synced and config.memory_budget is not None)
+                except Exception as err:
+                    if not memory_fit.is_out_of_memory(err) or synced or config.memory_budget is None:
+                        raise
+                    out_of_memory = True
+                if synced and config.memory_budget is not None:
+                    # Every process learns whether one ran out, before any gradient crosses the wire.
+                    flag = torch.tensor([float(out_of_memory)], device=accelerator.device)
+                    out_of_memory = bool(accelerator.reduce(flag, "sum") > 0)
+                    if not out_of_memory:
+                        communication.allreduce_gradients(model, world, wire)
+                if not out_of_memory:
+                    break
+                optimizer.zero_grad(set_to_none=True)
+                step_window.zero_()
+                memory_fit.release_cached(accelerator.device)
+                split = memory_fit.halve(split, config.batch_size, config.strategy)
+                said = f"out of memory at step {step + 1}: retrying it in pieces of {config.batch_size // split}"
+                log.write({"step": step + 1, "out_of_memory": said, "split": split})
+                accelerator.print(said)
+            totals += step_totals
             # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
             # gradient is seen, the same on every process since gradients are already all-reduced.
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
@@ -301,6 +319,8 @@ def run(config: TrainConfig) -> dict:
         "optimizer_state_bytes_per_param": state_size / trainable,
         "gradient_checkpointing": config.gradient_checkpointing,
         "grad_accum": grad_accum,
+        # --memory-budget: each loaded micro-batch ran as this many pieces (1: as loaded).
+        "pieces_per_micro_batch": split,
         # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
         "sync_allreduce_calls": wire.calls,
         "sync_allreduce_bytes": wire.bytes,
@@ -318,6 +338,38 @@ def run(config: TrainConfig) -> dict:
     log.close()
     accelerator.end_training()
     return metrics
+
+
+def _forward_backward(accelerator, task, model, group, split, stand_in, step_items, scale, step_window, step_totals,
+                      agree: bool) -> bool:
+    """Forward and backward of every micro-batch of a step, each run as `split` pieces. Gradients
+    are all-reduced by DDP on the last piece, unless `agree`: then no piece syncs, an out-of-memory
+    error is caught and returned (True) so that the processes can agree on it, and the caller
+    all-reduces the gradients."""
+    pieces = [(batch, piece) for batch in group
+              for piece in ([None] if batch is None else memory_fit.split_batch(batch, split))]
+    for i, (batch, piece) in enumerate(pieces):
+        # Gradients are all-reduced only on the last piece of the step.
+        last = i == len(pieces) - 1 and not agree
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
+                accelerator.backward(tasks.loss_sum(task, model, stand_in) * 0.0)
+                continue
+            try:
+                memory_fit.check_test_hook(piece, accelerator.process_index)
+                loss = tasks.loss_sum(task, model, piece)
+                # DDP averages gradients over W processes, hence the factor W.
+                accelerator.backward(loss * scale / step_items)
+            except Exception as err:
+                if agree and memory_fit.is_out_of_memory(err):
+                    return True
+                raise
+        count = tasks.item_count(task, piece).double()
+        tokens = tasks.token_count(task, piece)
+        step_window += torch.stack([loss.detach().double(), count])
+        step_totals += torch.stack([tasks.example_count(task, piece).double(),
+                                    count.new_tensor(0.0) if tokens is None else tokens.double()])
+    return False
 
 
 def _short(metrics: dict) -> str:

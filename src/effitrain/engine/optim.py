@@ -65,21 +65,28 @@ def _eight_bit(name: str, groups, lr: float, betas):
                         "pip install bitsandbytes (or torchao)")
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes really stored: tensor subclasses (torchao's 8-bit states) hold inner tensors."""
+def _leaf_tensors(tensor: torch.Tensor):
+    """The tensors really stored: tensor subclasses (torchao's 8-bit states) hold inner tensors."""
     if hasattr(tensor, "__tensor_flatten__"):
         names, _ = tensor.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(tensor, n)) for n in names)
-    return tensor.numel() * tensor.element_size()
+        for name in names:
+            yield from _leaf_tensors(getattr(tensor, name))
+    else:
+        yield tensor
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Every tensor in the optimizer's state (moments, quantisation scales, step counters)."""
-    total = 0
+    """Every tensor in the optimizer's state (moments, quantisation scales, step counters), each storage
+    once: bitsandbytes gives every parameter's state the same quantisation maps."""
+    seen, total = set(), 0
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                total += _tensor_bytes(value)
+                for leaf in _leaf_tensors(value):
+                    key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.numel())
+                    if key not in seen:
+                        seen.add(key)
+                        total += leaf.numel() * leaf.element_size()
     return total
 
 

@@ -24,6 +24,7 @@ import torch
 from effitrain import models
 from effitrain.errors import UserError
 from effitrain.planning import simulate
+from effitrain.planning.sizes import parse_size  # noqa: F401 (part of this module's interface)
 
 GiB = 2**30
 MiB = 2**20
@@ -43,6 +44,9 @@ CUDA_OVERHEAD = {"context": 600 * MiB, "fragmentation": 0.05}
 # CPU (20 steps of the default model); on GPUs all are fused kernels and taken as equal.
 OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8bit": 0.59, "adam-8bit": 0.59},
                    "cuda": {}}
+# Share of a training step's time spent in matmuls (what half precision speeds up): effitrain bench
+# measured bf16 steps 1.66x faster where bf16 matmuls are 3.5x faster on this CPU, i.e. about 0.6.
+MATMUL_TIME_SHARE = 0.6
 # bf16/fp16 vs fp32 matmul throughput on GPUs with tensor cores (A100/H100 class): an assumption until
 # measured on a lent GPU; on CPU it is measured at plan time (precision.bf16_matmul_speedup).
 GPU_HALF_SPEEDUP = 2.0
@@ -72,12 +76,15 @@ class ModelShapes:
         return sum(math.prod(s) for s, t in self.param_shapes if t)
 
 
-def model_shapes(task: str, model: str, num_labels: int = 2) -> ModelShapes:
+def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | None = None) -> ModelShapes:
     """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
-    model_type:key=value), built on fake tensors."""
+    model_type:key=value), built on fake tensors. `vocab_size`: the tokenizer's, which `train` gives
+    a text model built from a config."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = model_config(model, task, num_labels)
+    if vocab_size is not None and not models.resolve_source(model).pretrained:
+        config.vocab_size = vocab_size
     auto = simulate.tasks.auto_class(task)
     if type(config) not in auto._model_mapping:
         raise UserError(f"model type `{config.model_type}` has no {task} head in transformers",
@@ -109,14 +116,17 @@ def model_config(model: str, task: str, num_labels: int = 2):
 def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]]) -> int:
     """Bytes of the optimizer's state for trainable parameters of these shapes, as each library stores it."""
     total = 0
+    if name in ("adamw-8bit", "adam-8bit") and any(math.prod(s) >= BNB_MIN_8BIT_SIZE for s in shapes):
+        total += 2 * 256 * 4  # the two quantisation maps (256 fp32 values), shared by all parameters
     for shape in shapes:
         n = math.prod(shape)
         if name == "adamw":  # fused AdamW: exp_avg, exp_avg_sq (fp32) and a float32 step tensor
             total += 8 * n + 4
         elif name == "sgd":  # momentum buffer
             total += 4 * n
-        elif name == "adafactor":  # transformers' Adafactor without beta1: factored second moment
+        elif name == "adafactor":  # transformers' Adafactor without beta1: factored second moment + RMS
             total += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if len(shape) >= 2 else 4 * n
+            total += 4
         elif name in ("adamw-8bit", "adam-8bit"):  # bitsandbytes blockwise 8-bit: 2 x (1 byte + absmax/256)
             total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK)) if n >= BNB_MIN_8BIT_SIZE else 8 * n
         else:
@@ -162,7 +172,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         out = asdict(self.setting)
-        out.update(weights=self.weights, gradients=self.gradients, optimizer=self.optimizer,
+        out.update(weights=self.weights, gradients=self.gradients, optimizer_states=self.optimizer,
                    activations=self.activations, overhead=self.overhead, total=self.total,
                    relative_speed=round(self.relative_speed, 3), fits=self.fits)
         return out
@@ -231,8 +241,8 @@ class Planner:
         flops = self.phases(setting.precision, setting.checkpointing, setting.micro_batch).flops
         base = self.phases(setting.precision, False, setting.micro_batch).flops
         speed = base / flops if flops else 1.0
-        if setting.precision != "fp32":
-            speed *= self.half_speedup()
+        if setting.precision != "fp32":  # Amdahl: only the matmul share of the time speeds up
+            speed /= (1 - MATMUL_TIME_SHARE) + MATMUL_TIME_SHARE / self.half_speedup()
         return speed * OPTIMIZER_SPEED.get(self.device, {}).get(setting.optimizer, 1.0)
 
     def half_speedup(self) -> float:
@@ -278,14 +288,14 @@ def recommend(estimates: list[Estimate]) -> Estimate | None:
 
 
 def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpointing: bool,
-        budget: int) -> tuple[Estimate, list[str]]:
+        budget: int, accumulation: int = 1) -> tuple[Estimate, list[str]]:
     """What `train --memory-budget` applies: the user's settings when they fit; else trade micro-batch
     for accumulation (same effective batch), and only if even one example at a time does not fit,
     turn on checkpointing, then a lighter optimizer. Returns the choice and what changed, in words."""
     for ckpt, optim_name in [(checkpointing, optimizer), (True, optimizer)] + [
             (ckpt, lighter) for lighter in LIGHTER[optimizer] for ckpt in (checkpointing, True)]:
         for micro in micro_batches(batch):
-            estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro))
+            estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro * accumulation))
             if estimate.total <= budget:
                 estimate.fits = True
                 changes = []
@@ -296,24 +306,12 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
                 if optim_name != optimizer:
                     changes.append(f"optimizer {optimizer} -> {optim_name}")
                 return estimate, changes
-    smallest = planner.estimate(Setting(precision, (LIGHTER[optimizer] or [optimizer])[-1], True, 1, batch))
+    smallest = planner.estimate(Setting(precision, (LIGHTER[optimizer] or [optimizer])[-1], True, 1,
+                                        batch * accumulation))
     raise UserError(f"nothing fits in {budget / GiB:.2f} GiB: even one example at a time with gradient "
                     f"checkpointing and {smallest.setting.optimizer} needs {smallest.total / GiB:.2f} GiB",
                     "raise --memory-budget, shorten --max-length, use more processes with --strategy fsdp, "
                     "or a smaller model")
-
-
-def parse_size(text: str) -> int:
-    """'8GiB', '512MiB', '8GB', '1.5G', '2000000000' -> bytes (G/GiB binary, GB decimal)."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise UserError(f"`{text}` is not a memory size", "write e.g. 8GiB, 512MiB or 16GB")
-    number, prefix, suffix = float(match[1]), match[2].upper(), match[3].lower()
-    power = " KMGT".index(prefix or " ")
-    base = 1000 if suffix == "b" and prefix else 1024
-    return int(number * base**power)
 
 
 def available_bytes(device: str) -> int:
@@ -331,3 +329,44 @@ def available_bytes(device: str) -> int:
     from effitrain.devices import total_memory_bytes
 
     return int((total_memory_bytes() or 8 * GiB) * 0.8)
+
+
+def best_per_technique(planner: Planner, batch: int, precisions: list[str], optimizers: list[str],
+                       checkpointing: list[bool], budget: int | None, every_micro_batch: bool = False
+                       ) -> list[Estimate]:
+    """One row per (precision, optimizer, checkpointing): the largest micro-batch that fits the budget
+    (accumulation makes up the rest of `batch`), or the whole batch in one micro-batch when none fits
+    or there is no budget. `every_micro_batch`: all of them instead."""
+    rows = []
+    for precision, optimizer, ckpt in itertools.product(precisions, optimizers, checkpointing):
+        chosen = None
+        for micro in micro_batches(batch):
+            estimate = planner.estimate(Setting(precision, optimizer, ckpt, micro, batch // micro))
+            estimate.fits = None if budget is None else estimate.total <= budget
+            if every_micro_batch:
+                rows.append(estimate)
+            elif budget is None or estimate.fits:
+                chosen = estimate
+                break
+            elif estimate.total - estimate.activations > budget:
+                break  # the model's states alone do not fit: no micro-batch will
+        if not every_micro_batch:
+            rows.append(chosen or planner.estimate(Setting(precision, optimizer, ckpt, batch, 1)))
+            rows[-1].fits = None if budget is None else rows[-1].total <= budget
+    return rows
+
+
+def format_table(rows: list[Estimate], recommended: Estimate | None) -> str:
+    def gib(n: int) -> str:
+        return f"{n / GiB:.2f}"
+
+    lines = [f"{'precision':9} {'optimizer':10} {'ckpt':4} {'micro x acc':>11} {'weights':>8} {'grads':>8} "
+             f"{'optim':>8} {'activ':>8} {'overhd':>8} {'total':>8} {'speed':>6}  fits"]
+    for e in rows:
+        s = e.setting
+        mark = {True: "yes", False: "no", None: "-"}[e.fits] + ("  <- recommended" if e is recommended else "")
+        lines.append(f"{s.precision:9} {s.optimizer:10} {'on' if s.checkpointing else 'off':4} "
+                     f"{f'{s.micro_batch} x {s.accumulation}':>11} {gib(e.weights):>8} {gib(e.gradients):>8} "
+                     f"{gib(e.optimizer):>8} {gib(e.activations):>8} {gib(e.overhead):>8} {gib(e.total):>8} "
+                     f"{e.relative_speed:>5.2f}x  {mark}")
+    return "\n".join(lines)

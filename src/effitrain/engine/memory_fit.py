@@ -1,0 +1,121 @@
+"""--memory-budget: fit a run into a device's memory without changing what it computes.
+
+The data loader keeps the user's micro-batch, so the order and grouping of examples are those of
+the run without a budget; each loaded micro-batch is run as `split` smaller pieces whose gradients
+accumulate. The loss of a step is normalised by the step's item count, so splitting changes only
+the order of floating-point additions, not the step: the effective batch is the user's.
+
+Before training, the planner picks `split` (and, only when even one example at a time does not fit,
+checkpointing and then a lighter optimizer). During training, an out-of-memory error in a step
+doubles `split` and runs the step again from its first micro-batch; with several processes they
+agree on it first (see loop.py), so no process is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from effitrain.config import TrainConfig
+from effitrain.errors import UserError
+
+# Test hook: a process raises an out-of-memory error for any piece larger than this many examples
+# (EFFITRAIN_TEST_OOM_RANK: only that rank), as a device too small for the micro-batch would.
+TEST_OOM_ABOVE = "EFFITRAIN_TEST_OOM_ABOVE"
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator failing (RuntimeError: can't allocate memory)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in str(err) or "out of memory" in str(err))
+
+
+def release_cached(device: torch.device) -> None:
+    """After an out-of-memory error: the failed step's tensors are gone; give their cached blocks back."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def split_batch(batch: dict, parts: int) -> list[dict]:
+    """A padded micro-batch as `parts` pieces along the example dimension (the last ones may be one
+    example smaller, or absent when the batch has fewer examples than parts)."""
+    if parts == 1:
+        return [batch]
+    size = len(next(iter(batch.values())))
+    bounds = [size * i // parts for i in range(parts + 1)]
+    return [{key: value[lo:hi] for key, value in batch.items()} for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def check_test_hook(batch: dict, rank: int) -> None:
+    limit = os.environ.get(TEST_OOM_ABOVE)
+    if limit is None or os.environ.get("EFFITRAIN_TEST_OOM_RANK", str(rank)) != str(rank):
+        return
+    if len(next(iter(batch.values()))) > int(limit):
+        raise torch.OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
+
+
+def sequence_length(config: TrainConfig, processor) -> int:
+    """The longest input a micro-batch can hold: tokens for text, samples for audio (images: unused)."""
+    if config.task == "audio-classification":
+        return int(config.max_duration * processor.sampling_rate)
+    return config.max_length
+
+
+def budget_bytes(config: TrainConfig, device: torch.device) -> int:
+    from effitrain.planning import plan
+
+    if config.memory_budget != "auto":
+        return plan.parse_size(config.memory_budget)
+    free = plan.available_bytes(device.type)
+    # Processes of one machine share its RAM on a CPU; each GPU has its own memory.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    return int(free * 0.9 / local)  # a tenth spare for the data, the evaluation and the rest
+
+
+def plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor) -> tuple[int, str]:
+    """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer (set on
+    `config`); returns (split, what was decided in words)."""
+    # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
+    # initial head and dropout must not depend on whether it planned.
+    with torch.random.fork_rng(devices=[]):
+        return _plan_run(config, device, world, num_labels, processor)
+
+
+def _plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor) -> tuple[int, str]:
+    from effitrain.engine.precision import choose
+    from effitrain.planning import plan
+
+    budget = budget_bytes(config, device)
+    from effitrain import tasks
+
+    vocab = len(processor) if config.task in tasks.TEXT_TASKS else None
+    shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab)
+    planner = plan.Planner(shapes, sequence_length(config, processor), device.type, world, config.strategy,
+                           config.zero_stage)
+    mixed = choose(config.precision)[0]
+    precision = {"no": "fp32"}.get(mixed, mixed)
+    estimate, changes = plan.fit(planner, config.batch_size, precision, config.optim, config.gradient_checkpointing,
+                                 budget, accumulation=config.grad_accum)
+    config.gradient_checkpointing = estimate.setting.checkpointing
+    config.optim = estimate.setting.optimizer
+    split = config.batch_size // estimate.setting.micro_batch
+    said = ", ".join(changes) if changes else "no change needed"
+    return split, (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak "
+                   f"{estimate.total / plan.GiB:.2f} GiB with micro-batch {estimate.setting.micro_batch}; {said}")
+
+
+def halve(split: int, batch_size: int, strategy: str) -> int:
+    """The next split after an out-of-memory error, or a one-line stop when there is none."""
+    if strategy != "ddp":
+        raise UserError(f"out of memory under --strategy {strategy}: effitrain does not re-split steps of "
+                        "sharded strategies during a run", "lower --batch-size, or let --memory-budget plan "
+                        "it before the run (effitrain plan shows the peak)")
+    if split >= batch_size:
+        raise UserError("out of memory with one example per piece", "shorten --max-length, turn on "
+                        "--gradient-checkpointing, use a lighter --optim, or a device with more memory")
+    return min(split * 2, batch_size)

@@ -1,0 +1,263 @@
+"""The memory planner: exact state arithmetic, a simulation that agrees with torch's own tracker on
+real tensors, depth extrapolation equal to full depth, `effitrain plan`, and `train --memory-budget`
+(splitting micro-batches keeps the effective batch: the weights equal an unbudgeted run's)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import read_jsonl, read_weights, run_cli
+from test_distributed import TINY_GPT2, torchrun
+
+import effitrain
+from effitrain.engine import optim
+from effitrain.errors import UserError
+from effitrain.planning import plan, simulate
+from effitrain.planning.sizes import parse_size
+
+SMALL_GPT2 = "gpt2:n_layer=5,n_embd=64,n_head=4,n_positions=256,vocab_size=1000"
+LLAMA_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def small_bert(layers=2, hidden=64):
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=500, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=2 * hidden, num_labels=2)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "adamw-8bit", "adam-8bit"])
+def test_optimizer_state_bytes_are_exact(name):
+    """The arithmetic equals the bytes of the optimizer's own state tensors after a step; the small
+    model has tensors both under and over bitsandbytes' 4096-value threshold for 8-bit states."""
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(small_bert())
+    optimizer = optim.build(name, model, 1e-4, 0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert plan.optimizer_state_bytes(name, shapes) == optim.state_bytes(optimizer)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointing):
+    """The timeline counted on fake tensors (no memory) is the one a real forward+backward makes."""
+    from torch.utils.flop_counter import flop_registry
+    from transformers import BertForSequenceClassification
+
+    from effitrain import tasks
+
+    config = small_bert(layers=2, hidden=128)
+    fake = simulate._simulate("sequence-classification", config, 8, 64, "fp32", checkpointing, split=False)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    model.train()
+    if checkpointing:
+        tasks.enable_gradient_checkpointing(model)
+    batch = simulate.example_batch("sequence-classification", config, 8, 64)
+    # Padding, as real batches have: otherwise transformers sees an all-ones mask and skips building
+    # the 4-d attention mask, which it cannot know on fake tensors.
+    batch["attention_mask"][0, -5:] = 0
+    timeline = simulate._Timeline(flop_registry)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: timeline.mark_grad(p.grad))
+    with timeline:
+        loss = tasks.loss_sum("sequence-classification", model, batch) / 8
+        forward_end = len(timeline.points)
+        loss.backward()
+        del loss
+    assert max(h for h, _ in timeline.points[:forward_end]) == fake.forward_held
+    assert max(h + g for h, g in timeline.points) == fake.peak(grads_before=0)
+    assert timeline.flops == fake.flops and timeline.flops > 0
+
+
+@pytest.mark.parametrize("task, model, precision, checkpointing", [
+    ("sequence-classification", "bert", "fp32", False),
+    ("sequence-classification", "bert", "bf16", True),
+    ("causal-lm", "gpt2", "fp32", False),
+    ("causal-lm", "gpt2", "fp32", True),
+])
+def test_depth_extrapolation_equals_full_depth(task, model, precision, checkpointing):
+    config = small_bert(layers=6) if model == "bert" else plan.model_config(SMALL_GPT2, task)
+    extrapolated = simulate.micro_step(task, config, 4, 64, precision, checkpointing)
+    full = simulate._simulate(task, config, 4, 64, precision, checkpointing, split=False)
+    for grads_before in (0, 10**6):
+        assert extrapolated.peak(grads_before) == pytest.approx(full.peak(grads_before), rel=0.005)
+    assert extrapolated.flops == full.flops
+
+
+def test_plan_of_a_7b_llama_config_has_exact_state_bytes(tmp_path):
+    """A config file alone, 6.74e9 parameters, answered from fake tensors; the wall time is printed
+    (the issue asks < 10 s on this machine; asserted loosely here, measured in the README)."""
+    path = tmp_path / "llama-7b.json"
+    path.write_text(json.dumps(LLAMA_7B))
+    started = time.perf_counter()
+    result = run_cli("plan", "--model", path, "--task", "causal-lm", "--seq-len", 2048, "--batch-size", 4,
+                     "--memory", "80GiB", "--json", "--optim", "adamw", "--optim", "sgd", "--precision", "fp32")
+    elapsed = time.perf_counter() - started
+    print(f"7B plan: {elapsed:.1f} s")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert elapsed < 30
+    out = json.loads(result.stdout)
+    params = out["parameters"]
+    assert params == 6_738_415_616  # Llama-2-7B
+    assert out["buffer_bytes"] == 2 * 64 * 4  # the rotary inverse frequencies (and their original copy)
+    tensors = 32 * 9 + 3  # per layer: q, k, v, o, gate, up, down, 2 norms; + embeddings, final norm, head
+    for row in out["rows"]:
+        assert row["weights"] == 4 * params + out["buffer_bytes"]
+        assert row["gradients"] == 4 * params
+        if row["optimizer"] == "adamw":  # 16 bytes/param of training state (+ a 4-byte step per tensor)
+            assert row["optimizer_states"] == 8 * params + 4 * tensors
+            assert row["weights"] + row["gradients"] + row["optimizer_states"] == \
+                16 * params + 4 * tensors + out["buffer_bytes"]
+        else:
+            assert row["optimizer_states"] == 4 * params
+        assert row["activations"] > 0 and row["total"] > 16 * params * (row["optimizer"] == "adamw")
+    assert out["recommended"] is None  # fp32 full fine-tuning of 7B needs > 100 GiB
+
+
+def tiny_planner(tiny_model_dir, seq_len=128):
+    return plan.Planner(plan.model_shapes("sequence-classification", str(tiny_model_dir)), seq_len, "cpu")
+
+
+def test_fit_trades_micro_batch_first_then_checkpointing_then_a_lighter_optimizer(tiny_model_dir):
+    planner = tiny_planner(tiny_model_dir)
+
+    def total(micro, ckpt=False, optimizer="adamw"):
+        return planner.estimate(plan.Setting("fp32", optimizer, ckpt, micro, 16 // micro)).total
+
+    chosen, changes = plan.fit(planner, 16, "fp32", "adamw", False, total(16))
+    assert chosen.setting.micro_batch == 16 and changes == []
+    chosen, changes = plan.fit(planner, 16, "fp32", "adamw", False, (total(8) + total(4)) // 2)
+    assert (chosen.setting.micro_batch, chosen.setting.accumulation, chosen.setting.checkpointing) == (4, 4, False)
+    assert changes == ["micro-batch 16 -> 4 with 4x more accumulation"]
+    # Below even one example at a time: checkpointing, then 8-bit states (a model whose activations
+    # outweigh what recomputation churns through the allocator).
+    planner = plan.Planner(plan.model_shapes("causal-lm", "gpt2:n_layer=4,n_embd=256,n_head=4"), 512, "cpu")
+    assert total(1, True) < total(1, False) and total(1, True, "adamw-8bit") < total(1, True)
+    chosen, changes = plan.fit(planner, 16, "fp32", "adamw", False, total(1, True))
+    assert chosen.setting.checkpointing and chosen.setting.optimizer == "adamw"
+    chosen, _ = plan.fit(planner, 16, "fp32", "adamw", False, total(1, True, "adamw-8bit"))
+    assert chosen.setting.optimizer == "adamw-8bit"
+    with pytest.raises(UserError, match="nothing fits"):
+        plan.fit(planner, 16, "fp32", "adamw", False, 10 * 2**20)
+
+
+def test_sharding_divides_the_states_and_ddp_adds_its_buckets(tiny_model_dir):
+    shapes = plan.model_shapes("sequence-classification", str(tiny_model_dir))
+    setting = plan.Setting("fp32", "adamw", False, 8, 1)
+    one = plan.Planner(shapes, 64, "cpu").estimate(setting)
+    ddp = plan.Planner(shapes, 64, "cpu", world_size=4, strategy="ddp").estimate(setting)
+    fsdp = plan.Planner(shapes, 64, "cpu", world_size=4, strategy="fsdp").estimate(setting)
+    zero1 = plan.Planner(shapes, 64, "cpu", world_size=4, strategy="deepspeed", zero_stage=1).estimate(setting)
+    assert ddp.gradients == 2 * one.gradients and ddp.optimizer == one.optimizer
+    assert fsdp.weights == math.ceil(4 * shapes.parameters / 4) + shapes.buffer_bytes
+    assert fsdp.optimizer == math.ceil(one.optimizer / 4) and fsdp.gradients == math.ceil(one.gradients / 4)
+    assert zero1.optimizer == math.ceil(one.optimizer / 4) and zero1.gradients == one.gradients
+
+
+@pytest.mark.parametrize("text, value", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("16GB", 16 * 10**9),
+                                         ("1.5G", int(1.5 * 2**30)), ("2000", 2000)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+def test_plan_table_and_bad_inputs(tmp_path):
+    result = run_cli("plan", "--batch-size", 8, "--seq-len", 64, "--memory", "4GiB", "--optim", "adamw",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "<- recommended" in result.stdout and "recommended: --precision" in result.stdout
+    assert result.stdout.count("\n") >= 6 and result.stderr == ""
+    for args, words in ((["--memory", "lots"], "not a memory size"), (["--seq-len", "0"], "--seq-len must be > 0")):
+        bad = run_cli("plan", *args, cwd=tmp_path)
+        assert bad.returncode == 2 and words in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = run_cli("train", "--memory-budget", "0GiB", cwd=tmp_path)
+    assert bad.returncode == 2 and "--memory-budget must be > 0" in bad.stderr
+
+
+COMMON = dict(max_train_samples=48, max_eval_samples=20, epochs=1, lr=1e-3, warmup_ratio=0.0, log_every=1,
+              eval_batch_size=16, batch_size=16, max_length=64)
+
+
+def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_path):
+    """Causal LM (the logits dominate memory), budget between the predicted peaks of micro-batches 8
+    and 4: each micro-batch of 16 runs as 4 pieces, and the run ends with the weights of the run
+    without a budget: same examples per step, same effective batch."""
+    from transformers import AutoTokenizer
+
+    from effitrain.models import default_model_dir
+
+    vocab = len(AutoTokenizer.from_pretrained(str(default_model_dir())))
+    planner = plan.Planner(plan.model_shapes("causal-lm", TINY_GPT2, vocab_size=vocab), 64, "cpu")
+    peak = {m: planner.estimate(plan.Setting("fp32", "adamw", False, m, 16 // m)).total for m in (16, 8, 4)}
+    assert peak[4] < peak[8] < peak[16]
+    budget = (peak[8] + peak[4]) // 2
+    common = {**COMMON, "model": TINY_GPT2, "task": "causal-lm"}
+    plain = effitrain.train({**common, "output_dir": str(tmp_path / "plain")})
+    fitted = effitrain.train({**common, "output_dir": str(tmp_path / "fitted"), "memory_budget": str(budget)})
+    assert fitted["pieces_per_micro_batch"] == 4 and plain["pieces_per_micro_batch"] == 1
+    assert fitted["steps"] == plain["steps"] == 3 and fitted["grad_accum"] == plain["grad_accum"] == 1
+    note = read_jsonl(tmp_path / "fitted" / "log.jsonl")[0]
+    assert "micro-batch 16 -> 4" in note["memory_plan"]
+    same_weights(tmp_path / "plain", tmp_path / "fitted")
+
+
+def same_weights(a, b):
+    reference = read_weights(a)
+    weights = read_weights(b)
+    for name in reference:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_memory_during_the_run_halves_the_pieces_and_retries_the_step(tiny_model_dir, tmp_path, monkeypatch):
+    common = {**COMMON, "model": str(tiny_model_dir)}
+    effitrain.train({**common, "output_dir": str(tmp_path / "plain")})
+    monkeypatch.setenv("EFFITRAIN_TEST_OOM_ABOVE", "5")
+    metrics = effitrain.train({**common, "output_dir": str(tmp_path / "oom"), "memory_budget": "64GiB"})
+    assert metrics["pieces_per_micro_batch"] == 4  # 16 -> 8 -> 4 examples per piece
+    retries = [r for r in read_jsonl(tmp_path / "oom" / "log.jsonl") if "out_of_memory" in r]
+    assert [r["split"] for r in retries] == [2, 4] and retries[0]["step"] == 1
+    same_weights(tmp_path / "plain", tmp_path / "oom")
+    # Without a budget, out of memory is not caught.
+    with pytest.raises(torch.OutOfMemoryError):
+        effitrain.train({**common, "output_dir": str(tmp_path / "no-budget")})
+
+
+def test_two_processes_agree_when_one_runs_out_of_memory(tiny_model_dir, tmp_path):
+    """Rank 1 alone runs out with more than 2 examples per piece: both processes re-split (nobody is
+    left waiting in an all-reduce) and the result is one process with the whole batch."""
+    common = {**COMMON, "model": str(tiny_model_dir), "batch_size": 8}
+    flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
+    env_before = dict(os.environ)
+    os.environ.update(EFFITRAIN_TEST_OOM_ABOVE="2", EFFITRAIN_TEST_OOM_RANK="1")
+    try:
+        result = torchrun(2, "train", *flags, "--memory-budget", "64GiB", "--output-dir", tmp_path / "ddp")
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    assert result.returncode == 0, result.stderr[-3000:]
+    effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
+    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["pieces_per_micro_batch"] == 4
+    assert metrics["sync_allreduce_calls"] >= metrics["steps"]  # gradients still averaged every step
+    same_weights(tmp_path / "single", tmp_path / "ddp")
+
+
+def test_the_benchmark_script_runs_one_configuration():
+    """benchmarks/memory_plan.py's measuring child, on the smallest configuration (the full table is
+    the benchmark, not a test)."""
+    config = ["gpt2:n_layer=2,n_embd=32,n_head=2", "causal-lm", 2, 32, "fp32", "adamw", False, 1]
+    out = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--child", json.dumps(config)],
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["device"] == "cpu" and measured["measured"] > 0
