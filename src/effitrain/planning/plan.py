@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -164,7 +164,6 @@ class Estimate:
     overhead: int
     relative_speed: float
     fits: bool | None = None
-    rows: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -267,18 +266,6 @@ def micro_batches(batch: int) -> list[int]:
     if sizes[-1] != 1:
         sizes.append(1)  # an odd batch: its only other even split is one example at a time
     return sizes
-
-
-def table(planner: Planner, batch: int, precisions: list[str], optimizers: list[str],
-          checkpointing: list[bool], budget: int | None) -> list[Estimate]:
-    """Every combination, for an effective batch of `batch` per device per step."""
-    estimates = []
-    for precision, optimizer, ckpt, micro in itertools.product(precisions, optimizers, checkpointing,
-                                                               micro_batches(batch)):
-        estimate = planner.estimate(Setting(precision, optimizer, ckpt, micro, batch // micro))
-        estimate.fits = None if budget is None else estimate.total <= budget
-        estimates.append(estimate)
-    return estimates
 
 
 def recommend(estimates: list[Estimate]) -> Estimate | None:

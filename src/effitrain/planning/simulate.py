@@ -16,6 +16,7 @@ extrapolation against a full-depth simulation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from dataclasses import dataclass
@@ -165,8 +166,7 @@ def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str,
         at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing)
         if at2 is not None and at3 is not None:
             return Phases.extrapolate(at2, at3, depth)
-    phases = _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False)
-    return phases
+    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False)
 
 
 def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True) -> Phases | None:
@@ -198,7 +198,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
         handles = [p.register_post_accumulate_grad_hook(lambda p, i=owner.get(id(p)): on_grad(p, i))
                    for p in model.parameters() if p.requires_grad]
         autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
-                    if precision in ("bf16", "fp16") else _nothing())
+                    if precision in ("bf16", "fp16") else contextlib.nullcontext())
         with timeline:
             with autocast:
                 loss = tasks.loss_sum(task, model, batch) / batch_size
@@ -220,10 +220,3 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
                   last_held=max(h for h, _ in last), last_with_grads=max(h + g for h, g in last),
                   heap_churn=timeline.heap_churn, flops=timeline.flops)
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
