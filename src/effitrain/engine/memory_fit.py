@@ -23,11 +23,13 @@ from effitrain.errors import UserError
 # Test hook: a process raises an out-of-memory error for any piece larger than this many examples
 # (EFFITRAIN_TEST_OOM_RANK: only that rank), as a device too small for the micro-batch would.
 TEST_OOM_ABOVE = "EFFITRAIN_TEST_OOM_ABOVE"
+# torch.OutOfMemoryError since torch 2.5; torch.cuda's before (the README promises torch >= 2.4).
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 def is_out_of_memory(err: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the CPU allocator failing (RuntimeError: can't allocate memory)."""
-    if isinstance(err, torch.OutOfMemoryError):
+    if isinstance(err, OutOfMemoryError):
         return True
     return isinstance(err, RuntimeError) and ("can't allocate memory" in str(err) or "out of memory" in str(err))
 
@@ -56,7 +58,7 @@ def check_test_hook(batch: dict, rank: int) -> None:
     if limit is None or os.environ.get("EFFITRAIN_TEST_OOM_RANK", str(rank)) != str(rank):
         return
     if len(next(iter(batch.values()))) > int(limit):
-        raise torch.OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
+        raise OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
 
 
 def sequence_length(config: TrainConfig, processor) -> int:
