@@ -149,13 +149,14 @@ def main() -> int:
 
 
 def _calibrate(rows) -> None:
-    """Least squares: measured - tensors = constant + heap_share x heap churn."""
+    """Least squares: measured - tensors = constant + heap_share x heap churn + activation_share x activations."""
     import numpy as np
 
-    x = np.array([r["heap_churn"] for r in rows], dtype=float)
+    x = np.array([[1.0, r["heap_churn"], r["breakdown"]["activations"]] for r in rows])
     y = np.array([r["measured"] - r["tensors"] for r in rows], dtype=float)
-    share, constant = np.polyfit(x, y, 1)
-    print(f"calibration: CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {share:.3f}}}")
+    (constant, heap, act), *_ = np.linalg.lstsq(x, y, rcond=None)
+    print(f"calibration: CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, "
+          f"'activation_share': {act:.3f}}}")
 
 
 if __name__ == "__main__":

@@ -225,7 +225,7 @@ def test_out_of_memory_during_the_run_halves_the_pieces_and_retries_the_step(tin
     metrics = effitrain.train({**common, "output_dir": str(tmp_path / "oom"), "memory_budget": "64GiB"})
     assert metrics["pieces_per_micro_batch"] == 4  # 16 -> 8 -> 4 examples per piece
     retries = [r for r in read_jsonl(tmp_path / "oom" / "log.jsonl") if "out_of_memory" in r]
-    assert [r["split"] for r in retries] == [2, 4] and retries[0]["step"] == 1
+    assert [r["pieces"] for r in retries] == [2, 4] and retries[0]["step"] == 1
     same_weights(tmp_path / "plain", tmp_path / "oom")
     # Without a budget, out of memory is not caught.
     with pytest.raises(torch.OutOfMemoryError):

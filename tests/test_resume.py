@@ -105,9 +105,9 @@ def test_launch_restarts_a_killed_worker_and_resumes_bitwise(dropout_model_dir, 
 
     finished(launch(tmp_path / "straight"))
     out = tmp_path / "restarted"
-    # Known gap: after a worker is killed, gloo's reconnection in the restarted round sometimes fails
-    # ("connectFullMesh ... Connection refused"), spending a restart; the second one then succeeds.
-    job = launch(out, "--max-restarts", "3")
+    # One restart is enough: the restarted workers join through keys of their own attempt
+    # (devices.init_process_group), not a dead peer's address left in the launcher's store.
+    job = launch(out, "--max-restarts", "1")
     deadline = time.time() + 120
     while not any(r.get("step", 0) >= 5 for r in read_log(out)):
         assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]

@@ -33,6 +33,7 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    init_process_group(timedelta(seconds=ddp_timeout or 600))
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else []
     if not broadcast_buffers:
         from accelerate.utils import DistributedDataParallelKwargs
@@ -43,6 +44,31 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     fresh_accelerator_state()
     return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
                        **strategy_plugins(strategy, zero_stage, max_grad_norm))
+
+
+def init_process_group(timeout) -> None:
+    """Under torchrun, join the process group through the launcher's store with keys of this restart
+    attempt only. torch's launcher keeps one store for all attempts (the shared rendezvous store; the
+    static one for --master-addr) although torch.distributed assumes a new store per attempt, so a
+    restarted worker can read a dead peer's gloo address (or NCCL id) from the previous attempt:
+    "Gloo connectFullMesh failed ... Connection refused" about every other restart here. accelerate
+    then uses this process group as it is."""
+    import torch
+    import torch.distributed as dist
+
+    env = os.environ
+    if (dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) < 2
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
+        return
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    store = dist.PrefixStore(f"/effitrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                            timeout=timeout)
 
 
 def fresh_accelerator_state() -> None:

@@ -122,7 +122,7 @@ def run(config: TrainConfig) -> dict:
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
     if fit_note:
         accelerator.print(fit_note)
-        log.write({"step": 0, "memory_plan": fit_note, "split": split})
+        log.write({"step": 0, "memory_plan": fit_note, "pieces": split})
 
     world = accelerator.num_processes
     train_collate, eval_collate = tasks.collators(task, processor, config)
@@ -224,7 +224,7 @@ def run(config: TrainConfig) -> dict:
                 memory_fit.release_cached(accelerator.device)
                 split = memory_fit.halve(split, config.batch_size, config.strategy)
                 said = f"out of memory at step {step + 1}: retrying it in pieces of {config.batch_size // split}"
-                log.write({"step": step + 1, "out_of_memory": said, "split": split})
+                log.write({"step": step + 1, "out_of_memory": said, "pieces": split})
                 accelerator.print(said)
             totals += step_totals
             # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
