@@ -201,15 +201,23 @@ class Planner:
     def _shard(self, nbytes: int, sharded: bool) -> int:
         return math.ceil(nbytes / self.world_size) if sharded else nbytes
 
-    def estimate(self, setting: Setting) -> Estimate:
+    def model_states(self, optimizer: str) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer states) per device: arithmetic only, no simulation."""
         trainable_shapes = [s for s, t in self.shapes.param_shapes if t]
         fsdp = self.strategy == "fsdp" and self.world_size > 1
         zero = self.zero_stage if self.strategy == "deepspeed" and self.world_size > 1 else 0
         weights = self._shard(4 * self.shapes.parameters, fsdp or zero >= 3) + self.shapes.buffer_bytes
         gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
-        states = self._shard(optimizer_state_bytes(setting.optimizer, trainable_shapes), fsdp or zero >= 1)
+        states = self._shard(optimizer_state_bytes(optimizer, trainable_shapes), fsdp or zero >= 1)
         if self.strategy == "ddp" and self.world_size > 1:
             gradients += 4 * self.shapes.trainable  # DDP's gradient buckets: a second copy, all-reduced
+        return weights, gradients, states
+
+    def estimate(self, setting: Setting) -> Estimate:
+        trainable_shapes = [s for s, t in self.shapes.param_shapes if t]
+        fsdp = self.strategy == "fsdp" and self.world_size > 1
+        zero = self.zero_stage if self.strategy == "deepspeed" and self.world_size > 1 else 0
+        weights, gradients, states = self.model_states(setting.optimizer)
         phases = self.phases(setting.precision, setting.checkpointing, setting.micro_batch)
         layer = 4 * 2 * self.shapes.largest_layer_params  # a layer and the prefetched next one, full size
         if fsdp or zero >= 2:
@@ -330,20 +338,31 @@ def best_per_technique(planner: Planner, batch: int, precisions: list[str], opti
     or there is no budget. `every_micro_batch`: all of them instead."""
     rows = []
     for precision, optimizer, ckpt in itertools.product(precisions, optimizers, checkpointing):
-        chosen = None
-        for micro in micro_batches(batch):
+        def at(micro: int) -> Estimate:
             estimate = planner.estimate(Setting(precision, optimizer, ckpt, micro, batch // micro))
             estimate.fits = None if budget is None else estimate.total <= budget
-            if every_micro_batch:
-                rows.append(estimate)
-            elif budget is None or estimate.fits:
-                chosen = estimate
-                break
-            elif estimate.total - estimate.activations > budget:
-                break  # the model's states alone do not fit: no micro-batch will
-        if not every_micro_batch:
-            rows.append(chosen or planner.estimate(Setting(precision, optimizer, ckpt, batch, 1)))
-            rows[-1].fits = None if budget is None else rows[-1].total <= budget
+            return estimate
+
+        if every_micro_batch:
+            rows += [at(micro) for micro in micro_batches(batch)]
+            continue
+        whole = at(batch)
+        rows.append(whole)
+        # The model's states alone over the budget: no micro-batch fits, nothing to simulate.
+        if budget is None or whole.fits or sum(planner.model_states(optimizer)) > budget:
+            continue
+        smaller = micro_batches(batch)[1:]
+        if not smaller or not at(smaller[-1]).fits:
+            continue
+        # Memory falls as the micro-batch does: bisect for the largest that fits (fewest simulations).
+        low, high = 0, len(smaller) - 1  # smaller[high] fits
+        while low < high:
+            mid = (low + high) // 2
+            if at(smaller[mid]).fits:
+                high = mid
+            else:
+                low = mid + 1
+        rows[-1] = at(smaller[high])
     return rows
 
 

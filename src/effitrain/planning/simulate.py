@@ -169,15 +169,32 @@ def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str,
     return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False)
 
 
-def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True) -> Phases | None:
+_MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model): built once per planning
+
+
+def _fake_model(task, config, checkpointing):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    key = (task, config.to_json_string(use_diff=False), checkpointing)
+    if key not in _MODELS:
+        if len(_MODELS) > 16:
+            _MODELS.clear()
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with mode:
+            model = build(task, config)
+            model.train()
+            if checkpointing:
+                tasks.enable_gradient_checkpointing(model)
+        _MODELS[key] = (mode, model)
+    return _MODELS[key]
+
+
+def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        model = build(task, config)
-        model.train()
-        if checkpointing:
-            tasks.enable_gradient_checkpointing(model)
+    mode, model = _fake_model(task, config, checkpointing)
+    model.zero_grad(set_to_none=True)
+    with mode:
         stack = layer_stack(model) if split else None
         if split and (stack is None or len(stack) != depth_of(config)):
             return None  # no stack of identical layers to extrapolate over
