@@ -177,7 +177,8 @@ def test_plan_table_and_bad_inputs(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "<- recommended" in result.stdout and "recommended: --precision" in result.stdout
     assert result.stdout.count("\n") >= 6 and result.stderr == ""
-    for args, words in ((["--memory", "lots"], "not a memory size"), (["--seq-len", "0"], "--seq-len must be > 0")):
+    for args, words in ((["--memory", "lots"], "not a memory size"), (["--seq-len", "0"], "--seq-len must be > 0"),
+                        (["--device", "cuda"], "pass the GPU's memory")):
         bad = run_cli("plan", *args, cwd=tmp_path)
         assert bad.returncode == 2 and words in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     bad = run_cli("train", "--memory-budget", "0GiB", cwd=tmp_path)

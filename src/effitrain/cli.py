@@ -164,6 +164,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             f"pass a positive --{name.replace('_', '-')}")
     models.quiet_libraries(args.debug)
     device = args.device or ("cuda" if devices.has_accelerator() else "cpu")
+    if args.memory is None and device == "cuda" and not __import__("torch").cuda.is_available():
+        raise UserError("--device cuda on a machine without a CUDA GPU: there is no free memory to read",
+                        "pass the GPU's memory, e.g. --memory 80GiB")
     budget = plan.parse_size(args.memory) if args.memory else plan.available_bytes(device)
     shapes = plan.model_shapes(args.task, args.model, args.num_labels)
     planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
