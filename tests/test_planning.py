@@ -262,3 +262,22 @@ def test_the_benchmark_script_runs_one_configuration():
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured["device"] == "cpu" and measured["measured"] > 0
+
+
+def test_resuming_a_budgeted_run_keeps_what_its_plan_chose(tmp_path):
+    """The plan turned checkpointing on; the run is resumed with a roomier budget (as `auto` may see):
+    it continues with checkpointing, as its checkpoint was trained, instead of refusing to resume."""
+    from transformers import AutoTokenizer
+
+    from effitrain.models import default_model_dir
+
+    vocab = len(AutoTokenizer.from_pretrained(str(default_model_dir())))
+    planner = plan.Planner(plan.model_shapes("causal-lm", TINY_GPT2, vocab_size=vocab), 64, "cpu")
+    plain, recomputed = (planner.estimate(plan.Setting("fp32", "adamw", ckpt, 1, 16)).total for ckpt in (False, True))
+    assert recomputed < plain
+    common = {**COMMON, "model": TINY_GPT2, "task": "causal-lm", "output_dir": str(tmp_path / "run"),
+              "save_every": 1, "resume": "auto"}
+    first = effitrain.train({**common, "max_steps": 2, "memory_budget": str((plain + recomputed) // 2)})
+    assert first["gradient_checkpointing"] and first["pieces_per_micro_batch"] == 16
+    resumed = effitrain.train({**common, "max_steps": 3, "memory_budget": "64GiB"})
+    assert resumed["steps"] == 3 and resumed["gradient_checkpointing"] and resumed["optimizer"] == "adamw"

@@ -77,6 +77,11 @@ def find(out_dir: Path, resume: str) -> Path | None:
     return path
 
 
+def saved_config(path: Path) -> dict:
+    """The resolved configuration the checkpoint's run trained with."""
+    return json.loads((path / "trainer_state.json").read_text())["config"]
+
+
 def check(path: Path, config_values: dict, world_size: int) -> dict:
     """The checkpoint's trainer state, if this run may continue it (checked before anything is written)."""
     state = json.loads((path / "trainer_state.json").read_text())

@@ -100,6 +100,8 @@ def run(config: TrainConfig) -> dict:
                                    mixed_precision, broadcast_buffers=config.memory_budget is None)
     grad_accum = accumulation(config, accelerator.num_processes)
     if resume_from is not None:
+        if config.memory_budget:
+            memory_fit.adopt_planned(config, checkpoint.saved_config(resume_from))
         resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes)
 
     set_seed(config.seed)
@@ -112,7 +114,7 @@ def run(config: TrainConfig) -> dict:
     split, fit_note = 1, None  # pieces each loaded micro-batch runs as (--memory-budget)
     if config.memory_budget:
         split, fit_note = memory_fit.plan_run(config, accelerator.device, accelerator.num_processes,
-                                              len(label_names or []), processor)
+                                              len(label_names or []), processor, resuming=resume_from is not None)
     model = tasks.build_model(task, source, label_names, processor)
     if config.gradient_checkpointing:
         tasks.enable_gradient_checkpointing(model)

@@ -79,16 +79,33 @@ def budget_bytes(config: TrainConfig, device: torch.device) -> int:
     return int(free * 0.9 / local)  # a tenth spare for the data, the evaluation and the rest
 
 
-def plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor) -> tuple[int, str]:
+def adopt_planned(config: TrainConfig, checkpoint_config: dict) -> None:
+    """Resuming a budgeted run: the optimizer and checkpointing its plan chose are what the checkpoint's
+    states belong to, whatever free memory a new plan would see; taken over only where a plan could
+    have made them (a lighter optimizer, checkpointing turned on), so a user's real change is still
+    refused by the resume check."""
+    from effitrain.planning.plan import LIGHTER
+
+    if not checkpoint_config.get("memory_budget"):
+        return
+    if checkpoint_config.get("optim") in LIGHTER.get(config.optim, []):
+        config.optim = checkpoint_config["optim"]
+    if checkpoint_config.get("gradient_checkpointing") and not config.gradient_checkpointing:
+        config.gradient_checkpointing = True
+
+
+def plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor,
+             resuming: bool = False) -> tuple[int, str]:
     """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer (set on
     `config`); returns (split, what was decided in words)."""
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
-        return _plan_run(config, device, world, num_labels, processor)
+        return _plan_run(config, device, world, num_labels, processor, resuming)
 
 
-def _plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor) -> tuple[int, str]:
+def _plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor,
+              resuming: bool) -> tuple[int, str]:
     from effitrain.engine.precision import choose
     from effitrain.planning import plan
 
@@ -102,7 +119,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, num_labels:
     mixed = choose(config.precision)[0]
     precision = {"no": "fp32"}.get(mixed, mixed)
     estimate, changes = plan.fit(planner, config.batch_size, precision, config.optim, config.gradient_checkpointing,
-                                 budget, accumulation=config.grad_accum)
+                                 budget, accumulation=config.grad_accum, techniques_fixed=resuming)
     config.gradient_checkpointing = estimate.setting.checkpointing
     config.optim = estimate.setting.optimizer
     split = config.batch_size // estimate.setting.micro_batch

@@ -287,12 +287,16 @@ def recommend(estimates: list[Estimate]) -> Estimate | None:
 
 
 def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpointing: bool,
-        budget: int, accumulation: int = 1) -> tuple[Estimate, list[str]]:
+        budget: int, accumulation: int = 1, techniques_fixed: bool = False) -> tuple[Estimate, list[str]]:
     """What `train --memory-budget` applies: the user's settings when they fit; else trade micro-batch
     for accumulation (same effective batch), and only if even one example at a time does not fit,
-    turn on checkpointing, then a lighter optimizer. Returns the choice and what changed, in words."""
-    for ckpt, optim_name in [(checkpointing, optimizer), (True, optimizer)] + [
-            (ckpt, lighter) for lighter in LIGHTER[optimizer] for ckpt in (checkpointing, True)]:
+    turn on checkpointing, then a lighter optimizer (not when `techniques_fixed`: a resumed run keeps
+    what its checkpoint was trained with). Returns the choice and what changed, in words."""
+    choices = [(checkpointing, optimizer)]
+    if not techniques_fixed:
+        choices += [(True, optimizer)] + [(ckpt, lighter) for lighter in LIGHTER[optimizer]
+                                          for ckpt in (checkpointing, True)]
+    for ckpt, optim_name in choices:
         for micro in micro_batches(batch):
             estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro * accumulation))
             if estimate.total <= budget:
