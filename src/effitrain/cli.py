@@ -168,10 +168,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError("--device cuda on a machine without a CUDA GPU: there is no free memory to read",
                         "pass the GPU's memory, e.g. --memory 80GiB")
     budget = plan.parse_size(args.memory) if args.memory else plan.available_bytes(device)
+    # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
+    # which is what a text model built from a config gets there.
     shapes = plan.model_shapes(args.task, args.model, args.num_labels)
     planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"],
-                                   args.optim or ["adamw", "adamw-8bit", "adafactor", "sgd"], [False, True],
+                                   args.optim or ["adamw", "adamw-8bit", "adafactor", "sgd"],
+                                   [False, True] if shapes.supports_checkpointing else [False],
                                    budget, args.all)
     best = plan.recommend(rows)
     if args.json:

@@ -57,16 +57,18 @@ def init_process_group(timeout) -> None:
     import torch.distributed as dist
 
     env = os.environ
+    # One node only: restart counts are per node agent, so nodes could disagree on the attempt.
     if (dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) < 2
-            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE")):
         return
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
                           timeout=timeout)
     store = dist.PrefixStore(f"/effitrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     backend = "gloo"
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # CPU tensors (accelerate launch --cpu) over gloo, CUDA ones over NCCL
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-        backend = "nccl"
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                             timeout=timeout)
 

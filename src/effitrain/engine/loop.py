@@ -113,7 +113,7 @@ def run(config: TrainConfig) -> dict:
         encoded = tasks.preprocess(task, splits, processor, config, loaded.base_dir)
     split, fit_note = 1, None  # pieces each loaded micro-batch runs as (--memory-budget)
     if config.memory_budget:
-        split, fit_note = memory_fit.plan_run(config, accelerator.device, accelerator.num_processes,
+        split, fit_note = memory_fit.plan_run(config, accelerator.device, accelerator.num_processes, grad_accum,
                                               len(label_names or []), processor, resuming=resume_from is not None)
     model = tasks.build_model(task, source, label_names, processor)
     if config.gradient_checkpointing:
@@ -203,17 +203,19 @@ def run(config: TrainConfig) -> dict:
             # Local SGD: each process minimises its own loss; otherwise one loss over all processes.
             synced = world > 1 and local_sgd is None
             step_items = accelerator.reduce(items, "sum") if synced else items
+            # DDP with a budget: no piece syncs, the processes first agree that none ran out of memory.
+            agree = synced and config.memory_budget is not None and config.strategy == "ddp"
             while True:  # once, or again with smaller pieces after an out-of-memory error
                 step_totals = torch.zeros_like(totals)
                 try:
                     out_of_memory = _forward_backward(accelerator, task, model, group, split, stand_in, step_items,
                                                       world if synced else 1, step_window, step_totals,
-                                                      agree=synced and config.memory_budget is not None)
+                                                      agree=agree)
                 except Exception as err:
                     if not memory_fit.is_out_of_memory(err) or synced or config.memory_budget is None:
                         raise
                     out_of_memory = True
-                if synced and config.memory_budget is not None:
+                if agree:
                     # Every process learns whether one ran out, before any gradient crosses the wire.
                     flag = torch.tensor([float(out_of_memory)], device=accelerator.device)
                     out_of_memory = bool(accelerator.reduce(flag, "sum") > 0)

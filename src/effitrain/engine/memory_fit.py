@@ -94,32 +94,43 @@ def adopt_planned(config: TrainConfig, checkpoint_config: dict) -> None:
         config.gradient_checkpointing = True
 
 
-def plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor,
-             resuming: bool = False) -> tuple[int, str]:
+def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, num_labels: int,
+             processor, resuming: bool = False) -> tuple[int, str]:
     """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer (set on
     `config`); returns (split, what was decided in words)."""
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
-        return _plan_run(config, device, world, num_labels, processor, resuming)
+        return _plan_run(config, device, world, accumulation, num_labels, processor, resuming)
 
 
-def _plan_run(config: TrainConfig, device: torch.device, world: int, num_labels: int, processor,
-              resuming: bool) -> tuple[int, str]:
+def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, num_labels: int,
+              processor, resuming: bool) -> tuple[int, str]:
     from effitrain.engine.precision import choose
     from effitrain.planning import plan
 
     budget = budget_bytes(config, device)
+    if world > 1:  # every process must choose the same: plan for the tightest one
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            smallest = torch.tensor([budget], dtype=torch.float64, device=device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+            budget = int(smallest.item())
     from effitrain import tasks
 
     vocab = len(processor) if config.task in tasks.TEXT_TASKS else None
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab)
+    if config.strategy == "deepspeed":
+        raise UserError("--memory-budget splits micro-batches into pieces, which DeepSpeed's engine would "
+                        "step one by one", "drop --memory-budget (use `effitrain plan` to choose --batch-size), "
+                        "or use --strategy fsdp")
     planner = plan.Planner(shapes, sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     mixed = choose(config.precision)[0]
     precision = {"no": "fp32"}.get(mixed, mixed)
     estimate, changes = plan.fit(planner, config.batch_size, precision, config.optim, config.gradient_checkpointing,
-                                 budget, accumulation=config.grad_accum, techniques_fixed=resuming)
+                                 budget, accumulation=accumulation, techniques_fixed=resuming)
     config.gradient_checkpointing = estimate.setting.checkpointing
     config.optim = estimate.setting.optimizer
     split = config.batch_size // estimate.setting.micro_batch

@@ -69,6 +69,7 @@ class ModelShapes:
     param_shapes: list[tuple[tuple[int, ...], bool]]  # (shape, trainable)
     buffer_bytes: int
     largest_layer_params: int
+    supports_checkpointing: bool = True
 
     @property
     def parameters(self) -> int:
@@ -86,7 +87,7 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = model_config(model, task, num_labels)
-    if vocab_size is not None and not models.resolve_source(model).pretrained:
+    if vocab_size is not None and not models.resolve_source(model, allow_pickle=True).pretrained:
         config.vocab_size = vocab_size
     auto = simulate.tasks.auto_class(task)
     if type(config) not in auto._model_mapping:
@@ -97,14 +98,15 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     stack = simulate.layer_stack(built)
     largest = max((sum(p.numel() for p in layer.parameters()) for layer in stack), default=0) if stack else 0
     return ModelShapes(built.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
-                       sum(b.numel() * b.element_size() for b in built.buffers()), largest)
+                       sum(b.numel() * b.element_size() for b in built.buffers()), largest,
+                       bool(getattr(built, "supports_gradient_checkpointing", False)))
 
 
 def model_config(model: str, task: str, num_labels: int = 2):
     """The transformers config of --model, with the head `effitrain train` would give it."""
     from transformers import AutoConfig
 
-    source = models.resolve_source(model)
+    source = models.resolve_source(model, allow_pickle=True)  # only the config is read
     if source.config is not None:
         config = source.config
     else:
@@ -194,8 +196,16 @@ class Planner:
     def phases(self, precision: str, checkpointing: bool, micro_batch: int) -> simulate.Phases:
         key = (precision, checkpointing, micro_batch)
         if key not in self._phases:
-            self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch, self.seq_len,
-                                                    precision, checkpointing)
+            from torch._subclasses import fake_tensor
+
+            try:
+                self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch,
+                                                        self.seq_len, precision, checkpointing)
+            except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                    fake_tensor.UnsupportedOperatorException) as err:
+                raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "
+                                f"depends on tensor values ({type(err).__name__})",
+                                "choose --batch-size yourself (train without --memory-budget)")
         return self._phases[key]
 
     def _shard(self, nbytes: int, sharded: bool) -> int:
@@ -294,8 +304,9 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
     what its checkpoint was trained with). Returns the choice and what changed, in words."""
     choices = [(checkpointing, optimizer)]
     if not techniques_fixed:
-        choices += [(True, optimizer)] + [(ckpt, lighter) for lighter in LIGHTER[optimizer]
-                                          for ckpt in (checkpointing, True)]
+        can = (checkpointing, True) if planner.shapes.supports_checkpointing else (checkpointing,)
+        choices += [(ckpt, optimizer) for ckpt in can[1:]] + [(ckpt, lighter) for lighter in LIGHTER[optimizer]
+                                                                for ckpt in can]
     for ckpt, optim_name in choices:
         for micro in micro_batches(batch):
             estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro * accumulation))
@@ -309,10 +320,11 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
                 if optim_name != optimizer:
                     changes.append(f"optimizer {optimizer} -> {optim_name}")
                 return estimate, changes
-    smallest = planner.estimate(Setting(precision, (LIGHTER[optimizer] or [optimizer])[-1], True, 1,
-                                        batch * accumulation))
-    raise UserError(f"nothing fits in {budget / GiB:.2f} GiB: even one example at a time with gradient "
-                    f"checkpointing and {smallest.setting.optimizer} needs {smallest.total / GiB:.2f} GiB",
+    ckpt, optim_name = choices[-1]  # the lightest choice tried
+    smallest = planner.estimate(Setting(precision, optim_name, ckpt, 1, batch * accumulation))
+    raise UserError(f"nothing fits in {budget / GiB:.2f} GiB: even one example at a time with "
+                    f"{smallest.setting.optimizer}" + (", gradient checkpointing" if smallest.setting.checkpointing
+                                                      else "") + f" needs {smallest.total / GiB:.2f} GiB",
                     "raise --memory-budget, shorten --max-length, use more processes with --strategy fsdp, "
                     "or a smaller model")
 

@@ -147,7 +147,8 @@ def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     if task == "image-classification":
-        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        size = getattr(config, "image_size", 224)  # ResNet-style configs have none; processors use 224
+        size = size if isinstance(size, int) else size[0]
         return {"pixel_values": torch.zeros(batch_size, getattr(config, "num_channels", 3), size, size),
                 "labels": labels}
     return {"input_values": torch.zeros(batch_size, seq_len), "labels": labels}  # audio: seq_len samples
@@ -172,9 +173,18 @@ def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str,
 _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model): built once per planning
 
 
+# Random structure (layers dropped, time steps masked) depends on drawn values, which fake tensors
+# do not have: simulated off, the worst case for memory (every layer runs, nothing is masked).
+RANDOM_STRUCTURE = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
+
+
 def _fake_model(task, config, checkpointing):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    config = copy.deepcopy(config)
+    for key_, value in RANDOM_STRUCTURE.items():
+        if hasattr(config, key_):
+            setattr(config, key_, value)
     key = (task, config.to_json_string(use_diff=False), checkpointing)
     if key not in _MODELS:
         if len(_MODELS) > 16:
