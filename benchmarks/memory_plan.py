@@ -80,7 +80,7 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
     if checkpointing:
         tasks.enable_gradient_checkpointing(model)
     optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = simulate.AUTOCAST_DTYPES.get(precision)
     started = time.perf_counter()
     for _ in range(STEPS):
         for _ in range(accumulation):

@@ -155,8 +155,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
     from effitrain import devices, models
-    from effitrain.planning import plan
+    from effitrain.planning import plan, sizes
 
     for name in ("seq_len", "batch_size", "world_size", "num_labels"):
         if getattr(args, name) <= 0:
@@ -164,10 +166,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             f"pass a positive --{name.replace('_', '-')}")
     models.quiet_libraries(args.debug)
     device = args.device or ("cuda" if devices.has_accelerator() else "cpu")
-    if args.memory is None and device == "cuda" and not __import__("torch").cuda.is_available():
+    if args.memory is None and device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda on a machine without a CUDA GPU: there is no free memory to read",
                         "pass the GPU's memory, e.g. --memory 80GiB")
-    budget = plan.parse_size(args.memory) if args.memory else plan.available_bytes(device)
+    budget = sizes.parse_size(args.memory) if args.memory else plan.available_bytes(device)
     # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
     # which is what a text model built from a config gets there.
     shapes = plan.model_shapes(args.task, args.model, args.num_labels)
@@ -179,7 +181,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = plan.recommend(rows)
     if args.json:
         print(json.dumps({"model": args.model, "task": args.task, "parameters": shapes.parameters,
-                          "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes, "seq_len": args.seq_len, "batch_size": args.batch_size,
+                          "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes,
+                          "seq_len": args.seq_len, "batch_size": args.batch_size,
                           "world_size": args.world_size, "strategy": args.strategy, "device": device,
                           "budget": budget, "rows": [r.to_dict() for r in rows],
                           "recommended": best.to_dict() if best else None}))

@@ -231,6 +231,10 @@ def validate(config: TrainConfig) -> None:
 
         if parse_size(config.memory_budget) <= 0:
             raise UserError(f"--memory-budget must be > 0, got {config.memory_budget}", "pass e.g. 8GiB or auto")
+    if config.memory_budget is not None and config.strategy == "deepspeed":
+        raise UserError("--memory-budget splits micro-batches into pieces, which DeepSpeed's engine would "
+                        "step one by one", "drop --memory-budget (use `effitrain plan` to choose --batch-size), "
+                        "or use --strategy fsdp")
     if config.memory_budget is not None and config.packing:
         raise UserError("--memory-budget cannot split a packed micro-batch (it is one row)",
                         "drop --packing, or lower --batch-size yourself")

@@ -77,14 +77,14 @@ def find(out_dir: Path, resume: str) -> Path | None:
     return path
 
 
-def saved_config(path: Path) -> dict:
-    """The resolved configuration the checkpoint's run trained with."""
-    return json.loads((path / "trainer_state.json").read_text())["config"]
+def trainer_state(path: Path) -> dict:
+    """The checkpoint's trainer_state.json: step, loop counters, the resolved configuration."""
+    return json.loads((path / "trainer_state.json").read_text())
 
 
 def check(path: Path, config_values: dict, world_size: int) -> dict:
     """The checkpoint's trainer state, if this run may continue it (checked before anything is written)."""
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = trainer_state(path)
     for key in MUST_MATCH:
         if key in state["config"] and state["config"][key] != config_values.get(key):
             raise UserError(f"checkpoint {path} was made with {key}={state['config'][key]!r}, this run has "

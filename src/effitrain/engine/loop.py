@@ -101,7 +101,7 @@ def run(config: TrainConfig) -> dict:
     grad_accum = accumulation(config, accelerator.num_processes)
     if resume_from is not None:
         if config.memory_budget:
-            memory_fit.adopt_planned(config, checkpoint.saved_config(resume_from))
+            memory_fit.adopt_planned(config, checkpoint.trainer_state(resume_from)["config"])
         resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes)
 
     set_seed(config.seed)
@@ -114,7 +114,8 @@ def run(config: TrainConfig) -> dict:
     split, fit_note = 1, None  # pieces each loaded micro-batch runs as (--memory-budget)
     if config.memory_budget:
         split, fit_note = memory_fit.plan_run(config, accelerator.device, accelerator.num_processes, grad_accum,
-                                              len(label_names or []), processor, resuming=resume_from is not None)
+                                              mixed_precision, len(label_names or []), processor,
+                                              resuming=resume_from is not None)
     model = tasks.build_model(task, source, label_names, processor)
     if config.gradient_checkpointing:
         tasks.enable_gradient_checkpointing(model)
@@ -205,16 +206,12 @@ def run(config: TrainConfig) -> dict:
             step_items = accelerator.reduce(items, "sum") if synced else items
             # DDP with a budget: no piece syncs, the processes first agree that none ran out of memory.
             agree = synced and config.memory_budget is not None and config.strategy == "ddp"
+            # An out-of-memory error can be retried where no collective is left waiting for this process.
+            retry = config.memory_budget is not None and (agree or not synced)
             while True:  # once, or again with smaller pieces after an out-of-memory error
                 step_totals = torch.zeros_like(totals)
-                try:
-                    out_of_memory = _forward_backward(accelerator, task, model, group, split, stand_in, step_items,
-                                                      world if synced else 1, step_window, step_totals,
-                                                      agree=agree)
-                except Exception as err:
-                    if not memory_fit.is_out_of_memory(err) or synced or config.memory_budget is None:
-                        raise
-                    out_of_memory = True
+                out_of_memory = _forward_backward(accelerator, task, model, group, split, stand_in, step_items,
+                                                  world if synced else 1, step_window, step_totals, agree, retry)
                 if agree:
                     # Every process learns whether one ran out, before any gradient crosses the wire.
                     flag = torch.tensor([float(out_of_memory)], device=accelerator.device)
@@ -345,34 +342,33 @@ def run(config: TrainConfig) -> dict:
 
 
 def _forward_backward(accelerator, task, model, group, split, stand_in, step_items, scale, step_window, step_totals,
-                      agree: bool) -> bool:
+                      agree: bool, retry: bool) -> bool:
     """Forward and backward of every micro-batch of a step, each run as `split` pieces. Gradients
-    are all-reduced by DDP on the last piece, unless `agree`: then no piece syncs, an out-of-memory
-    error is caught and returned (True) so that the processes can agree on it, and the caller
-    all-reduces the gradients."""
-    pieces = [(batch, piece) for batch in group
-              for piece in ([None] if batch is None else memory_fit.split_batch(batch, split))]
-    for i, (batch, piece) in enumerate(pieces):
-        # Gradients are all-reduced only on the last piece of the step.
-        last = i == len(pieces) - 1 and not agree
-        with contextlib.nullcontext() if last else accelerator.no_sync(model):
-            if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
-                accelerator.backward(tasks.loss_sum(task, model, stand_in) * 0.0)
-                continue
-            try:
+    are all-reduced by DDP on the last piece, unless `agree`: then no piece syncs and the caller
+    all-reduces the gradients once the processes agree. With `retry`, an out-of-memory error is
+    returned (True) instead of raised, for the caller to run the step again in smaller pieces."""
+    pieces = [piece for batch in group for piece in ([None] if batch is None else memory_fit.split_batch(batch, split))]
+    try:
+        for i, piece in enumerate(pieces):
+            # Gradients are all-reduced only on the last piece of the step.
+            last = i == len(pieces) - 1 and not agree
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
+                    accelerator.backward(tasks.loss_sum(task, model, stand_in) * 0.0)
+                    continue
                 memory_fit.check_test_hook(piece, accelerator.process_index)
                 loss = tasks.loss_sum(task, model, piece)
                 # DDP averages gradients over W processes, hence the factor W.
                 accelerator.backward(loss * scale / step_items)
-            except Exception as err:
-                if agree and memory_fit.is_out_of_memory(err):
-                    return True
-                raise
-        count = tasks.item_count(task, piece).double()
-        tokens = tasks.token_count(task, piece)
-        step_window += torch.stack([loss.detach().double(), count])
-        step_totals += torch.stack([tasks.example_count(task, piece).double(),
-                                    count.new_tensor(0.0) if tokens is None else tokens.double()])
+            count = tasks.item_count(task, piece).double()
+            tokens = tasks.token_count(task, piece)
+            step_window += torch.stack([loss.detach().double(), count])
+            step_totals += torch.stack([tasks.example_count(task, piece).double(),
+                                        count.new_tensor(0.0) if tokens is None else tokens.double()])
+    except Exception as err:
+        if retry and memory_fit.is_out_of_memory(err):
+            return True
+        raise
     return False
 
 

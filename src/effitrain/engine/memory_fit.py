@@ -69,10 +69,10 @@ def sequence_length(config: TrainConfig, processor) -> int:
 
 
 def budget_bytes(config: TrainConfig, device: torch.device) -> int:
-    from effitrain.planning import plan
+    from effitrain.planning import plan, sizes
 
     if config.memory_budget != "auto":
-        return plan.parse_size(config.memory_budget)
+        return sizes.parse_size(config.memory_budget)
     free = plan.available_bytes(device.type)
     # Processes of one machine share its RAM on a CPU; each GPU has its own memory.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
@@ -94,41 +94,34 @@ def adopt_planned(config: TrainConfig, checkpoint_config: dict) -> None:
         config.gradient_checkpointing = True
 
 
-def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, num_labels: int,
-             processor, resuming: bool = False) -> tuple[int, str]:
+def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
+             num_labels: int, processor, resuming: bool = False) -> tuple[int, str]:
     """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer (set on
-    `config`); returns (split, what was decided in words)."""
+    `config`); `mixed_precision` as the run chose it (accelerate's no | bf16 | fp16). Returns (split,
+    what was decided in words)."""
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
-        return _plan_run(config, device, world, accumulation, num_labels, processor, resuming)
+        return _plan_run(config, device, world, accumulation, mixed_precision, num_labels, processor, resuming)
 
 
-def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, num_labels: int,
-              processor, resuming: bool) -> tuple[int, str]:
-    from effitrain.engine.precision import choose
+def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
+              num_labels: int, processor, resuming: bool) -> tuple[int, str]:
+    import torch.distributed as dist
+
+    from effitrain import tasks
     from effitrain.planning import plan
 
     budget = budget_bytes(config, device)
-    if world > 1:  # every process must choose the same: plan for the tightest one
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            smallest = torch.tensor([budget], dtype=torch.float64, device=device)
-            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-            budget = int(smallest.item())
-    from effitrain import tasks
-
+    if world > 1 and dist.is_initialized():  # every process must choose the same: plan for the tightest
+        smallest = torch.tensor([budget], dtype=torch.float64, device=device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        budget = int(smallest.item())
     vocab = len(processor) if config.task in tasks.TEXT_TASKS else None
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab)
-    if config.strategy == "deepspeed":
-        raise UserError("--memory-budget splits micro-batches into pieces, which DeepSpeed's engine would "
-                        "step one by one", "drop --memory-budget (use `effitrain plan` to choose --batch-size), "
-                        "or use --strategy fsdp")
     planner = plan.Planner(shapes, sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
-    mixed = choose(config.precision)[0]
-    precision = {"no": "fp32"}.get(mixed, mixed)
+    precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)
     estimate, changes = plan.fit(planner, config.batch_size, precision, config.optim, config.gradient_checkpointing,
                                  budget, accumulation=accumulation, techniques_fixed=resuming)
     config.gradient_checkpointing = estimate.setting.checkpointing

@@ -21,10 +21,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from effitrain import models
+from effitrain import models, tasks
 from effitrain.errors import UserError
 from effitrain.planning import simulate
-from effitrain.planning.sizes import parse_size  # noqa: F401 (part of this module's interface)
 
 GiB = 2**30
 MiB = 2**20
@@ -86,10 +85,8 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     a text model built from a config."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    config = model_config(model, task, num_labels)
-    if vocab_size is not None and not models.resolve_source(model, allow_pickle=True).pretrained:
-        config.vocab_size = vocab_size
-    auto = simulate.tasks.auto_class(task)
+    config = model_config(model, task, num_labels, vocab_size)
+    auto = tasks.auto_class(task)
     if type(config) not in auto._model_mapping:
         raise UserError(f"model type `{config.model_type}` has no {task} head in transformers",
                         f"pass a model that {auto.__name__} supports, or another --task")
@@ -102,18 +99,21 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
                        bool(getattr(built, "supports_gradient_checkpointing", False)))
 
 
-def model_config(model: str, task: str, num_labels: int = 2):
-    """The transformers config of --model, with the head `effitrain train` would give it."""
+def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
+    """The transformers config of --model, with the head `effitrain train` would give it; `vocab_size`
+    replaces the vocabulary of a model built from a config (as `train` does with the tokenizer's)."""
     from transformers import AutoConfig
 
     source = models.resolve_source(model, allow_pickle=True)  # only the config is read
     if source.config is not None:
         config = source.config
+        if vocab_size is not None:
+            config.vocab_size = vocab_size
     else:
         with models.loading(source.path):
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     config.num_labels = num_labels
-    if task in ("sequence-classification", "causal-lm") and getattr(config, "pad_token_id", None) is None:
+    if task in tasks.TEXT_TASKS and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification needs one to find the last token
     return config
 
@@ -190,6 +190,10 @@ class Planner:
                  strategy: str = "ddp", zero_stage: int = 2):
         self.shapes, self.seq_len, self.device = shapes, seq_len, device
         self.world_size, self.strategy, self.zero_stage = world_size, strategy, zero_stage
+        # What the strategy shards across the processes (nothing with one process).
+        self._fsdp = strategy == "fsdp" and world_size > 1
+        self._zero = zero_stage if strategy == "deepspeed" and world_size > 1 else 0
+        self._trainable_shapes = [s for s, t in shapes.param_shapes if t]
         self._phases: dict[tuple, simulate.Phases] = {}
         self._half_speedup: float | None = None
 
@@ -213,20 +217,16 @@ class Planner:
 
     def model_states(self, optimizer: str) -> tuple[int, int, int]:
         """(weights, gradients, optimizer states) per device: arithmetic only, no simulation."""
-        trainable_shapes = [s for s, t in self.shapes.param_shapes if t]
-        fsdp = self.strategy == "fsdp" and self.world_size > 1
-        zero = self.zero_stage if self.strategy == "deepspeed" and self.world_size > 1 else 0
+        fsdp, zero = self._fsdp, self._zero
         weights = self._shard(4 * self.shapes.parameters, fsdp or zero >= 3) + self.shapes.buffer_bytes
         gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
-        states = self._shard(optimizer_state_bytes(optimizer, trainable_shapes), fsdp or zero >= 1)
+        states = self._shard(optimizer_state_bytes(optimizer, self._trainable_shapes), fsdp or zero >= 1)
         if self.strategy == "ddp" and self.world_size > 1:
             gradients += 4 * self.shapes.trainable  # DDP's gradient buckets: a second copy, all-reduced
         return weights, gradients, states
 
     def estimate(self, setting: Setting) -> Estimate:
-        trainable_shapes = [s for s, t in self.shapes.param_shapes if t]
-        fsdp = self.strategy == "fsdp" and self.world_size > 1
-        zero = self.zero_stage if self.strategy == "deepspeed" and self.world_size > 1 else 0
+        fsdp, zero = self._fsdp, self._zero
         weights, gradients, states = self.model_states(setting.optimizer)
         phases = self.phases(setting.precision, setting.checkpointing, setting.micro_batch)
         layer = 4 * 2 * self.shapes.largest_layer_params  # a layer and the prefetched next one, full size
@@ -241,7 +241,7 @@ class Planner:
         if fsdp or zero >= 3:
             above += layer  # the all-gathered weights of the current and the prefetched layer
         # The optimizer step holds every gradient and the states, but no activations.
-        step = gradients + optimizer_step_temporary_bytes(setting.optimizer, trainable_shapes)
+        step = gradients + optimizer_step_temporary_bytes(setting.optimizer, self._trainable_shapes)
         # What is left at the peak once weights, gradients and states are counted: activations and
         # the temporaries of the forward, loss and backward.
         activations = max(above, step) - gradients

@@ -32,6 +32,8 @@ from effitrain import tasks
 # keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
 # counts the first kind (see plan.CPU_OVERHEAD).
 HEAP_LIMIT = 32 * 2**20
+# Autocast dtypes of the half precisions (fp32 runs without autocast).
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -75,7 +77,7 @@ class _Timeline(TorchDispatchMode):
         self._flop_registry = flop_counter
         self._sizes = WeakIdKeyDictionary()  # storage -> [bytes, is_grad]
 
-    def _freed(self, record, _ref):
+    def _freed(self, record):
         if record[1]:
             self.grads -= record[0]
         else:
@@ -103,7 +105,7 @@ class _Timeline(TorchDispatchMode):
             size = storage.nbytes()
             record = [size, False]
             self._sizes[storage] = record
-            weakref.finalize(storage, self._freed, record, None)
+            weakref.finalize(storage, self._freed, record)
             self.held += size
             if size < HEAP_LIMIT:
                 self.heap_churn += size
@@ -126,10 +128,8 @@ def with_depth(config, depth: int):
     """A copy of a transformers config with `depth` layers (per-layer lists cut to match)."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = depth
-    for key in ("layer_types",):
-        value = getattr(config, key, None)
-        if isinstance(value, list):
-            setattr(config, key, value[:depth])
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:depth]
     return config
 
 
@@ -224,8 +224,8 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
         owner = {id(p): i for i, layer in enumerate(stack or []) for p in layer.parameters()}
         handles = [p.register_post_accumulate_grad_hook(lambda p, i=owner.get(id(p)): on_grad(p, i))
                    for p in model.parameters() if p.requires_grad]
-        autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
-                    if precision in ("bf16", "fp16") else contextlib.nullcontext())
+        autocast = (torch.autocast("cpu", dtype=AUTOCAST_DTYPES[precision]) if precision in AUTOCAST_DTYPES
+                    else contextlib.nullcontext())
         with timeline:
             with autocast:
                 loss = tasks.loss_sum(task, model, batch) / batch_size
