@@ -26,13 +26,13 @@ def one_run(batch_size: int, length: int, steps: int, checkpointing: bool) -> di
 
     models.quiet_libraries(False)
     torch.manual_seed(0)
-    model = models.load_classifier(models.resolve("default"), ["ham", "spam"])
+    model = tasks.get("sequence-classification").build_model(models.ModelSource(models.resolve("default")), ["ham", "spam"], None)
     model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if checkpointing:
-        tasks.enable_gradient_checkpointing(model)
+        models.enable_gradient_checkpointing(model)
     model.train()
     optimizer = optim.adamw(model, 1e-5, 0.01)
     generator = torch.Generator().manual_seed(1)
@@ -46,7 +46,7 @@ def one_run(batch_size: int, length: int, steps: int, checkpointing: bool) -> di
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     losses, start = [], time.perf_counter()
     for batch in batches:
-        loss = tasks.loss_sum("sequence-classification", model, batch) / batch_size
+        loss = tasks.get("sequence-classification").loss_sum(model, batch) / batch_size
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -2,7 +2,7 @@
 
 For each configuration, `effitrain.planning` predicts the peak per device (before anything is
 loaded), then a fresh Python process trains it for a few steps with effitrain's own pieces (the
-task's model class from its config, optim.build, tasks.loss_sum, gradient checkpointing, autocast)
+task's model class from its config, optim.build, the task's loss_sum, gradient checkpointing, autocast)
 and reports its peak:
 - CPU: peak resident memory (VmHWM) minus the resident memory just before the model is built;
 - CUDA: torch.cuda.max_memory_allocated (the overhead allowance is left out of the prediction there).
@@ -78,14 +78,14 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
     model = simulate.build(task, config).to(device)
     model.train()
     if checkpointing:
-        tasks.enable_gradient_checkpointing(model)
+        models.enable_gradient_checkpointing(model)
     optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
     dtype = simulate.AUTOCAST_DTYPES.get(precision)
     started = time.perf_counter()
     for _ in range(STEPS):
         for _ in range(accumulation):
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = tasks.loss_sum(task, model, batch) / micro
+                loss = tasks.get(task).loss_sum(model, batch) / micro
             loss.backward()
         optimizer_.step()
         optimizer_.zero_grad(set_to_none=True)

@@ -154,7 +154,8 @@ def main(argv=None) -> None:
     model_path = models.resolve("default")
     tokenizer = models.load_tokenizer(model_path)
     # effitrain train's split of the built-in data: stratified, test then validation held out, by seed.
-    splits = sources.load(TrainConfig(data="sms-spam", validation_split=0.1, test_split=0.1, seed=args.seed)).splits
+    config = TrainConfig(data="sms-spam", validation_split=0.1, test_split=0.1, seed=args.seed)
+    splits = tasks.get(config.task).load_data(config).splits
     labels = splits["train"].features["label"].names
     train = text.tokenize(splits, tokenizer, MAX_LENGTH)["train"]
     batches_per_epoch = -(-len(train) // args.batch_size)

@@ -143,11 +143,11 @@ def cuda_peak() -> int | None:
 
 def effitrain_split(seed: int):
     """effitrain train's split of the built-in data: stratified, test then validation held out, by seed."""
+    from effitrain import tasks
     from effitrain.config import TrainConfig
-    from effitrain.data import sources
 
     config = TrainConfig(data=DATA, validation_split=VALIDATION_SPLIT, test_split=TEST_SPLIT, seed=seed)
-    return sources.load(config).splits
+    return tasks.get(config.task).load_data(config).splits
 
 
 # --- the Trainer side ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from effitrain.engine.metrics import classification_metrics
+from effitrain.tasks.metrics import classification_metrics
 
 
 def test_metrics_match_hand_computation():

@@ -3,8 +3,15 @@ import shutil
 import pytest
 import torch
 
-from effitrain import models
+from effitrain import models, tasks
 from effitrain.errors import UserError
+
+CLASSIFY = tasks.get("sequence-classification")
+
+
+def load_classifier(path, labels):
+    """A pretrained directory with a head sized for `labels`: the builder `effitrain train` uses."""
+    return CLASSIFY.build_model(models.ModelSource(path), labels, processor=None)
 
 
 def test_default_resolves_to_the_packaged_checkpoint():
@@ -38,7 +45,7 @@ def test_directory_without_config_is_refused(tmp_path):
 
 
 def test_head_is_sized_and_named_from_the_labels(tiny_model_dir):
-    model = models.load_classifier(tiny_model_dir, ["neg", "neu", "pos"])
+    model = load_classifier(tiny_model_dir, ["neg", "neu", "pos"])
     assert model.config.num_labels == 3
     assert model.config.id2label == {0: "neg", 1: "neu", 2: "pos"}
     assert model.config.label2id == {"neg": 0, "neu": 1, "pos": 2}
@@ -46,7 +53,7 @@ def test_head_is_sized_and_named_from_the_labels(tiny_model_dir):
 
 
 def test_parameter_counts(tiny_model_dir):
-    model = models.load_classifier(tiny_model_dir, ["a", "b"])
+    model = load_classifier(tiny_model_dir, ["a", "b"])
     model.bert.pooler.dense.weight.requires_grad_(False)
     counts = models.parameter_counts(model)
     emb = model.bert.embeddings
@@ -58,8 +65,8 @@ def test_parameter_counts(tiny_model_dir):
 
 
 def test_meta_model_has_the_real_shapes_without_memory(tiny_model_dir):
-    meta = models.build_on_meta(tiny_model_dir, "sequence-classification")
-    real = models.load_classifier(tiny_model_dir, ["a", "b"])
+    meta = CLASSIFY.build_on_meta(models.load_config(tiny_model_dir))
+    real = load_classifier(tiny_model_dir, ["a", "b"])
     assert all(p.device.type == "meta" for p in meta.parameters())
     assert models.parameter_counts(meta) == models.parameter_counts(real)
 
@@ -69,21 +76,19 @@ def test_model_without_a_classification_head_is_refused(tmp_path):
 
     ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(tmp_path / "vit")
     with pytest.raises(UserError, match="model type `vit` has no sequence-classification head"):
-        models.load_classifier(tmp_path / "vit", ["a", "b"])
+        load_classifier(tmp_path / "vit", ["a", "b"])
 
 
 def test_pickle_weights_are_refused_unless_allowed_and_then_load(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
-
-    from effitrain import tasks
 
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
     torch.save(load_file(str(tiny_model_dir / "model.safetensors")), tmp_path / "pytorch_model.bin")
     with pytest.raises(UserError, match="only pickle weights .*--allow-pickle"):
         models.resolve(str(tmp_path))
     source = models.resolve_source(str(tmp_path), allow_pickle=True)
-    tokenizer = tasks.load_processor("sequence-classification", models.ModelSource(tiny_model_dir))
-    model = tasks.build_model("sequence-classification", source, ["a", "b"], tokenizer)
+    tokenizer = CLASSIFY.load_processor(models.ModelSource(tiny_model_dir))
+    model = CLASSIFY.build_model(source, ["a", "b"], tokenizer)
     expected = load_file(str(tiny_model_dir / "model.safetensors"))
     torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight,
                                expected["bert.embeddings.word_embeddings.weight"])

@@ -54,7 +54,7 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
-    from effitrain import tasks
+    from effitrain import models, tasks
 
     config = small_bert(layers=2, hidden=128)
     fake = simulate._simulate("sequence-classification", config, 8, 64, "fp32", checkpointing, split=False)
@@ -62,7 +62,7 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     model = BertForSequenceClassification(config)
     model.train()
     if checkpointing:
-        tasks.enable_gradient_checkpointing(model)
+        models.enable_gradient_checkpointing(model)
     batch = simulate.example_batch("sequence-classification", config, 8, 64)
     # Padding, as real batches have: otherwise transformers sees an all-ones mask and skips building
     # the 4-d attention mask, which it cannot know on fake tensors.
@@ -71,7 +71,7 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: timeline.mark_grad(p.grad))
     with timeline:
-        loss = tasks.loss_sum("sequence-classification", model, batch) / 8
+        loss = tasks.get("sequence-classification").loss_sum(model, batch) / 8
         forward_end = len(timeline.points)
         loss.backward()
         del loss

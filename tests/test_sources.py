@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from effitrain import tasks
 from effitrain.config import TrainConfig
 from effitrain.data import sources
 from effitrain.errors import UserError
@@ -19,7 +20,8 @@ def write_csv(path, rows=ROWS, header=("text", "label"), sep=","):
 
 
 def load(data, **overrides):
-    return sources.load(TrainConfig(data=str(data), **overrides))
+    config = TrainConfig(data=str(data), **overrides)
+    return sources.load(config, tasks.get(config.task).columns(config))
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet"])
@@ -152,7 +154,7 @@ def test_data_set_from_the_local_hub_cache_offline(tmp_path):
     (tmp_path / "hub" / "datasets--someorg--tiny-spam" / "refs").mkdir()
     (tmp_path / "hub" / "datasets--someorg--tiny-spam" / "refs" / "main").write_text(commit)
     code = ("from effitrain.config import TrainConfig; from effitrain.data import sources; "
-            "print(sum(len(s) for s in sources.load(TrainConfig(data='someorg/tiny-spam')).splits.values()))")
+            "from effitrain import tasks; c = TrainConfig(data='someorg/tiny-spam'); print(sum(len(s) for s in tasks.get(c.task).load_data(c).splits.values()))")
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -27,14 +27,15 @@ def test_sentence_pairs_mrpc_style(tiny_model_dir, tmp_path):
                          text_pair_column="#2 String", label_column="Quality", max_steps=4, batch_size=4)
     assert metrics["labels"] == ["0", "1"] and metrics["steps"] == 4
 
+    from effitrain import tasks
     from effitrain.data import text
-    from effitrain.data.sources import load
     from effitrain.config import TrainConfig
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
-    splits = load(TrainConfig(data=str(path), text_column="#1 String", text_pair_column="#2 String",
-                              label_column="Quality")).splits
+    config = TrainConfig(data=str(path), text_column="#1 String", text_pair_column="#2 String",
+                         label_column="Quality")
+    splits = tasks.get(config.task).load_data(config).splits
     encoded = text.tokenize(splits, tokenizer, 64)
     first = splits["train"][0]
     assert encoded["train"][0]["input_ids"] == tokenizer(first["text"], first["text_pair"])["input_ids"]
@@ -120,6 +121,7 @@ def test_packed_loss_equals_unpacked_mean_token_loss():
     from effitrain.data import text
     from effitrain.models import config_for, default_model_dir
 
+    LM = tasks.get("causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     config = config_for("gpt2", "n_layer=2,n_embd=32,n_head=2,n_positions=128")
     config.vocab_size = len(tokenizer)
@@ -131,12 +133,12 @@ def test_packed_loss_equals_unpacked_mean_token_loss():
     packed = text.packing_collator()([dict(f) for f in features])
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     with torch.no_grad():
-        mean_padded = tasks.loss_sum("causal-lm", model, padded) / tasks.item_count("causal-lm", padded)
-        mean_packed = tasks.loss_sum("causal-lm", model, packed) / tasks.item_count("causal-lm", packed)
+        mean_padded = LM.loss_sum(model, padded) / LM.item_count(padded)
+        mean_packed = LM.loss_sum(model, packed) / LM.item_count(packed)
         # Without restarting positions the packed row would attend across examples: a different loss.
         crossing = {k: v for k, v in packed.items() if k != "position_ids"}
-        mean_crossing = tasks.loss_sum("causal-lm", model, crossing) / tasks.item_count("causal-lm", crossing)
-    assert tasks.item_count("causal-lm", padded) == tasks.item_count("causal-lm", packed)
+        mean_crossing = LM.loss_sum(model, crossing) / LM.item_count(crossing)
+    assert LM.item_count(padded) == LM.item_count(packed)
     torch.testing.assert_close(mean_packed, mean_padded, rtol=1e-5, atol=1e-6)
     assert not torch.isclose(mean_crossing, mean_padded, rtol=1e-3)
 
@@ -145,11 +147,12 @@ def test_preprocessing_is_cached_and_reused(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from effitrain.config import TrainConfig
+    from effitrain import tasks
     from effitrain.data import text
-    from effitrain.data.sources import load
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    splits = load(TrainConfig(max_train_samples=50, max_eval_samples=20)).splits
+    config = TrainConfig(max_train_samples=50, max_eval_samples=20)
+    splits = tasks.get(config.task).load_data(config).splits
     first = text.tokenize(splits, tokenizer, 32)
     second = text.tokenize(splits, tokenizer, 32)
     other = text.tokenize(splits, tokenizer, 16)

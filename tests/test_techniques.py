@@ -9,6 +9,7 @@ import torch
 from conftest import read_jsonl, read_weights
 
 import effitrain
+from effitrain import devices, tasks
 from effitrain.engine import optim, precision
 from effitrain.errors import UserError
 
@@ -23,7 +24,8 @@ def fake_step(optimizer, model):
 def default_model():
     from effitrain import models
 
-    return models.load_classifier(models.resolve("default"), ["ham", "spam"])
+    source = models.ModelSource(models.resolve("default"))
+    return tasks.get("sequence-classification").build_model(source, ["ham", "spam"], None)
 
 
 @pytest.mark.parametrize("name, low, high", [("adamw", 8.0, 8.01), ("adamw-8bit", 1.9, 2.2), ("adam-8bit", 1.9, 2.2),
@@ -70,7 +72,7 @@ def test_fp16_on_a_cpu_is_refused():
 def test_bf16_on_a_cpu_without_fast_bf16_warns_with_the_slowdown(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("GPU machine")
-    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda: 1 / 80)
+    monkeypatch.setattr(devices, "bf16_matmul_speedup", lambda: 1 / 80)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert precision.choose("bf16")[0] == "bf16"
@@ -128,19 +130,18 @@ def test_every_pair_of_techniques_trains(tiny_model_dir, tmp_path, pair):
 
 def nan_at(calls: set[int], monkeypatch):
     """Make the training loss non-finite on the given micro-batch calls (1-based)."""
-    from effitrain import tasks
+    task = tasks.get("sequence-classification")
+    real, seen = task.loss_sum, {"n": 0}
 
-    real, seen = tasks.loss_sum, {"n": 0}
-
-    def loss_sum(task, model, batch):
-        loss = real(task, model, batch)
+    def loss_sum(model, batch):
+        loss = real(model, batch)
         if model.training:
             seen["n"] += 1
             if seen["n"] in calls:
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(tasks, "loss_sum", loss_sum)
+    monkeypatch.setattr(task, "loss_sum", loss_sum)
 
 
 def test_a_nan_loss_is_skipped_counted_and_training_ends_normally(tiny_model_dir, tmp_path, monkeypatch):

@@ -134,12 +134,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from effitrain import models
+    from effitrain import models, tasks
     from effitrain.devices import make_accelerator
 
     models.quiet_libraries(args.debug)
+    task = tasks.get(args.task)
     path = models.resolve(args.model)
-    model = models.build_on_meta(path, args.task)
+    model_config = models.load_config(path)
+    task.check_supported(model_config)
+    model = task.build_on_meta(model_config)
     counts = models.parameter_counts(model)
     device = str(make_accelerator().device)
     if args.json:
@@ -149,7 +152,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"model: {path}")
     print(model.config)
     print(f"parameters: {counts['total']:,} total, {counts['trainable']:,} trainable, "
-          f"{counts['embedding']:,} in embeddings ({args.task} head for {model.config.num_labels} labels)")
+          f"{counts['embedding']:,} in embeddings ({args.task}"
+          + (f" head for {model.config.num_labels} labels)" if task.has_labels else ")"))
     print(f"Accelerator would train on: {device}")
     return 0
 

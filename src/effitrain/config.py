@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import UserError
+from effitrain.tasks import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
-TASKS = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -238,11 +238,9 @@ def validate(config: TrainConfig) -> None:
     if config.memory_budget is not None and config.packing:
         raise UserError("--memory-budget cannot split a packed micro-batch (it is one row)",
                         "drop --packing, or lower --batch-size yourself")
-    if config.packing and config.task != "causal-lm":
-        raise UserError(f"--packing applies to --task causal-lm, not {config.task}",
-                        "drop --packing, or pass --task causal-lm")
-    if config.task not in TASKS:
-        raise UserError(f"unknown task `{config.task}`", f"pass --task {' or '.join(TASKS)}")
+    from effitrain import tasks
+
+    tasks.get(config.task).check_config(config)  # an unknown task name is refused here too
     for name in ("weight_decay", "max_grad_norm"):
         if getattr(config, name) < 0:
             raise UserError(f"{flag(name)} must be >= 0, got {getattr(config, name)}", f"pass 0 or more to {flag(name)}")

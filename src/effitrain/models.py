@@ -156,19 +156,41 @@ def quiet_import_warnings() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    with loading(path):
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def load_text_tokenizer(source: ModelSource):
+    """The model's tokenizer; a model built from a config has none of its own and uses the default
+    model's WordPiece tokenizer. GPT-style tokenizers pad with EOS (masked out of the loss)."""
+    tokenizer = load_tokenizer(source.path or default_model_dir())
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Non-reentrant checkpointing (works with DDP, accumulation and frozen inputs)."""
+    if not model.supports_gradient_checkpointing:
+        raise UserError(f"{type(model).__name__} does not support gradient checkpointing",
+                        "drop --gradient-checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     with loading(path):
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def load_classifier(path: Path, labels: list[str]):
-    """A pretrained directory as AutoModelForSequenceClassification with a head sized for `labels`: the
-    same builder `effitrain train` uses."""
-    from effitrain import tasks
-
-    return tasks.build_model("sequence-classification", ModelSource(path), labels, processor=None)
 
 
 def parameter_counts(model) -> dict[str, int]:
@@ -180,14 +202,3 @@ def parameter_counts(model) -> dict[str, int]:
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "embedding": embedding,
     }
-
-
-def build_on_meta(path: Path, task: str, num_labels: int = 2):
-    """The model's modules and shapes without loading or allocating weights (fast for any size)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    with loading(path):
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=num_labels)
-    with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config)

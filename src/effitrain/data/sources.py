@@ -110,17 +110,6 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
-def canonical_columns(config) -> dict[str, str]:
-    """The task's columns: canonical name -> the user's column name."""
-    wanted = {"sequence-classification": {"text": config.text_column, "label": config.label_column},
-              "image-classification": {"image": config.image_column, "label": config.label_column},
-              "audio-classification": {"audio": config.audio_column, "label": config.label_column},
-              "causal-lm": {"text": config.text_column}}[config.task]
-    if config.task == "sequence-classification" and config.text_pair_column:
-        wanted["text_pair"] = config.text_pair_column
-    return wanted
-
-
 def select_columns(data, columns: dict[str, str], where: str):
     missing = [user for user in columns.values() if user not in data.column_names]
     if missing:
@@ -190,8 +179,9 @@ def encode_labels(data, names: list[str], where: str):
     return data.cast_column("label", ClassLabel(names=names))
 
 
-def load(config) -> Loaded:
-    """Read, pick and rename the task's columns, check rows, encode labels, split, and cap sizes."""
+def load(config, columns: dict[str, str]) -> Loaded:
+    """Read, pick and rename the task's `columns` (canonical name -> the user's column), check rows,
+    encode labels, split, and cap sizes."""
     from datasets import DatasetDict
 
     raw, base_dir, skipped = read(config.data, config.skip_bad_rows)
@@ -202,7 +192,6 @@ def load(config) -> Loaded:
             data, _, extra = read(path, config.skip_bad_rows, flag)
             raw[split], where[split] = data["all"], f"{flag} {path}"
             skipped += extra
-    columns = canonical_columns(config)
     prepared = {}
     for name, data in raw.items():
         if len(data) == 0:

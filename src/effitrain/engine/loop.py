@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from effitrain import models, outputs, tasks
 from effitrain.config import TrainConfig
-from effitrain.data import sources, text
+from effitrain.data import text
 from effitrain.devices import make_accelerator, peak_memory_bytes
 from effitrain.engine import checkpoint, communication, memory_fit, optim, precision
 from effitrain.errors import UserError
@@ -54,16 +54,16 @@ def accumulation(config: TrainConfig, world: int) -> int:
     return config.effective_batch_size // per_pass
 
 
-def evaluate(accelerator, task: str, model, dataloader, label_names) -> dict[str, float]:
+def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, float]:
     """Metrics over the whole split; gather_for_metrics drops the samples padded in to even out shards."""
     model.eval()
     gathered = []
     with torch.inference_mode():
         for batch in dataloader:
-            outputs_ = accelerator.gather_for_metrics(tasks.eval_outputs(task, model, batch))
+            outputs_ = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
             gathered.append([t.cpu() for t in outputs_])
     model.train()
-    return tasks.metrics(task, tuple(torch.cat(column) for column in zip(*gathered)), label_names)
+    return task.metrics(tuple(torch.cat(column) for column in zip(*gathered)), label_names)
 
 
 def _claim_output_dir(accelerator, config: TrainConfig, clear: bool) -> Path:
@@ -88,7 +88,7 @@ def run(config: TrainConfig) -> dict:
     from tqdm.auto import tqdm
 
     wall_start = time.perf_counter()
-    task = config.task
+    task = tasks.get(config.task)
     models.quiet_libraries(config.debug)
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model, config.allow_pickle)
@@ -105,20 +105,20 @@ def run(config: TrainConfig) -> dict:
         resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes)
 
     set_seed(config.seed)
-    processor = tasks.load_processor(task, source)
-    loaded = sources.load(config)
+    processor = task.load_processor(source)
+    loaded = task.load_data(config)
     splits = loaded.splits
     label_names = splits["train"].features["label"].names if "label" in splits["train"].column_names else None
     with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
-        encoded = tasks.preprocess(task, splits, processor, config, loaded.base_dir)
+        encoded = task.preprocess(splits, processor, config, loaded.base_dir)
     split, fit_note = 1, None  # pieces each loaded micro-batch runs as (--memory-budget)
     if config.memory_budget:
         split, fit_note = memory_fit.plan_run(config, accelerator.device, accelerator.num_processes, grad_accum,
                                               mixed_precision, len(label_names or []), processor,
                                               resuming=resume_from is not None)
-    model = tasks.build_model(task, source, label_names, processor)
+    model = task.build_model(source, label_names, processor)
     if config.gradient_checkpointing:
-        tasks.enable_gradient_checkpointing(model)
+        models.enable_gradient_checkpointing(model)
     model.train()
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = _claim_output_dir(accelerator, config, clear=resume_from is None)
@@ -128,7 +128,7 @@ def run(config: TrainConfig) -> dict:
         log.write({"step": 0, "memory_plan": fit_note, "pieces": split})
 
     world = accelerator.num_processes
-    train_collate, eval_collate = tasks.collators(task, processor, config)
+    train_collate, eval_collate = task.collators(processor, config)
     sampler = text.train_sampler(encoded["train"], config.batch_size * world * grad_accum,
                                  config.group_by_length, config.seed)
     # Its own generator: the loader's base seed must not draw from the global RNG (dropout's), or a
@@ -165,7 +165,7 @@ def run(config: TrainConfig) -> dict:
         communication.count_gradient_allreduces(model, wire)
 
     skipped = f", {loaded.skipped_rows} bad rows skipped" if loaded.skipped_rows else ""
-    accelerator.print(f"training {config.model} ({task}) on {config.data}: {len(encoded['train'])} train / "
+    accelerator.print(f"training {config.model} ({task.name}) on {config.data}: {len(encoded['train'])} train / "
                       f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples{skipped}"
                       + (f", labels {label_names}" if label_names else "")
                       + f", {total_steps} steps of {config.batch_size} x {grad_accum} x {world} process(es) "
@@ -199,7 +199,7 @@ def run(config: TrainConfig) -> dict:
         for _ in range(done_in_epoch):  # resumed mid-epoch: pass over the batches already trained on
             next(groups)
         for group in groups:
-            items = sum((tasks.item_count(task, batch) for batch in group if batch is not None),
+            items = sum((task.item_count(batch) for batch in group if batch is not None),
                         torch.zeros((), dtype=torch.long, device=accelerator.device))
             # Local SGD: each process minimises its own loss; otherwise one loss over all processes.
             synced = world > 1 and local_sgd is None
@@ -299,11 +299,11 @@ def run(config: TrainConfig) -> dict:
     trainable = max(1, sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad))
     peak = torch.tensor([peak_memory_bytes(accelerator.device)], device=accelerator.device)
     metrics = {
-        "task": task,
+        "task": task.name,
         "validation": history["validation"],
         "test": test,
         "train_samples_per_second": samples / train_seconds,
-        "train_tokens_per_second": tokens / train_seconds if task in tasks.TEXT_TASKS else None,
+        "train_tokens_per_second": tokens / train_seconds if task.is_text else None,
         "peak_memory_bytes": int(accelerator.gather(peak).max()),
         "train_seconds": train_seconds,
         "steps": step,
@@ -354,16 +354,16 @@ def _forward_backward(accelerator, task, model, group, split, stand_in, step_ite
             last = i == len(pieces) - 1 and not agree
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
-                    accelerator.backward(tasks.loss_sum(task, model, stand_in) * 0.0)
+                    accelerator.backward(task.loss_sum(model, stand_in) * 0.0)
                     continue
                 memory_fit.check_test_hook(piece, accelerator.process_index)
-                loss = tasks.loss_sum(task, model, piece)
+                loss = task.loss_sum(model, piece)
                 # DDP averages gradients over W processes, hence the factor W.
                 accelerator.backward(loss * scale / step_items)
-            count = tasks.item_count(task, piece).double()
-            tokens = tasks.token_count(task, piece)
+            count = task.item_count(piece).double()
+            tokens = task.token_count(piece)
             step_window += torch.stack([loss.detach().double(), count])
-            step_totals += torch.stack([tasks.example_count(task, piece).double(),
+            step_totals += torch.stack([task.example_count(piece).double(),
                                         count.new_tensor(0.0) if tokens is None else tokens.double()])
     except Exception as err:
         if retry and memory_fit.is_out_of_memory(err):
@@ -385,7 +385,7 @@ def _save(accelerator, model, processor, config: TrainConfig, out_dir: Path) -> 
         model_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model), safe_serialization=True)
     if accelerator.is_main_process:
-        if config.task in tasks.TEXT_TASKS:
+        if tasks.get(config.task).is_text:
             processor.model_max_length = config.max_length  # predictions truncate where training did
         processor.save_pretrained(model_dir)
     accelerator.wait_for_everyone()

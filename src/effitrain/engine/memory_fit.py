@@ -61,13 +61,6 @@ def check_test_hook(batch: dict, rank: int) -> None:
         raise OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
 
 
-def sequence_length(config: TrainConfig, processor) -> int:
-    """The longest input a micro-batch can hold: tokens for text, samples for audio (images: unused)."""
-    if config.task == "audio-classification":
-        return int(config.max_duration * processor.sampling_rate)
-    return config.max_length
-
-
 def budget_bytes(config: TrainConfig, device: torch.device) -> int:
     from effitrain.planning import plan, sizes
 
@@ -117,9 +110,10 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
         smallest = torch.tensor([budget], dtype=torch.float64, device=device)
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         budget = int(smallest.item())
-    vocab = len(processor) if config.task in tasks.TEXT_TASKS else None
+    task = tasks.get(config.task)
+    vocab = len(processor) if task.is_text else None
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab)
-    planner = plan.Planner(shapes, sequence_length(config, processor), device.type, world, config.strategy,
+    planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)
     estimate, changes = plan.fit(planner, config.batch_size, precision, config.optim, config.gradient_checkpointing,

@@ -5,7 +5,6 @@ matmuls were measured on AVX2 machines. fp16 needs a GPU (and a gradient scaler)
 
 from __future__ import annotations
 
-import time
 import warnings
 
 from effitrain.errors import UserError
@@ -13,26 +12,11 @@ from effitrain.errors import UserError
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
-def bf16_matmul_speedup(size: int = 384, repeats: int = 5) -> float:
-    """fp32 time / bf16 time of a matmul on this CPU (> 1: bf16 is faster). About 0.1 s."""
-    import torch
-
-    def timed(dtype):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b  # warm-up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        return time.perf_counter() - start
-
-    return timed(torch.float32) / timed(torch.bfloat16)
-
-
 def choose(requested: str) -> tuple[str, str]:
     """(accelerate's mixed_precision: no | bf16 | fp16, the reason in words)."""
     import torch
 
-    from effitrain.devices import has_accelerator
+    from effitrain.devices import bf16_matmul_speedup, has_accelerator
 
     cuda = torch.cuda.is_available()
     if requested == "fp16" and not cuda:

@@ -50,7 +50,7 @@ OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8
 # measured bf16 steps 1.66x faster where bf16 matmuls are 3.5x faster on this CPU, i.e. about 0.6.
 MATMUL_TIME_SHARE = 0.6
 # bf16/fp16 vs fp32 matmul throughput on GPUs with tensor cores (A100/H100 class): an assumption until
-# measured on a lent GPU; on CPU it is measured at plan time (precision.bf16_matmul_speedup).
+# measured on a lent GPU; on CPU it is measured at plan time (devices.bf16_matmul_speedup).
 GPU_HALF_SPEEDUP = 2.0
 
 LIGHTER = {"adamw": ["adamw-8bit", "adafactor"], "adam-8bit": ["adafactor"], "adamw-8bit": ["adafactor"],
@@ -86,10 +86,7 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = model_config(model, task, num_labels, vocab_size)
-    auto = tasks.auto_class(task)
-    if type(config) not in auto._model_mapping:
-        raise UserError(f"model type `{config.model_type}` has no {task} head in transformers",
-                        f"pass a model that {auto.__name__} supports, or another --task")
+    tasks.get(task).check_supported(config)
     with FakeTensorMode():
         built = simulate.build(task, config)
     stack = simulate.layer_stack(built)
@@ -113,7 +110,7 @@ def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | N
         with models.loading(source.path):
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     config.num_labels = num_labels
-    if task in tasks.TEXT_TASKS and getattr(config, "pad_token_id", None) is None:
+    if tasks.get(task).is_text and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification needs one to find the last token
     return config
 
@@ -269,7 +266,7 @@ class Planner:
     def half_speedup(self) -> float:
         if self._half_speedup is None:
             if self.device == "cpu":
-                from effitrain.engine.precision import bf16_matmul_speedup
+                from effitrain.devices import bf16_matmul_speedup
 
                 self._half_speedup = bf16_matmul_speedup()
             else:

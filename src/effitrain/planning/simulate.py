@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from effitrain import tasks
+from effitrain import models, tasks
 
 # glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
 # keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
@@ -139,24 +139,12 @@ def depth_of(config) -> int | None:
 
 def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
     """Inputs of the shapes a training micro-batch has (values do not matter to memory)."""
-    if task == "causal-lm":
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    labels = torch.zeros(batch_size, dtype=torch.long)
-    if task == "sequence-classification":
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    if task == "image-classification":
-        size = getattr(config, "image_size", 224)  # ResNet-style configs have none; processors use 224
-        size = size if isinstance(size, int) else size[0]
-        return {"pixel_values": torch.zeros(batch_size, getattr(config, "num_channels", 3), size, size),
-                "labels": labels}
-    return {"input_values": torch.zeros(batch_size, seq_len), "labels": labels}  # audio: seq_len samples
+    return tasks.get(task).example_batch(config, batch_size, seq_len)
 
 
 def build(task: str, config):
     """The task's Auto model from `config`, its tensors fake (no memory)."""
-    return tasks.auto_class(task).from_config(config)
+    return tasks.get(task).auto_class.from_config(config)
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool) -> Phases:
@@ -194,7 +182,7 @@ def _fake_model(task, config, checkpointing):
             model = build(task, config)
             model.train()
             if checkpointing:
-                tasks.enable_gradient_checkpointing(model)
+                models.enable_gradient_checkpointing(model)
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
@@ -228,7 +216,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
                     else contextlib.nullcontext())
         with timeline:
             with autocast:
-                loss = tasks.loss_sum(task, model, batch) / batch_size
+                loss = tasks.get(task).loss_sum(model, batch) / batch_size
             backward_start = len(timeline.points)
             loss.backward()
             del loss

@@ -1,0 +1,145 @@
+"""What every task has in common: the Auto class, loading the processor and the model, and the loss
+as a sum over items (so that the engine can normalise over a whole optimizer step)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from effitrain import models
+from effitrain.errors import UserError
+
+
+class Task:
+    """One kind of task. Subclasses set `auto_class_name`, `is_text` and the data-dependent methods."""
+
+    auto_class_name: str = ""
+    is_text: bool = False  # tokenised text: tokens/s, a tokenizer, a vocabulary
+    has_labels: bool = True  # a label column, a classification head sized for it
+    supports_packing: bool = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<task {self.name}>"
+
+    # -- models ------------------------------------------------------------------------------------
+    @property
+    def auto_class(self):
+        import transformers
+
+        return getattr(transformers, self.auto_class_name)
+
+    def check_config(self, config) -> None:
+        """Settings that make no sense for this task (checked before anything loads)."""
+        if config.packing and not self.supports_packing:
+            raise UserError(f"--packing applies to --task causal-lm, not {self.name}",
+                            "drop --packing, or pass --task causal-lm")
+
+    def supports(self, model_config) -> bool:
+        return type(model_config) in self.auto_class._model_mapping
+
+    def check_supported(self, model_config) -> None:
+        if not self.supports(model_config):
+            raise UserError(f"model type `{model_config.model_type}` has no {self.name} head in transformers",
+                            f"pass a model that {self.auto_class_name} supports, or another --task")
+
+    def build_model(self, source: models.ModelSource, labels: list[str] | None, processor):
+        """Pretrained weights with a fresh head sized for `labels`, or random initialisation from a config."""
+        auto = self.auto_class
+        head = {} if labels is None else {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                                          "label2id": {label: i for i, label in enumerate(labels)}}
+        config = copy.deepcopy(source.config) if source.config is not None else models.load_config(source.path)
+        self.check_supported(config)
+        if source.pretrained:
+            with models.loading(source.path):
+                # A checkpoint fine-tuned on other labels keeps its body and gets a new head.
+                # Safetensors whenever they exist; pickle only where resolve() let it through (--allow-pickle).
+                model = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=bool(head),
+                                             use_safetensors=models.has_safetensors(source.path),
+                                             local_files_only=True, **head)
+        else:
+            for key, value in head.items():
+                setattr(config, key, value)
+            self.adapt_config(config, processor)
+            model = auto.from_config(config)
+        self.adapt_model(model, processor)
+        return model
+
+    def adapt_config(self, config, processor) -> None:
+        """A model built from a config: what it takes from the processor (text: the vocabulary)."""
+
+    def adapt_model(self, model, processor) -> None:
+        """After loading or building: what the task needs set on the model."""
+
+    def build_on_meta(self, model_config):
+        """The task's model from a config, without allocating weights (counts, inspect)."""
+        with torch.device("meta"):
+            return self.auto_class.from_config(model_config)
+
+    # -- data --------------------------------------------------------------------------------------
+    def columns(self, config) -> dict[str, str]:
+        """The task's columns: canonical name -> the user's column name."""
+        raise NotImplementedError
+
+    def load_data(self, config):
+        """The data of `config` with this task's columns: sources.Loaded (splits, base dir, skipped rows)."""
+        from effitrain.data import sources
+
+        return sources.load(config, self.columns(config))
+
+    def sequence_length(self, config, processor) -> int:
+        """The longest input a micro-batch can hold (the planner's sequence length)."""
+        return config.max_length
+
+    def throughput_tokens(self) -> bool:
+        return self.is_text
+
+    # -- the loss and its counts -------------------------------------------------------------------
+    @staticmethod
+    def inputs(batch) -> dict:
+        return {k: v for k, v in batch.items() if k != "labels"}
+
+    def item_count(self, batch) -> torch.Tensor:
+        """The items the loss averages over (labelled examples, or predicted tokens)."""
+        return (batch["labels"] != -100).sum()
+
+    def example_count(self, batch) -> torch.Tensor:
+        """Examples in a micro-batch, for samples/s."""
+        return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
+
+    def token_count(self, batch) -> torch.Tensor | None:
+        """Real (non-pad) tokens of a text batch, for tokens/s; None for images and audio."""
+        if not self.is_text:
+            return None
+        if "attention_mask" in batch:
+            return batch["attention_mask"].sum()
+        return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)  # packed: no padding
+
+    def loss_sum(self, model, batch) -> torch.Tensor:
+        """Sum (not mean) of the per-item losses of a micro-batch; labels are kept out of the model so
+        that no model-side reduction decides the normalisation."""
+        raise NotImplementedError
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
+        """Per-example tensors, so that gather_for_metrics can drop the duplicates of uneven shards."""
+        raise NotImplementedError
+
+    def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
+        raise NotImplementedError
+
+    # Metrics whose larger values are better; any other metric (loss, perplexity) is better smaller.
+    higher_is_better: tuple[str, ...] = ()
+
+    def is_higher_better(self, metric: str) -> bool:
+        return metric in self.higher_is_better
+
+    def metric_names(self, label_names: list[str] | None) -> list[str]:
+        raise NotImplementedError
+
+    def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
+        """Inputs of the shapes a training micro-batch has (values do not matter to memory)."""
+        raise NotImplementedError

@@ -1,0 +1,88 @@
+"""Causal language modelling: every token predicts the next one."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from effitrain import models
+from effitrain.tasks.base import Task
+
+
+class CausalLM(Task):
+    auto_class_name = "AutoModelForCausalLM"
+    is_text = True
+    has_labels = False
+    supports_packing = True
+    higher_is_better = ("token_accuracy",)
+
+    # -- models ------------------------------------------------------------------------------------
+    def load_processor(self, source: models.ModelSource):
+        return models.load_text_tokenizer(source)
+
+    def adapt_config(self, config, processor) -> None:
+        config.vocab_size = len(processor)
+
+    def adapt_model(self, model, processor) -> None:
+        if model.config.pad_token_id is None and processor is not None:
+            model.config.pad_token_id = processor.pad_token_id
+
+    # -- data --------------------------------------------------------------------------------------
+    def columns(self, config) -> dict[str, str]:
+        return {"text": config.text_column}
+
+    def preprocess(self, splits, processor, config, base_dir):
+        from effitrain.data import text
+
+        return text.tokenize(splits, processor, config.max_length, labels=False)
+
+    def collators(self, processor, config):
+        """(training collator, evaluation collator): packed rows only in training, when asked."""
+        from effitrain.data import text
+
+        padded = text.lm_collator(processor)
+        return (text.packing_collator() if config.packing else padded), padded
+
+    # -- the loss and its counts -------------------------------------------------------------------
+    def logits_and_targets(self, model, batch):
+        """Next-token prediction: position t predicts token t+1; -100 targets (padding, and the first
+        token of each packed example) are ignored."""
+        logits = model(**self.inputs(batch), use_cache=False).logits  # no cache: packed masks need cache=None
+        return logits[:, :-1].float(), batch["labels"][:, 1:]
+
+    def item_count(self, batch) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != -100).sum()
+
+    def example_count(self, batch) -> torch.Tensor:
+        """A packed row holds one example per position id 0."""
+        if "position_ids" in batch:
+            return (batch["position_ids"] == 0).sum()
+        return super().example_count(batch)
+
+    def loss_sum(self, model, batch) -> torch.Tensor:
+        logits, targets = self.logits_and_targets(model, batch)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
+                               ignore_index=-100)
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
+        logits, targets = self.logits_and_targets(model, batch)
+        mask = targets != -100
+        losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+        correct = (logits.argmax(-1) == targets) & mask
+        return losses.sum(-1), mask.sum(-1), correct.sum(-1)
+
+    def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
+        loss_total, tokens, correct = (float(t.double().sum()) for t in outputs)
+        loss = loss_total / max(tokens, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "token_accuracy": correct / max(tokens, 1),
+                "tokens": int(tokens), "samples": int(len(outputs[0]))}
+
+    def metric_names(self, label_names: list[str] | None) -> list[str]:
+        return ["loss", "perplexity", "token_accuracy"]
+
+    def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
