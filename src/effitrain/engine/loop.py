@@ -21,6 +21,7 @@ from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator, peak_memory_bytes
 from effitrain.engine import checkpoint, communication, memory_fit, optim, precision
+from effitrain.engine.evaluate import evaluate
 from effitrain.errors import UserError
 
 
@@ -52,18 +53,6 @@ def accumulation(config: TrainConfig, world: int) -> int:
                         f"{config.batch_size} x {world} process(es)",
                         f"pass a multiple of {per_pass}, or change --batch-size")
     return config.effective_batch_size // per_pass
-
-
-def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, float]:
-    """Metrics over the whole split; gather_for_metrics drops the samples padded in to even out shards."""
-    model.eval()
-    gathered = []
-    with torch.inference_mode():
-        for batch in dataloader:
-            outputs_ = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
-            gathered.append([t.cpu() for t in outputs_])
-    model.train()
-    return task.metrics(tuple(torch.cat(column) for column in zip(*gathered)), label_names)
 
 
 def _claim_output_dir(accelerator, config: TrainConfig, clear: bool) -> Path:
