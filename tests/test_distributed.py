@@ -11,13 +11,16 @@ from conftest import read_weights
 import effitrain
 
 
-def torchrun(nproc: int, *args, cwd=None) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args, cwd=None, hooks: list | None = None) -> subprocess.CompletedProcess:
+    """effitrain under torchrun; `hooks`: flags of tests/hooks/patched_cli.py (faults injected)."""
+    program = ["-m", "effitrain"] if hooks is None else [HOOKED_CLI, *map(str, hooks), "--"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "effitrain", *map(str, args)]
+               *program, *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
 
+HOOKED_CLI = str(Path(__file__).parent / "hooks" / "patched_cli.py")
 TINY_GPT2 = "gpt2:n_layer=2,n_embd=32,n_head=2,n_positions=128,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
 
 

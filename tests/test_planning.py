@@ -15,7 +15,7 @@ from conftest import read_jsonl, read_weights, run_cli
 from test_distributed import TINY_GPT2, torchrun
 
 import effitrain
-from effitrain.engine import optim
+from effitrain.engine import memory_fit, optim
 from effitrain.errors import UserError
 from effitrain.planning import plan, simulate
 from effitrain.planning.sizes import parse_size
@@ -219,17 +219,32 @@ def same_weights(a, b):
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=1e-6)
 
 
+def inject_out_of_memory_above(limit: int, monkeypatch) -> None:
+    """A forward of more than `limit` examples raises an out-of-memory error, as a small device would."""
+    from effitrain import tasks
+
+    task = tasks.get("sequence-classification")
+    real = task.loss_sum
+
+    def loss_sum(model, batch):
+        if len(batch["labels"]) > limit:
+            raise memory_fit.OutOfMemoryError(f"test: more than {limit} examples do not fit")
+        return real(model, batch)
+
+    monkeypatch.setattr(task, "loss_sum", loss_sum)
+
+
 def test_out_of_memory_during_the_run_halves_the_pieces_and_retries_the_step(tiny_model_dir, tmp_path, monkeypatch):
     common = {**COMMON, "model": str(tiny_model_dir)}
     effitrain.train({**common, "output_dir": str(tmp_path / "plain")})
-    monkeypatch.setenv("EFFITRAIN_TEST_OOM_ABOVE", "5")
+    inject_out_of_memory_above(5, monkeypatch)
     metrics = effitrain.train({**common, "output_dir": str(tmp_path / "oom"), "memory_budget": "64GiB"})
     assert metrics["pieces_per_micro_batch"] == 4  # 16 -> 8 -> 4 examples per piece
     retries = [r for r in read_jsonl(tmp_path / "oom" / "log.jsonl") if "out_of_memory" in r]
     assert [r["pieces"] for r in retries] == [2, 4] and retries[0]["step"] == 1
     same_weights(tmp_path / "plain", tmp_path / "oom")
     # Without a budget, out of memory is not caught.
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(memory_fit.OutOfMemoryError):
         effitrain.train({**common, "output_dir": str(tmp_path / "no-budget")})
 
 
@@ -238,13 +253,8 @@ def test_two_processes_agree_when_one_runs_out_of_memory(tiny_model_dir, tmp_pat
     left waiting in an all-reduce) and the result is one process with the whole batch."""
     common = {**COMMON, "model": str(tiny_model_dir), "batch_size": 8}
     flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
-    env_before = dict(os.environ)
-    os.environ.update(EFFITRAIN_TEST_OOM_ABOVE="2", EFFITRAIN_TEST_OOM_RANK="1")
-    try:
-        result = torchrun(2, "train", *flags, "--memory-budget", "64GiB", "--output-dir", tmp_path / "ddp")
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
+    result = torchrun(2, "train", *flags, "--memory-budget", "64GiB", "--output-dir", tmp_path / "ddp",
+                      hooks=["--oom-above", 2, "--oom-rank", 1])
     assert result.returncode == 0, result.stderr[-3000:]
     effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
     metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from conftest import read_jsonl, read_weights
+from test_distributed import HOOKED_CLI
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +128,8 @@ def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(dropout_model_dir, 
     finished(train(*common, "--output-dir", tmp_path / "straight"))
 
     out = tmp_path / "killed"
-    job = subprocess.Popen([sys.executable, "-m", "effitrain", "train", *map(str, common), "--output-dir", str(out)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "EFFITRAIN_TEST_SAVE_PAUSE": "3"})
+    job = subprocess.Popen([sys.executable, HOOKED_CLI, "--save-pause", "3", "--", "train", *map(str, common),
+                            "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = out / "checkpoints" / ".tmp-step-6"
     deadline = time.time() + 120
     while not (partial / "trainer_state.json").exists():  # the second save is under way

@@ -18,6 +18,6 @@ def train(config: TrainConfig | dict[str, Any] | str | Path | None = None) -> di
     `config` is a TrainConfig, a dict of its keys, or the path of a YAML file. Bad input raises UserError.
     """
     from effitrain.config import from_any
-    from effitrain.engine.loop import run
+    from effitrain.engine.run import run
 
     return run(from_any(config))

@@ -23,7 +23,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file whose keys are these flags' names with underscores; "
                                          "flags given here override it")
     types = cfg.field_types()
-    for f in cfg.fields():
+    for f in cfg.cli_fields():
         kind, _ = cfg.base_type(types[f.name])
         default = f" (default: {f.default})" if f.default is not None else ""
         common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default}
@@ -110,7 +110,7 @@ def _version() -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from effitrain.engine.loop import run
+    from effitrain.engine.run import run
 
     values = vars(args).copy()
     values.pop("command")

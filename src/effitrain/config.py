@@ -15,6 +15,8 @@ from effitrain.errors import UserError
 from effitrain.tasks import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
+KEEP = ("final", "best")
+PLAN_KEYS = ("grad_accum", "pieces", "optim", "gradient_checkpointing", "precision")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
 
@@ -98,6 +100,20 @@ class TrainConfig:
     resume: str | None = _opt(None, "`auto` (the latest complete checkpoint in --output-dir, else a fresh start) "
                               "or a checkpoint folder: continue at the next unseen batch")
     log_every: int = _opt(10, "write a log line every N optimizer steps")
+    eval_every: int | None = _opt(None, "evaluate on the validation split every N optimizer steps (default: at "
+                                  "the end of each epoch), and always at the last step")
+    metric_for_best: str | None = _opt(None, "the validation metric that picks the best evaluation (default: "
+                                       "loss): loss, accuracy, f1_macro, f1_<label>, perplexity, token_accuracy; "
+                                       "its direction is known. Setting it keeps the best weights in best/")
+    early_stopping_patience: int | None = _opt(None, "stop after this many evaluations in a row without an "
+                                               "improvement of --metric-for-best (best weights in best/)")
+    early_stopping_threshold: float = _opt(0.0, "the smallest change of --metric-for-best that counts as an "
+                                           "improvement")
+    keep: str = _opt("final", "which weights model/ holds: final (the last step's) or best (the best "
+                     "evaluation's, also in best/)", choices=KEEP)
+    plan: dict | None = _opt(None, "what an earlier run resolved (accumulation, pieces, optimizer, "
+                             "checkpointing), as its config.yaml records it: pinned instead of planned again, so "
+                             "that rerunning config.yaml reproduces the run", yaml_only=True)
     debug: bool = _opt(False, "show full tracebacks and library warnings")
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,6 +122,11 @@ class TrainConfig:
 
 def fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(TrainConfig))
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """Every field but what only a written config.yaml carries (the resolved plan)."""
+    return [f for f in fields() if not f.metadata.get("yaml_only")]
 
 
 def flag(name: str) -> str:
@@ -140,7 +161,7 @@ def coerce(key: str, value: Any, where: str) -> Any:
 
 
 def _example(kind: type) -> str:
-    return {int: "8", float: "0.0001", bool: "true", str: "text"}[kind]
+    return {int: "8", float: "0.0001", bool: "true", str: "text", dict: "{key: value}"}[kind]
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -207,7 +228,7 @@ def validate(config: TrainConfig) -> None:
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
               "local_sgd_steps", "effective_batch_size",
-              "max_bad_steps", "save_every", "keep_last")
+              "max_bad_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience")
     if config.resume and not config.output_dir:
         raise UserError("--resume needs the --output-dir of the run to continue", "pass --output-dir too")
     if config.strategy not in STRATEGIES:
@@ -238,6 +259,14 @@ def validate(config: TrainConfig) -> None:
     if config.memory_budget is not None and config.packing:
         raise UserError("--memory-budget cannot split a packed micro-batch (it is one row)",
                         "drop --packing, or lower --batch-size yourself")
+    if config.keep not in KEEP:
+        raise UserError(f"unknown --keep `{config.keep}`", f"pass --keep {' or '.join(KEEP)}")
+    if config.early_stopping_threshold < 0 or config.early_stopping_threshold != config.early_stopping_threshold:
+        raise UserError(f"--early-stopping-threshold must be >= 0, got {config.early_stopping_threshold}",
+                        "pass e.g. --early-stopping-threshold 0.001")
+    if config.plan is not None and set(config.plan) - set(PLAN_KEYS):
+        raise UserError(f"config: unknown plan key `{sorted(set(config.plan) - set(PLAN_KEYS))[0]}`",
+                        f"a plan holds only {', '.join(PLAN_KEYS)} (as config.yaml writes it)")
     from effitrain import tasks
 
     tasks.get(config.task).check_config(config)  # an unknown task name is refused here too

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 from effitrain.errors import UserError
@@ -55,8 +54,6 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
         _fsync_tree(tmp)
-        # Crash tests hold the save open here, to kill the run in the middle of it.
-        time.sleep(float(os.environ.get("EFFITRAIN_TEST_SAVE_PAUSE", "0")))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -80,6 +77,28 @@ def find(out_dir: Path, resume: str) -> Path | None:
 def trainer_state(path: Path) -> dict:
     """The checkpoint's trainer_state.json: step, loop counters, the resolved configuration."""
     return json.loads((path / "trainer_state.json").read_text())
+
+
+class Checkpointer:
+    """When to save (every `every` steps, not at the last one: model/ is written then) and where."""
+
+    def __init__(self, accelerator, out_dir: Path, every: int | None, keep_last: int | None, total_steps: int):
+        self.accelerator, self.out_dir, self.every = accelerator, out_dir, every
+        self.keep_last, self.total_steps = keep_last, total_steps
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < self.total_steps
+
+    def save(self, step: int, trainer_state: dict) -> None:
+        save(self.accelerator, self.out_dir, step, trainer_state, self.keep_last)
+
+    def restore(self, path: Path, state, world: int, trainer_state: dict) -> None:
+        """Weights, optimizer, scheduler, scaler and RNG from `path`; counters into `state`; the log
+        cut back to the checkpoint's step (what a killed run logged after it runs again)."""
+        self.accelerator.load_state(str(path))
+        state.load_state_dict(trainer_state, world)
+        if self.accelerator.is_main_process:
+            trim_log(self.out_dir / "log.jsonl", state.step)
 
 
 def check(path: Path, config_values: dict, world_size: int) -> dict:

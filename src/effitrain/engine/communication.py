@@ -68,3 +68,10 @@ class AveragingLocalSGD(LocalSGD):
             param.copy_(averaged)
         self.counter.calls += 1
         self.counter.bytes += flat.numel() * flat.element_size()
+
+    def __exit__(self, type, value, tb):
+        """The final average on a normal exit; after an error the other processes may not be in the
+        same place, so no collective is started (it would wait for them until the timeout)."""
+        if type is not None:
+            self.enabled = False
+        return super().__exit__(type, value, tb)

@@ -18,3 +18,42 @@ def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, flo
             gathered.append([t.cpu() for t in outputs])
     model.train(was_training)
     return task.metrics(tuple(torch.cat(column) for column in zip(*gathered)), label_names)
+
+
+class Evaluator:
+    """Evaluation during training: validation every `eval_every` steps (None: at the end of each
+    epoch) and at the last step; the best value of `metric` (its direction from the task); early
+    stopping after `patience` evaluations without an improvement larger than `threshold`. The
+    metrics are gathered, so every process takes the same decisions."""
+
+    def __init__(self, accelerator, task, label_names, dataloader, *, steps_per_epoch: int, total_steps: int,
+                 eval_every: int | None = None, metric: str = "loss", patience: int | None = None,
+                 threshold: float = 0.0):
+        self.accelerator, self.task, self.label_names, self.dataloader = accelerator, task, label_names, dataloader
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.every = eval_every or steps_per_epoch
+        self.metric, self.patience, self.threshold = metric, patience, threshold
+        self.higher_is_better = task.is_higher_better(metric)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.total_steps
+
+    def validate(self, model, state) -> bool:
+        """Evaluate, update the state's best value and patience count; True if this evaluation is
+        the best so far."""
+        state.validation = evaluate(self.accelerator, self.task, model, self.dataloader, self.label_names)
+        value = state.validation[self.metric]
+        if self.improves(value, state.best_value):
+            state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+            return True
+        state.evals_without_improvement += 1
+        return False
+
+    def improves(self, value: float, best: float | None) -> bool:
+        if best is None:
+            return value == value  # a NaN never becomes the best
+        gain = value - best if self.higher_is_better else best - value
+        return gain > self.threshold
+
+    def should_stop(self, state) -> bool:
+        return self.patience is not None and state.evals_without_improvement >= self.patience

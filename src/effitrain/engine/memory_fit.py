@@ -1,14 +1,14 @@
 """--memory-budget: fit a run into a device's memory without changing what it computes.
 
 The data loader keeps the user's micro-batch, so the order and grouping of examples are those of
-the run without a budget; each loaded micro-batch is run as `split` smaller pieces whose gradients
+the run without a budget; each loaded micro-batch is run as `pieces` smaller pieces whose gradients
 accumulate. The loss of a step is normalised by the step's item count, so splitting changes only
 the order of floating-point additions, not the step: the effective batch is the user's.
 
-Before training, the planner picks `split` (and, only when even one example at a time does not fit,
+Before training, the planner picks `pieces` (and, only when even one example at a time does not fit,
 checkpointing and then a lighter optimizer). During training, an out-of-memory error in a step
-doubles `split` and runs the step again from its first micro-batch; with several processes they
-agree on it first (see loop.py), so no process is left waiting in a collective.
+doubles `pieces` and runs the step again from its first micro-batch; with several processes they
+agree on it first (see step.py), so no process is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import torch
 from effitrain.config import TrainConfig
 from effitrain.errors import UserError
 
-# Test hook: a process raises an out-of-memory error for any piece larger than this many examples
-# (EFFITRAIN_TEST_OOM_RANK: only that rank), as a device too small for the micro-batch would.
-TEST_OOM_ABOVE = "EFFITRAIN_TEST_OOM_ABOVE"
 # torch.OutOfMemoryError since torch 2.5; torch.cuda's before (the README promises torch >= 2.4).
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
@@ -53,14 +50,6 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
     return [{key: value[lo:hi] for key, value in batch.items()} for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-def check_test_hook(batch: dict, rank: int) -> None:
-    limit = os.environ.get(TEST_OOM_ABOVE)
-    if limit is None or os.environ.get("EFFITRAIN_TEST_OOM_RANK", str(rank)) != str(rank):
-        return
-    if len(next(iter(batch.values()))) > int(limit):
-        raise OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
-
-
 def budget_bytes(config: TrainConfig, device: torch.device) -> int:
     from effitrain.planning import plan, sizes
 
@@ -72,34 +61,20 @@ def budget_bytes(config: TrainConfig, device: torch.device) -> int:
     return int(free * 0.9 / local)  # a tenth spare for the data, the evaluation and the rest
 
 
-def adopt_planned(config: TrainConfig, checkpoint_config: dict) -> None:
-    """Resuming a budgeted run: the optimizer and checkpointing its plan chose are what the checkpoint's
-    states belong to, whatever free memory a new plan would see; taken over only where a plan could
-    have made them (a lighter optimizer, checkpointing turned on), so a user's real change is still
-    refused by the resume check."""
-    from effitrain.planning.plan import LIGHTER
-
-    if not checkpoint_config.get("memory_budget"):
-        return
-    if checkpoint_config.get("optim") in LIGHTER.get(config.optim, []):
-        config.optim = checkpoint_config["optim"]
-    if checkpoint_config.get("gradient_checkpointing") and not config.gradient_checkpointing:
-        config.gradient_checkpointing = True
-
-
 def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-             num_labels: int, processor, resuming: bool = False) -> tuple[int, str]:
-    """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer (set on
-    `config`); `mixed_precision` as the run chose it (accelerate's no | bf16 | fp16). Returns (split,
-    what was decided in words)."""
+             num_labels: int, processor, fixed: tuple[str, bool] | None = None) -> tuple[int, str, bool, str]:
+    """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer; `fixed`:
+    the (optimizer, checkpointing) a resumed run's checkpoint was trained with, kept. `mixed_precision`
+    as the run chose it (accelerate's no | bf16 | fp16). Returns (pieces, optimizer, checkpointing,
+    what was decided in words); the config is left as it is."""
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
-        return _plan_run(config, device, world, accumulation, mixed_precision, num_labels, processor, resuming)
+        return _plan_run(config, device, world, accumulation, mixed_precision, num_labels, processor, fixed)
 
 
 def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-              num_labels: int, processor, resuming: bool) -> tuple[int, str]:
+              num_labels: int, processor, fixed: tuple[str, bool] | None) -> tuple[int, str, bool, str]:
     import torch.distributed as dist
 
     from effitrain import tasks
@@ -116,13 +91,12 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)
-    estimate, changes = plan.fit(planner, config.batch_size, precision, config.optim, config.gradient_checkpointing,
-                                 budget, accumulation=accumulation, techniques_fixed=resuming)
-    config.gradient_checkpointing = estimate.setting.checkpointing
-    config.optim = estimate.setting.optimizer
-    split = config.batch_size // estimate.setting.micro_batch
+    optimizer, checkpointing = fixed or (config.optim, config.gradient_checkpointing)
+    estimate, changes = plan.fit(planner, config.batch_size, precision, optimizer, checkpointing,
+                                 budget, accumulation=accumulation, techniques_fixed=fixed is not None)
+    pieces = config.batch_size // estimate.setting.micro_batch
     said = ", ".join(changes) if changes else "no change needed"
-    return split, (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak "
+    return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak "
                    f"{estimate.total / plan.GiB:.2f} GiB with micro-batch {estimate.setting.micro_batch}; {said}")
 
 

@@ -30,3 +30,32 @@ def get(name: str):
         module, cls, kwargs = _REGISTRY[name]
         _INSTANCES[name] = getattr(importlib.import_module(f"effitrain.tasks.{module}"), cls)(name, **kwargs)
     return _INSTANCES[name]
+
+
+def for_model_config(model_config, where: str):
+    """The task a saved model was made for: the one whose Auto class maps the config to the class its
+    config.json `architectures` names (BertForSequenceClassification, ViTForImageClassification,
+    Wav2Vec2ForSequenceClassification, GPT2LMHeadModel, ...). Without `architectures`, the one task
+    whose Auto class knows the config type, if only one does."""
+    candidates = [get(name) for name in NAMES]
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    found = [task for task in candidates if task.makes(model_config)]
+    if not architectures:
+        found = [task for task in candidates if task.supports(model_config)]
+    if len(found) == 1 or (found and architectures):
+        return found[0]
+    from effitrain.errors import UserError
+
+    kind = architectures[0] if architectures else f"model type `{model_config.model_type}` without `architectures`"
+    raise UserError(f"the model in {where} is a {kind}, which has no head effitrain predicts or evaluates with "
+                    f"(tasks: {', '.join(NAMES)})",
+                    "pass a model/ directory written by `effitrain train`, or one whose config.json `architectures` "
+                    "names a *ForSequenceClassification, *ForImageClassification, *ForAudioClassification or "
+                    "causal LM class")
+
+
+def for_model_dir(path):
+    """The task of a model directory (reads only its config.json)."""
+    from effitrain import models
+
+    return for_model_config(models.load_config(path), str(path))

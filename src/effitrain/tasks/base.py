@@ -4,6 +4,7 @@ as a sum over items (so that the engine can normalise over a whole optimizer ste
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import torch
 
@@ -143,3 +144,66 @@ class Task:
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
         """Inputs of the shapes a training micro-batch has (values do not matter to memory)."""
         raise NotImplementedError
+
+    def makes(self, model_config) -> bool:
+        """Whether a saved model is this task's: its Auto class maps the config to the class that the
+        config's `architectures` names."""
+        mapping = self.auto_class._model_mapping
+        if type(model_config) not in mapping:
+            return False
+        classes = mapping[type(model_config)]
+        names = {c.__name__ for c in (classes if isinstance(classes, (list, tuple)) else [classes])}
+        return bool(names & set(getattr(model_config, "architectures", None) or []))
+
+    # -- prediction --------------------------------------------------------------------------------
+    def prediction_inputs(self) -> str:
+        """The inputs this task's models take, in words, for the refusal of others."""
+        raise NotImplementedError
+
+    def prediction_records(self, given: PredictInputs, where: str) -> list[dict]:
+        """One JSON-able record per input, in input order: what the output line echoes and what
+        prediction_batch reads. Inputs of a kind the model does not take are refused."""
+        raise NotImplementedError
+
+    def refuse_other_inputs(self, given: PredictInputs, accepted: tuple[str, ...], where: str) -> None:
+        other = [flag for flag in given.flags() if flag not in accepted]
+        if other:
+            raise UserError(f"{other[0]} does not fit the model in {where} ({self.name})",
+                            f"this model takes {self.prediction_inputs()}")
+
+    def prediction_size(self, record: dict) -> int:
+        """A cheap size of one input, to batch inputs of similar sizes together (less padding)."""
+        return 0
+
+    def prediction_batch(self, records: list[dict], processor, options: PredictOptions) -> dict:
+        """The model's input tensors for some records (decoded, processed, padded)."""
+        raise NotImplementedError
+
+    def predictions(self, model, batch: dict, processor, options: PredictOptions) -> list[dict]:
+        """One JSON-able dict per example of the batch: what the model says about it."""
+        raise NotImplementedError
+
+
+@dataclass
+class PredictInputs:
+    """What `effitrain predict` was given; each task takes the kinds its models understand."""
+
+    texts: list[str] = field(default_factory=list)
+    text_pairs: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+    input_file: str | None = None
+
+    def flags(self) -> list[str]:
+        given = (("--text", self.texts), ("--text-pair", self.text_pairs), ("--prompt", self.prompts),
+                 ("--input", self.input_file))
+        return [flag for flag, value in given if value]
+
+
+@dataclass
+class PredictOptions:
+    max_length: int | None = None  # text: tokens kept per input (None: the tokenizer's model_max_length)
+    max_duration: float = 10.0  # audio: seconds kept per clip
+    max_new_tokens: int = 32  # causal LM: tokens generated per prompt
+    temperature: float | None = None  # causal LM: sampling (instead of greedy) when this or top_p is set
+    top_p: float | None = None
+    all_scores: bool = False  # classification: every label's probability, not only the best one's

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from effitrain import models
+from effitrain.errors import UserError
 from effitrain.tasks.base import Task
 
 
@@ -86,3 +87,65 @@ class CausalLM(Task):
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    # -- prediction: generation ----------------------------------------------------------------------
+    def prediction_inputs(self) -> str:
+        return "--prompt \"...\" (repeatable) or --input FILE.jsonl|csv with a `prompt` (or `text`) field"
+
+    def prediction_records(self, given, where: str) -> list[dict]:
+        from effitrain.data import inputs
+
+        self.refuse_other_inputs(given, ("--prompt", "--input"), where)
+        prompts = list(given.prompts)
+        fix = "pass a JSONL file with one {\"prompt\": ...} per line (or a CSV with a `prompt` column)"
+        if given.input_file:
+            path = inputs.existing(given.input_file, fix)
+            prompts += inputs.string_field(path, inputs.read_table(path, fix), ("prompt", "text"), fix)
+        for number, prompt in enumerate(prompts, 1):
+            if not prompt.strip():
+                raise UserError(f"prompt {number} is empty", "give every prompt some text to continue")
+        return [{"prompt": prompt} for prompt in prompts]
+
+    def prediction_size(self, record: dict) -> int:
+        return len(record["prompt"])
+
+    def prediction_batch(self, records: list[dict], processor, options) -> dict:
+        """Prompts padded on the left, so that every row's next token is generated at the same position."""
+        rows = [_prompt_ids(processor, r["prompt"]) for r in records]
+        if options.max_length:
+            rows = [row[-options.max_length:] for row in rows]  # the end of a long prompt is what it continues
+        width = max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), processor.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def predictions(self, model, batch: dict, processor, options) -> list[dict]:
+        """Greedy continuations, or sampled ones when a temperature or top-p is given."""
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions is not None:
+            room = positions - options.max_new_tokens
+            if room <= 0:
+                raise UserError(f"--max-new-tokens {options.max_new_tokens} leaves no room for the prompt in the "
+                                f"model's {positions} positions", f"pass --max-new-tokens below {positions}")
+            batch = {key: value[:, -room:] for key, value in batch.items()}  # keep the end of long prompts
+        sampling = options.temperature is not None or options.top_p is not None
+        settings = {"do_sample": True, "temperature": options.temperature or 1.0, "top_p": options.top_p or 1.0,
+                    "top_k": None} if sampling else {"do_sample": False}
+        generated = model.generate(**batch, max_new_tokens=options.max_new_tokens,
+                                   pad_token_id=processor.pad_token_id, **settings)
+        continuations = processor.batch_decode(generated[:, batch["input_ids"].shape[1]:].cpu(),
+                                               skip_special_tokens=True)
+        return [{"generated": text} for text in continuations]
+
+
+def _prompt_ids(processor, prompt: str) -> list[int]:
+    """The prompt's tokens with the tokenizer's leading special tokens (BOS, [CLS]) but none after it:
+    a trailing EOS or [SEP] would tell the model that the text has ended."""
+    ids = processor(prompt)["input_ids"]
+    special = set(processor.all_special_ids)
+    while len(ids) > 1 and ids[-1] in special:
+        ids = ids[:-1]
+    return ids

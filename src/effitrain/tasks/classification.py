@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from effitrain import models
+from effitrain.errors import UserError
 from effitrain.tasks.base import Task
 
 _AUTO = {"text": "AutoModelForSequenceClassification", "image": "AutoModelForImageClassification",
@@ -110,3 +111,82 @@ class Classification(Task):
             return {"pixel_values": torch.zeros(batch_size, getattr(model_config, "num_channels", 3), size, size),
                     "labels": labels}
         return {"input_values": torch.zeros(batch_size, seq_len), "labels": labels}  # seq_len samples
+
+    # -- prediction --------------------------------------------------------------------------------
+    def prediction_inputs(self) -> str:
+        if self.is_text:
+            return ("--text \"...\" (repeatable; --text-pair \"...\" pairs them by position) or --input FILE.jsonl|csv "
+                    "with a `text` (and optional `text_pair`) field")
+        extensions = ", ".join(_media(self.modality)[0])
+        return (f"--input: an {self.modality} file ({extensions}), a folder of them, or a JSONL/CSV file with a "
+                f"{' or '.join(f'`{c}`' for c in _media(self.modality)[1])} column of paths")
+
+    def prediction_records(self, given, where: str) -> list[dict]:
+        from effitrain.data import inputs
+
+        if not self.is_text:
+            self.refuse_other_inputs(given, ("--input",), where)
+            extensions, columns = _media(self.modality)
+            return [{self.modality: path} for path in inputs.media_files(given.input_file, extensions, columns,
+                                                                         self.modality)]
+        self.refuse_other_inputs(given, ("--text", "--text-pair", "--input"), where)
+        if given.text_pairs and len(given.text_pairs) != len(given.texts):
+            raise UserError(f"--text-pair given {len(given.text_pairs)} times but --text {len(given.texts)} times",
+                            "give one --text-pair per --text (they pair by position)")
+        pairs = given.text_pairs or [None] * len(given.texts)
+        records = [_text_record(text, pair) for text, pair in zip(given.texts, pairs)]
+        if given.input_file:
+            fix = "pass a JSONL file with one {\"text\": ...} per line (or a CSV with a `text` column)"
+            path = inputs.existing(given.input_file, fix)
+            rows = inputs.read_table(path, fix)
+            texts = inputs.string_field(path, rows, ("text",), fix)
+            pairs = inputs.string_field(path, rows, ("text_pair",), fix, required=False)
+            records += [_text_record(text, pair) for text, pair in zip(texts, pairs)]
+        return records
+
+    def prediction_size(self, record: dict) -> int:
+        return len(record["text"]) + len(record.get("text_pair") or "") if self.is_text else 0
+
+    def prediction_batch(self, records: list[dict], processor, options) -> dict:
+        """Encoded as in training, then batched by the task's own evaluation collator."""
+        features = [dict(feature, labels=0) for feature in self._prediction_features(records, processor, options)]
+        batch = self.collators(processor, None)[1](features)
+        batch.pop("labels")
+        return dict(batch)
+
+    def _prediction_features(self, records: list[dict], processor, options) -> list[dict]:
+        import numpy as np
+
+        from effitrain.data import audio, image
+
+        if self.is_text:
+            return [dict(processor(r["text"], r.get("text_pair"), truncation=True, max_length=options.max_length))
+                    for r in records]
+        if self.modality == "image":
+            pixels = processor(images=[image.load_image(r["image"], None) for r in records])["pixel_values"]
+            return [{"pixel_values": np.asarray(p, dtype=np.float32)} for p in pixels]
+        rate = processor.sampling_rate
+        encoded = processor([audio.decode(r["audio"], rate, options.max_duration) for r in records],
+                            sampling_rate=rate)
+        return [{key: encoded[key][i] for key in encoded} for i in range(len(records))]
+
+    def predictions(self, model, batch: dict, processor, options) -> list[dict]:
+        probs = model(**batch).logits.float().softmax(-1).cpu()
+        scores, best = probs.max(-1)
+        names = [model.config.id2label[i] for i in range(probs.shape[-1])]
+        results = [{"label": names[int(i)], "score": round(float(s), 6)} for i, s in zip(best, scores)]
+        if options.all_scores:
+            for result, row in zip(results, probs.tolist()):
+                result["scores"] = {name: round(p, 6) for name, p in zip(names, row)}
+        return results
+
+
+def _media(modality: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(file extensions, table columns) of --input for an image or audio model."""
+    from effitrain.data import inputs
+
+    return (inputs.IMAGES, ("path", "image")) if modality == "image" else (inputs.AUDIO, ("path", "audio"))
+
+
+def _text_record(text: str, pair: str | None) -> dict:
+    return {"text": text} if pair is None else {"text": text, "text_pair": pair}

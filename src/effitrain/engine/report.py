@@ -1,0 +1,70 @@
+"""The end of a run: metrics.json and the summary printed for the user."""
+
+from __future__ import annotations
+
+import torch
+
+from effitrain import outputs
+from effitrain.devices import peak_memory_bytes
+from effitrain.engine import optim
+
+
+def metrics(run, state, test: dict, stopped_early: bool) -> dict:
+    """What metrics.json holds (DESIGN.md's contract, and more)."""
+    samples, tokens = run.reduce(state.totals).tolist()
+    config, plan, accelerator = run.config, run.plan, run.accelerator
+    # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
+    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+    state_size = optim.state_bytes(optimizer)
+    trainable = max(1, sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters() if p.requires_grad))
+    peak = torch.tensor([peak_memory_bytes(accelerator.device)], device=accelerator.device)
+    return {
+        "task": run.task.name,
+        "validation": state.validation,
+        "test": test,
+        "best": {"metric": config.metric_for_best or "loss", "value": state.best_value, "step": state.best_step,
+                 "kept_in_model": config.keep == "best"},
+        "stopped_early": stopped_early,
+        "train_samples_per_second": samples / state.train_seconds,
+        "train_tokens_per_second": tokens / state.train_seconds if run.task.is_text else None,
+        "peak_memory_bytes": int(accelerator.gather(peak).max()),
+        "train_seconds": state.train_seconds,
+        "steps": state.step,
+        "epochs": round(state.step / run.steps_per_epoch, 4),
+        "world_size": run.world,
+        "device": accelerator.device.type,
+        "labels": run.data.label_names,
+        "skipped_rows": run.data.loaded.skipped_rows,
+        "train_loss": state.last_loss,  # mean over the last logged window
+        "skipped_steps": state.skipped_steps,  # non-finite loss or gradient
+        "precision": {"no": "fp32"}.get(plan.precision, plan.precision),
+        "optimizer": plan.optim,
+        "optimizer_state_bytes": state_size,
+        "optimizer_state_bytes_per_param": state_size / trainable,
+        "gradient_checkpointing": plan.gradient_checkpointing,
+        "grad_accum": plan.grad_accum,
+        # --memory-budget: each loaded micro-batch ran as this many pieces (1: as loaded).
+        "pieces_per_micro_batch": plan.pieces,
+        # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
+        "sync_allreduce_calls": run.wire.calls,
+        "sync_allreduce_bytes": run.wire.bytes,
+    }
+
+
+def short(values: dict) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in values.items() if k not in ("samples", "tokens"))
+
+
+def write(run, result: dict) -> None:
+    if not run.accelerator.is_main_process:
+        return
+    outputs.write_json(run.out_dir / "metrics.json", result)
+    tokens_per_s = (f"{result['train_tokens_per_second']:.0f} tokens/s, "
+                    if result["train_tokens_per_second"] is not None else "")
+    best = result["best"]
+    kept = (f"best validation {best['metric']} {best['value']:.4f} at step {best['step']}"
+            + (" (in model/)" if best["kept_in_model"] else "") + "\n") if best["value"] is not None else ""
+    run.accelerator.print(f"test: {short(result['test'])}\n{kept}"
+                          f"{result['train_samples_per_second']:.1f} samples/s, {tokens_per_s}"
+                          f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB, "
+                          f"{result['wall_seconds']:.1f} s in all\nsaved to {run.out_dir}")

@@ -1,0 +1,185 @@
+"""A training run, top to bottom: set up, loop over the steps (log, evaluate, checkpoint), test, save,
+report. Each concern is a piece of its own: setup.py (the Run), step.py (one optimizer step),
+state.py (the counters a checkpoint keeps), evaluate.py (validation, best, early stopping),
+checkpoint.py (saving and resuming), saving.py (model/, best/), report.py (metrics.json)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from effitrain.config import TrainConfig
+from effitrain.engine import evaluate as evaluation
+from effitrain.engine import report, saving
+from effitrain.engine.checkpoint import Checkpointer
+from effitrain.engine.evaluate import Evaluator
+from effitrain.engine.setup import Run, setup
+from effitrain.engine.state import TrainState
+from effitrain.engine.step import StepRunner
+from effitrain.errors import UserError
+
+
+def run(config: TrainConfig) -> dict:
+    """Train, evaluate, save. Returns the metrics written to metrics.json."""
+    wall_start = time.perf_counter()
+    with contextlib.ExitStack() as cleanup:  # closed also when a step raises
+        job = setup(config, cleanup)
+        state = TrainState(job.accelerator.device)
+        checkpointer = Checkpointer(job.accelerator, job.out_dir, config.save_every, config.keep_last,
+                                    job.total_steps)
+        if job.resume_from is not None:
+            checkpointer.restore(job.resume_from, state, job.world, job.resume_state)
+            job.main_print(f"resumed from {job.resume_from} at step {state.step}")
+        evaluator = Evaluator(job.accelerator, job.task, job.data.label_names, job.eval_dls["validation"],
+                              steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
+                              eval_every=config.eval_every, metric=config.metric_for_best or "loss",
+                              patience=config.early_stopping_patience, threshold=config.early_stopping_threshold)
+        bar = progress_bar(job, state.step)
+        cleanup.callback(bar.close)
+        announce(job)
+        # Local SGD: no gradient sync inside; leaving it averages the parameters of every process.
+        with job.local_sgd or contextlib.nullcontext():
+            stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, bar)
+        if config.keep == "best" and state.best_step is not None:
+            saving.load_weights(job, job.out_dir / "best")
+        test = evaluation.evaluate(job.accelerator, job.task, job.model, job.eval_dls["test"], job.data.label_names)
+        log_record(job, state, split="test", **test)
+        result = report.metrics(job, state, test, stopped_early)
+        saving.save_model(job, job.out_dir / "model")
+        result["wall_seconds"] = time.perf_counter() - wall_start
+        report.write(job, result)
+        return result
+
+
+def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator, checkpointer: Checkpointer,
+          bar) -> bool:
+    """The steps from state.step on; True if early stopping ended them."""
+    groups = batches(job, state.step)
+    while state.step < job.total_steps:
+        tick = time.perf_counter()
+        result = runner.run(next(groups), state.step + 1)
+        after_step(job, state, result, bar)
+        if job.local_sgd is not None:
+            job.local_sgd.step()
+        state.step += 1
+        bar.update(1)
+        state.train_seconds += time.perf_counter() - tick  # evaluation and saving are not training time
+        if state.step % job.config.log_every == 0 or state.step == job.total_steps:
+            log_window(job, state, result, bar)
+        if evaluator.due(state.step) and validate(job, state, evaluator, bar):
+            return True
+        if checkpointer.due(state.step):
+            checkpointer.save(state.step, {"config": job.config.to_dict(), "plan": job.plan.to_dict(),
+                                           "world_size": job.world, **state.state_dict(job.reduce)})
+    return False
+
+
+def batches(job: Run, start_step: int):
+    """This process's micro-batches of each step from `start_step` on (None where it has none); the
+    order of an epoch is a function of (seed, epoch), so a resumed run sees what the uninterrupted
+    one saw."""
+    step = start_step
+    while True:
+        epoch, done_in_epoch = divmod(step, job.steps_per_epoch)
+        job.train_dl.set_epoch(epoch)
+        loaded = iter(job.train_dl)
+        for index, size in enumerate(job.sizes):
+            group = [next(loaded, None) for _ in range(size)]
+            if index >= done_in_epoch:  # resumed mid-epoch: pass over the batches already trained on
+                yield group
+                step += 1
+
+
+def step_runner(job: Run) -> StepRunner:
+    synced = job.world > 1 and job.local_sgd is None  # local SGD: each process minimises its own loss
+
+    def said_retry(step: int, pieces: int) -> None:
+        message = f"out of memory at step {step}: retrying it in pieces of {job.config.batch_size // pieces}"
+        job.log.write({"step": step, "out_of_memory": message, "pieces": pieces})
+        job.main_print(message)
+        job.plan.pieces = pieces
+
+    return StepRunner(job.accelerator, job.task, job.model, job.optimizer, job.scheduler, pieces=job.plan.pieces,
+                      batch_size=job.config.batch_size, max_grad_norm=job.config.max_grad_norm, synced=synced,
+                      budgeted=job.config.memory_budget is not None, strategy=job.config.strategy,
+                      stand_in=job.stand_in, wire=job.wire, on_retry=said_retry)
+
+
+def after_step(job: Run, state: TrainState, result, bar) -> None:
+    """Counters of a finished step; a skipped (non-finite) one is logged, and too many in a row stop
+    the run with the last good weights saved."""
+    state.totals += result.totals
+    if result.finite:
+        state.window += result.window
+        state.bad_in_a_row = 0
+        return
+    state.skipped_steps, state.bad_in_a_row = state.skipped_steps + 1, state.bad_in_a_row + 1
+    step = state.step + 1
+    job.log.write({"step": step, "skipped": "non-finite loss or gradient", "grad_norm": None})
+    write(job, bar, f"step {step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
+    if state.bad_in_a_row >= job.config.max_bad_steps:
+        saving.save_model(job, job.out_dir / "model")  # the weights of the last good step
+        raise UserError(f"{state.bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step "
+                        f"{step}); the last good weights are in {job.out_dir / 'model'}",
+                        "lower --lr, use --precision fp32, or check the data for extreme values")
+
+
+def log_window(job: Run, state: TrainState, result, bar) -> None:
+    loss_total, item_total = state.take_window(job.reduce if job.world > 1 else None)
+    grad_norm = None if result.grad_norm is None or not result.finite else float(result.grad_norm)
+    record = log_record(job, state, loss=loss_total / max(item_total, 1), lr=job.scheduler.get_last_lr()[0],
+                        grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3))
+    state.last_loss = record["loss"]
+    bar.set_postfix(loss=f"{record['loss']:.4f}")
+    write(job, bar, f"step {state.step}/{job.total_steps} epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
+                    f"lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f}")
+
+
+def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
+    """Evaluate on the validation split; keep the best weights in best/ when asked; True to stop early."""
+    improved = evaluator.validate(job.model, state)
+    log_record(job, state, split="validation", **state.validation)
+    write(job, bar, f"step {state.step} validation: {report.short(state.validation)}")
+    config = job.config
+    if improved and (config.metric_for_best or config.early_stopping_patience or config.keep == "best"):
+        saving.save_model(job, job.out_dir / "best")
+    stop = evaluator.should_stop(state)
+    if stop:
+        write(job, bar, f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "
+                        f"{state.evals_without_improvement} evaluations (best {state.best_value:.4f} at step "
+                        f"{state.best_step})")
+    return stop
+
+
+def log_record(job: Run, state: TrainState, **values) -> dict:
+    record = {"step": state.step, "epoch": round(state.step / job.steps_per_epoch, 4), **values}
+    job.log.write(record)
+    return record
+
+
+def write(job: Run, bar, message: str) -> None:
+    if job.accelerator.is_local_main_process:
+        bar.write(message)
+
+
+def progress_bar(job: Run, start: int):
+    from tqdm.auto import tqdm
+
+    # disable=None: no bar when stderr is not a terminal (CI logs), and none on other processes.
+    return tqdm(total=job.total_steps, initial=start, desc="train", unit="step", mininterval=1.0,
+                disable=None if job.accelerator.is_local_main_process else True)
+
+
+def announce(job: Run) -> None:
+    config, data, plan = job.config, job.data, job.plan
+    encoded, skipped = data.encoded, data.loaded.skipped_rows
+    if plan.note:
+        job.main_print(plan.note)
+        job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces})
+    job.main_print(f"training {config.model} ({job.task.name}) on {config.data}: {len(encoded['train'])} train / "
+                   f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"
+                   + (f", {skipped} bad rows skipped" if skipped else "")
+                   + (f", labels {data.label_names}" if data.label_names else "")
+                   + f", {job.total_steps} steps of {config.batch_size} x {plan.grad_accum} x {job.world} "
+                     f"process(es) on {job.accelerator.device}; {plan.precision_reason}; optimizer {plan.optim}"
+                   + (", gradient checkpointing" if plan.gradient_checkpointing else ""))

@@ -1,0 +1,42 @@
+"""Weights as plain transformers loads them: model/ (the final, or best, weights) and best/."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def save_model(run, folder: Path) -> None:
+    """save_pretrained (safetensors, config with id2label, the processor), written into a temporary
+    folder and renamed over `folder`, so that a kill during a save never leaves half a model."""
+    accelerator = run.accelerator
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.unwrap_model(run.model).save_pretrained(
+        tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
+    if accelerator.is_main_process:
+        processor = run.data.processor
+        if run.task.is_text:
+            processor.model_max_length = run.config.max_length  # predictions truncate where training did
+        processor.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    accelerator.wait_for_everyone()
+
+
+def load_weights(run, folder: Path) -> None:
+    """Put the weights of a save_model folder back into the run's model (--keep best)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file), device=str(run.accelerator.device)))
+    model = run.accelerator.unwrap_model(run.model)
+    unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+    if unexpected:
+        raise RuntimeError(f"{folder} holds weights the model does not have: {unexpected[:3]}")

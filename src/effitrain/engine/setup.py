@@ -1,0 +1,264 @@
+"""Set-up of a run: the cheap checks first, then the accelerator, the data, the plan, the model, the
+output dir, the loaders, the optimizer and scheduler, all prepared; returned as a `Run`.
+
+The config is read, never changed. What the run resolves from it (accumulation, pieces, optimizer
+and checkpointing, precision) is a `RunPlan`, written beside the config in config.yaml (`plan:`), so
+that rerunning config.yaml pins the same choices and reproduces the run."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from effitrain import models, outputs, tasks
+from effitrain.config import TrainConfig
+from effitrain.data import text
+from effitrain.devices import make_accelerator
+from effitrain.engine import checkpoint, communication, memory_fit, optim, precision
+from effitrain.errors import UserError
+
+
+@dataclass
+class RunPlan:
+    grad_accum: int
+    pieces: int = 1  # --memory-budget: each loaded micro-batch runs as this many pieces
+    optim: str = "adamw"
+    gradient_checkpointing: bool = False
+    precision: str = "no"  # accelerate's mixed_precision: no | bf16 | fp16
+    precision_reason: str = ""
+    note: str | None = None  # what --memory-budget decided, in words
+
+    def to_dict(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if key not in ("precision_reason", "note")}
+
+
+@dataclass
+class Data:
+    processor: Any
+    loaded: Any  # sources.Loaded: splits, base dir, skipped rows
+    encoded: Any  # the preprocessed splits
+    label_names: list[str] | None
+
+
+@dataclass
+class Run:
+    config: TrainConfig
+    task: Any
+    accelerator: Any
+    plan: RunPlan
+    data: Data
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_dl: Any
+    eval_dls: dict
+    stand_in: dict  # a one-example micro-batch for processes that lack one at the end of an epoch
+    sizes: list[int]  # micro-batches per process in each step of an epoch
+    out_dir: Path
+    log: outputs.JsonlLog
+    resume_from: Path | None = None
+    resume_state: dict | None = None
+    wire: communication.Counter = field(default_factory=communication.Counter)
+    local_sgd: Any = None
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def total_steps(self) -> int:
+        return self.config.max_steps or self.config.epochs * self.steps_per_epoch
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over processes (a collective; the tensor itself on one process)."""
+        return self.accelerator.reduce(tensor, "sum") if self.world > 1 else tensor
+
+    def main_print(self, message: str) -> None:
+        self.accelerator.print(message)
+
+
+def setup(config: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
+    """Everything a run needs; `cleanup` gets what must be closed even if the run raises."""
+    from accelerate.utils import set_seed
+
+    models.quiet_libraries(config.debug)
+    task = tasks.get(config.task)
+    # Fail on the cheap checks before loading anything heavy.
+    source = models.resolve_source(config.model, config.allow_pickle)
+    resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
+    if config.output_dir is not None and resume_from is None:
+        outputs.check_free(Path(config.output_dir), config.overwrite)
+    mixed_precision, reason = precision.choose(config.precision)
+    accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
+                                   mixed_precision, broadcast_buffers=config.memory_budget is None)
+    cleanup.callback(accelerator.end_training)
+    resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes) if resume_from else None
+    set_seed(config.seed)
+    data = load_data(task, config, source, accelerator)
+    check_metric(task, config, data.label_names)
+    plan = resolve_plan(config, accelerator, mixed_precision, reason, data, resume_state)
+    sizes = step_sizes(math.ceil(len(data.encoded["train"]) / config.batch_size), accelerator.num_processes,
+                       plan.grad_accum)
+    check_schedule(config, sizes)
+    model = build_model(task, source, data, plan)
+    # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
+    out_dir = claim_output_dir(accelerator, config, plan, clear=resume_from is None)
+    log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
+    cleanup.callback(log.close)
+    run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
+    run.resume_from, run.resume_state = resume_from, resume_state
+    return run
+
+
+def accumulation(config: TrainConfig, world: int) -> int:
+    """--grad-accum, or what --effective-batch-size asks for given the micro-batch and the processes."""
+    if config.effective_batch_size is None:
+        return config.grad_accum
+    per_pass = config.batch_size * world
+    if config.effective_batch_size % per_pass:
+        raise UserError(f"--effective-batch-size {config.effective_batch_size} is not a multiple of --batch-size "
+                        f"{config.batch_size} x {world} process(es)",
+                        f"pass a multiple of {per_pass}, or change --batch-size")
+    return config.effective_batch_size // per_pass
+
+
+def load_data(task, config: TrainConfig, source, accelerator) -> Data:
+    processor = task.load_processor(source)
+    loaded = task.load_data(config)
+    train = loaded.splits["train"]
+    label_names = train.features["label"].names if "label" in train.column_names else None
+    with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
+        encoded = task.preprocess(loaded.splits, processor, config, loaded.base_dir)
+    return Data(processor, loaded, encoded, label_names)
+
+
+def check_metric(task, config: TrainConfig, label_names) -> None:
+    known = task.metric_names(label_names)
+    if config.metric_for_best is not None and config.metric_for_best not in known:
+        raise UserError(f"--metric-for-best `{config.metric_for_best}` is not a metric of {task.name}",
+                        f"pass one of {', '.join(known)}")
+
+
+def resolve_plan(config: TrainConfig, accelerator, mixed_precision: str, reason: str, data: Data,
+                 resume_state: dict | None) -> RunPlan:
+    """Accumulation from the config; pieces, optimizer and checkpointing pinned by config.plan, or kept
+    from the checkpoint being resumed, or chosen by the memory planner (--memory-budget)."""
+    world = accelerator.num_processes
+    plan = RunPlan(accumulation(config, world), 1, config.optim, config.gradient_checkpointing, mixed_precision,
+                   reason)
+    pinned = config.plan or {}
+    if pinned:
+        plan.pieces = pinned.get("pieces", 1)
+        plan.optim = pinned.get("optim", plan.optim)
+        plan.gradient_checkpointing = pinned.get("gradient_checkpointing", plan.gradient_checkpointing)
+        return plan
+    if not config.memory_budget:
+        return plan
+    # Resuming: the optimizer and checkpointing the checkpoint's states belong to, whatever a new plan
+    # would choose with the memory free now; only the pieces are planned again.
+    earlier = (resume_state or {}).get("plan")
+    fixed = (earlier["optim"], earlier["gradient_checkpointing"]) if earlier else None
+    plan.pieces, plan.optim, plan.gradient_checkpointing, plan.note = memory_fit.plan_run(
+        config, accelerator.device, world, plan.grad_accum, mixed_precision, len(data.label_names or []),
+        data.processor, fixed=fixed)
+    return plan
+
+
+def build_model(task, source, data: Data, plan: RunPlan):
+    model = task.build_model(source, data.label_names, data.processor)
+    if plan.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)
+    model.train()
+    return model
+
+
+def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, clear: bool) -> Path:
+    from accelerate.utils import broadcast_object_list
+
+    # Every process must write to the same directory: the main process picks the default name.
+    chosen = [str(config.output_dir or outputs.default_dir())]
+    broadcast_object_list(chosen, from_process=0)
+    out_dir = Path(chosen[0])
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        outputs.prepare(out_dir, config.overwrite and clear)
+        written = {**config.to_dict(), "output_dir": str(out_dir), "plan": plan.to_dict()}
+        outputs.write_yaml(out_dir / "config.yaml", written)
+    accelerator.wait_for_everyone()
+    return out_dir
+
+
+def loaders(task, config: TrainConfig, data: Data, world: int, grad_accum: int):
+    """(training loader, {validation, test} loaders, a one-example stand-in batch)."""
+    train_collate, eval_collate = task.collators(data.processor, config)
+    encoded = data.encoded
+    sampler = text.train_sampler(encoded["train"], config.batch_size * world * grad_accum,
+                                 config.group_by_length, config.seed)
+    # Its own generator: the loader's base seed must not draw from the global RNG (dropout's), or a
+    # resumed run would draw differently from the uninterrupted one.
+    train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=train_collate,
+                          generator=torch.Generator().manual_seed(config.seed))
+    eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=eval_collate)
+                for split in ("validation", "test")}
+    return train_dl, eval_dls, train_collate([encoded["train"][0]])
+
+
+def prepare(config: TrainConfig, task, accelerator, plan: RunPlan, data: Data, model, sizes: list[int],
+            out_dir: Path, log) -> Run:
+    world = accelerator.num_processes
+    train_dl, eval_dls, stand_in = loaders(task, config, data, world, plan.grad_accum)
+    assert len(train_dl) == math.ceil(len(data.encoded["train"]) / config.batch_size)
+    total_steps = config.max_steps or config.epochs * len(sizes)
+    optimizer = optim.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2))
+    scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
+                                      world)
+    # Training shards must not recycle examples to even out the processes (accelerate's default):
+    # that would train on duplicates that one process with a big batch never sees.
+    accelerator.even_batches = False
+    train_dl = accelerator.prepare(train_dl)
+    accelerator.even_batches = True  # evaluation: gather_for_metrics drops the padded-in duplicates
+    model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
+        model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
+    stand_in = {key: value.to(accelerator.device) for key, value in stand_in.items()}
+    run = Run(config, task, accelerator, plan, data, model, optimizer, scheduler, train_dl, eval_dls, stand_in,
+              sizes, out_dir, log)
+    # What crosses the wire: DDP's gradient buckets, or local SGD's parameter averaging.
+    if world > 1 and config.local_sgd_steps:
+        run.local_sgd = communication.AveragingLocalSGD(accelerator, model, config.local_sgd_steps, run.wire)
+    elif world > 1 and config.strategy == "ddp":
+        communication.count_gradient_allreduces(model, run.wire)
+    return run
+
+
+def step_sizes(num_batches: int, world: int, accum: int) -> list[int]:
+    """Micro-batches per process in each optimizer step of an epoch of `num_batches` global micro-batches.
+
+    Process p holds micro-batches p, p + W, p + 2W, ... so step s covers global micro-batches
+    [s*k*W, (s+1)*k*W): the same examples as one process with a batch W*k times larger. In the last
+    step a process whose shard ended one micro-batch early runs an empty one (see `step_groups`)."""
+    per_process = math.ceil(num_batches / world)
+    steps = math.ceil(per_process / accum)
+    return [accum] * (steps - 1) + [per_process - (steps - 1) * accum]
+
+
+def check_schedule(config: TrainConfig, sizes: list[int]) -> None:
+    """Early stopping needs evaluations to compare: at least patience + 1 of them."""
+    patience, every = config.early_stopping_patience, config.eval_every or len(sizes)
+    if patience is None:
+        return
+    total = config.max_steps or config.epochs * len(sizes)
+    evaluations = total // every + (total % every != 0)
+    if evaluations <= patience:
+        raise UserError(f"--early-stopping-patience {patience} needs at least {patience + 1} evaluations; this "
+                        f"run has {evaluations} ({total} steps, evaluated every {every})",
+                        "pass a smaller --eval-every, or more --epochs/--max-steps")

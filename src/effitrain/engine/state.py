@@ -1,0 +1,58 @@
+"""TrainState: everything a run counts, and what a checkpoint keeps of it.
+
+The running sums (`window`: loss and items since the last log line; `totals`: examples and tokens)
+are per process. A checkpoint stores them summed over the processes; on resume each process takes
+1/W of the sums, so that the sums over processes, the only thing ever reported, come out the same.
+That scaling is done here and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TrainState:
+    device: torch.device | str = "cpu"
+    step: int = 0
+    train_seconds: float = 0.0
+    last_loss: float | None = None  # mean over the last logged window
+    skipped_steps: int = 0  # steps with a non-finite loss or gradient
+    bad_in_a_row: int = 0
+    # Evaluation during training: the best value of the metric for best, its step, and the patience count.
+    best_value: float | None = None
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+    validation: dict = field(default_factory=dict)  # the latest validation metrics
+    window: torch.Tensor = None  # loss sum, items since the last log line (this process)
+    totals: torch.Tensor = None  # examples, tokens (this process)
+
+    SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
+               "evals_without_improvement", "validation")
+
+    def __post_init__(self):
+        if self.window is None:
+            self.window = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.totals is None:
+            self.totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def state_dict(self, reduce=None) -> dict:
+        """Plain values for trainer_state.json; `reduce` sums a tensor over the processes (a collective:
+        every process calls this)."""
+        reduce = reduce or (lambda tensor: tensor)
+        return {**{name: getattr(self, name) for name in self.SCALARS},
+                "window": reduce(self.window.clone()).tolist(), "totals": reduce(self.totals.clone()).tolist()}
+
+    def load_state_dict(self, state: dict, world: int) -> None:
+        for name in self.SCALARS:
+            if name in state:  # checkpoints from before evaluation-during-training lack the best fields
+                setattr(self, name, state[name])
+        self.window = torch.tensor(state["window"], dtype=torch.float64, device=self.device) / world
+        self.totals = torch.tensor(state["totals"], dtype=torch.float64, device=self.device) / world
+
+    def take_window(self, reduce=None) -> tuple[float, float]:
+        """(loss sum, items) since the last call, over all processes; the window starts again."""
+        loss_total, item_total = (reduce(self.window) if reduce else self.window).tolist()
+        self.window.zero_()
+        return loss_total, item_total

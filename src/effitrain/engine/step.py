@@ -1,0 +1,119 @@
+"""One optimizer step: the forward/backward of a step's micro-batches, each run as `pieces` smaller
+pieces, the out-of-memory retry, clipping, and the non-finite skip.
+
+The loss of a step is the sum of per-item losses over all micro-batches of all processes divided by
+the number of items in all of them, so the step is the same whatever W, the micro-batch and the
+accumulation are (a mean of per-micro-batch means is not, when micro-batches hold different numbers
+of items). A process that lacks a micro-batch at the end of an epoch runs a zero-weight stand-in,
+so that every process runs the same passes and DDP's collectives match."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from effitrain.engine import communication, memory_fit
+
+
+@dataclass
+class StepResult:
+    finite: bool  # False: the step was skipped (non-finite loss or gradient)
+    grad_norm: torch.Tensor | None
+    window: torch.Tensor  # this process's loss sum and items of the step
+    totals: torch.Tensor  # this process's examples and tokens of the step
+
+
+class StepRunner:
+    """Runs steps for one model and optimizer. `synced`: one loss over all processes (DDP); False
+    for one process or local SGD (each process minimises its own loss). `budgeted`: --memory-budget,
+    where an out-of-memory error is retried with pieces twice smaller."""
+
+    def __init__(self, accelerator, task, model, optimizer, scheduler, *, pieces: int = 1, batch_size: int,
+                 max_grad_norm: float = 0.0, synced: bool = False, budgeted: bool = False, strategy: str = "ddp",
+                 stand_in: dict | None = None, wire: communication.Counter | None = None, on_retry=None):
+        self.accelerator, self.task, self.model = accelerator, task, model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.pieces, self.batch_size, self.max_grad_norm = pieces, batch_size, max_grad_norm
+        self.synced, self.strategy, self.stand_in = synced, strategy, stand_in
+        self.wire = wire or communication.Counter()
+        # DDP with a budget: no piece syncs; the processes first agree that none ran out of memory.
+        self.agree = synced and budgeted and strategy == "ddp"
+        # An out-of-memory error can be retried where no collective is left waiting for this process.
+        self.retry = budgeted and (self.agree or not synced)
+        self.on_retry = on_retry or (lambda step, pieces: None)
+
+    def run(self, group: list, step: int) -> StepResult:
+        """Step `step` (1-based, for messages) over `group`, this process's micro-batches (None where it
+        has none); the optimizer and scheduler step unless the step is skipped."""
+        step_items = self._step_items(group)
+        while True:  # once, or again with smaller pieces after an out-of-memory error
+            window, totals = self._zeros(), self._zeros()
+            out_of_memory = self._forward_backward(group, step_items, window, totals)
+            if self.agree:
+                out_of_memory = self._agree_and_sync(out_of_memory)
+            if not out_of_memory:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            memory_fit.release_cached(self.accelerator.device)
+            self.pieces = memory_fit.halve(self.pieces, self.batch_size, self.strategy)
+            self.on_retry(step, self.pieces)
+        finite, grad_norm = self._clip_and_step()
+        return StepResult(finite, grad_norm, window, totals)
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+
+    def _step_items(self, group) -> torch.Tensor:
+        items = sum((self.task.item_count(batch) for batch in group if batch is not None),
+                    torch.zeros((), dtype=torch.long, device=self.accelerator.device))
+        return self.accelerator.reduce(items, "sum") if self.synced else items
+
+    def _forward_backward(self, group, step_items, window, totals) -> bool:
+        """Every piece of every micro-batch; gradients all-reduced by DDP on the last piece (unless
+        `agree`: the caller syncs). Returns True on an out-of-memory error that may be retried."""
+        pieces = [piece for batch in group
+                  for piece in ([None] if batch is None else memory_fit.split_batch(batch, self.pieces))]
+        scale = self.accelerator.num_processes if self.synced else 1  # DDP averages over W processes
+        try:
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1 and not self.agree
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
+                    if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
+                        self.accelerator.backward(self.task.loss_sum(self.model, self.stand_in) * 0.0)
+                        continue
+                    loss = self.task.loss_sum(self.model, piece)
+                    self.accelerator.backward(loss * scale / step_items)
+                self._count(piece, loss, window, totals)
+        except Exception as err:
+            if self.retry and memory_fit.is_out_of_memory(err):
+                return True
+            raise
+        return False
+
+    def _count(self, piece, loss, window, totals) -> None:
+        count = self.task.item_count(piece).double()
+        tokens = self.task.token_count(piece)
+        window += torch.stack([loss.detach().double(), count])
+        totals += torch.stack([self.task.example_count(piece).double(),
+                               count.new_tensor(0.0) if tokens is None else tokens.double()])
+
+    def _agree_and_sync(self, out_of_memory: bool) -> bool:
+        """Every process learns whether one ran out, before any gradient crosses the wire."""
+        flag = torch.tensor([float(out_of_memory)], device=self.accelerator.device)
+        out_of_memory = bool(self.accelerator.reduce(flag, "sum") > 0)
+        if not out_of_memory:
+            communication.allreduce_gradients(self.model, self.accelerator.num_processes, self.wire)
+        return out_of_memory
+
+    def _clip_and_step(self) -> tuple[bool, torch.Tensor | None]:
+        # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
+        # gradient is seen, the same on every process since gradients are already all-reduced.
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+        if finite or self.accelerator.scaler is not None:  # an fp16 scaler skips the step and backs off itself
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return finite, grad_norm

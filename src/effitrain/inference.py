@@ -1,0 +1,45 @@
+"""A saved model directory, for `predict` and `evaluate`: where it is, which task it was made for
+(from its config.json), its processor and its model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from effitrain import models, tasks
+
+
+@dataclass
+class SavedModel:
+    path: Path
+    task: object  # tasks.base.Task
+    processor: object  # tokenizer, image processor or feature extractor
+    model: object  # the task's Auto model, in eval mode, on the CPU
+
+
+def locate(model_dir: str, allow_pickle: bool = False) -> tuple[Path, object]:
+    """The directory and its task; reads config.json only, so that bad inputs are refused before any
+    weights load."""
+    path = models.resolve(model_dir, allow_pickle)
+    return path, tasks.for_model_dir(path)
+
+
+def load(path: Path, task) -> SavedModel:
+    source = models.ModelSource(path)
+    processor = task.load_processor(source)
+    model = task.build_model(source, None, processor).eval()  # no labels: the saved head as it is
+    return SavedModel(path, task, processor, model)
+
+
+def text_max_length(processor, model_config) -> int:
+    """Where a text model's inputs are cut: the saved tokenizer's model_max_length (`effitrain train`
+    sets it to its --max-length), else the model's position limit when the tokenizer has none."""
+    limit = getattr(processor, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 1_000_000:  # tokenizers without a limit hold about 1e30
+        return limit
+    return getattr(model_config, "max_position_embeddings", None) or 512
+
+
+def label_names(model_config) -> list[str]:
+    """The model's labels in the order of its output units."""
+    return [model_config.id2label[i] for i in range(model_config.num_labels)]

@@ -1,0 +1,66 @@
+"""The effitrain CLI with faults injected, for tests that need a process (or torchrun workers) to
+fail in a controlled place; production code has no test hooks.
+
+    python tests/hooks/patched_cli.py [--oom-above N [--oom-rank R]] [--save-pause S] -- train ...
+
+--oom-above N: a forward of more than N examples raises an out-of-memory error (on rank R only, if
+given), as a device too small for the micro-batch would. --save-pause S: a checkpoint save holds
+S seconds after writing its files and before its rename, so that a test can kill the run mid-save."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def inject_out_of_memory(limit: int, rank: str | None) -> None:
+    from effitrain import tasks
+    from effitrain.engine import memory_fit
+
+    if rank is not None and os.environ.get("RANK", "0") != rank:
+        return
+    for name in tasks.NAMES:
+        task = tasks.get(name)
+        real = task.loss_sum
+
+        def loss_sum(model, batch, real=real):
+            if len(next(iter(batch.values()))) > limit:
+                raise memory_fit.OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
+            return real(model, batch)
+
+        task.loss_sum = loss_sum
+
+
+def pause_saves(seconds: float) -> None:
+    from effitrain.engine import checkpoint
+
+    real = checkpoint._fsync_tree
+
+    def fsync_then_wait(path):
+        real(path)
+        time.sleep(seconds)
+
+    checkpoint._fsync_tree = fsync_then_wait
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--oom-above", type=int)
+    parser.add_argument("--oom-rank")
+    parser.add_argument("--save-pause", type=float)
+    hooks = parser.parse_args(argv[:split])
+    if hooks.oom_above is not None:
+        inject_out_of_memory(hooks.oom_above, hooks.oom_rank)
+    if hooks.save_pause:
+        pause_saves(hooks.save_pause)
+    from effitrain.cli import main as cli_main
+
+    return cli_main(argv[split + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
