@@ -80,6 +80,15 @@ CASES = [
     (["train", *TINY, "--data", "badrow.csv", "--output-dir", "new"], "cannot be read"),
     (["train", *TINY, "--data", "d.csv", "--validation-file", "dev.csv", "--output-dir", "new"],
      "label `promo` is not in the training data"),
+    # evaluation during training
+    (["train", *TINY, "--data", "d.csv", "--metric-for-best", "f1_promo", "--output-dir", "new"],
+     "--metric-for-best `f1_promo` is not a metric of sequence-classification"),
+    (["train", *TINY, "--data", "d.csv", "--early-stopping-patience", "2", "--output-dir", "new"],
+     "--early-stopping-patience 2 needs at least 3 evaluations"),
+    (["train", "--early-stopping-patience", "0"], "--early-stopping-patience must be > 0"),
+    (["train", "--early-stopping-threshold", "-1"], "--early-stopping-threshold must be >= 0"),
+    (["train", "--eval-every", "0"], "--eval-every must be > 0"),
+    (["train", "--keep", "worst"], "invalid choice"),
     # outputs
     (["train", *TINY, "--output-dir", "prev"], "already holds files"),
     (["train", *TINY, "--output-dir", "d.csv"], "is a file"),

@@ -1,0 +1,262 @@
+"""The engine's pieces alone, on tiny nn.Modules: the step runner (with an injected out-of-memory
+error), the train state's checkpoint form, the evaluator's decisions; and the shape of the code
+(no import circles, no lower layer importing a higher one, short engine functions)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from effitrain.engine import memory_fit
+from effitrain.engine.evaluate import Evaluator
+from effitrain.engine.state import TrainState
+from effitrain.engine.step import StepRunner
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "effitrain"
+
+
+class Linear(torch.nn.Module):
+    """A task-shaped model: model(**inputs).logits."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return type("Out", (), {"logits": self.layer(x)})
+
+
+class TinyTask:
+    """What the step runner needs of a task; `fits`: the most examples a forward takes before an
+    out-of-memory error (None: any number)."""
+
+    def __init__(self, fits: int | None = None):
+        self.fits, self.forwards = fits, []
+
+    def loss_sum(self, model, batch):
+        self.forwards.append(len(batch["labels"]))
+        if self.fits is not None and len(batch["labels"]) > self.fits:
+            raise memory_fit.OutOfMemoryError("injected: does not fit")
+        return F.cross_entropy(model(x=batch["x"]).logits, batch["labels"], reduction="sum")
+
+    def item_count(self, batch):
+        return torch.tensor(len(batch["labels"]))
+
+    example_count = item_count
+
+    def token_count(self, batch):
+        return None
+
+
+def one_step(task, budgeted: bool, batches):
+    from effitrain.devices import make_accelerator
+
+    accelerator = make_accelerator()
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    retries = []
+    runner = StepRunner(accelerator, task, model, optimizer, scheduler, batch_size=8, max_grad_norm=1.0,
+                        budgeted=budgeted, on_retry=lambda step, pieces: retries.append(pieces))
+    result = runner.run(batches, step=1)
+    return model, result, runner, retries
+
+
+def batch(seed: int, size: int = 8) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(size, 4, generator=generator), "labels": torch.randint(0, 3, (size,), generator=generator)}
+
+
+def test_an_out_of_memory_error_retries_the_step_in_smaller_pieces_with_the_same_result():
+    plain_model, plain, _, _ = one_step(TinyTask(), budgeted=False, batches=[batch(1), batch(2)])
+    task = TinyTask(fits=2)
+    model, result, runner, retries = one_step(task, budgeted=True, batches=[batch(1), batch(2)])
+    assert retries == [2, 4] and runner.pieces == 4  # 8 -> 4 -> 2 examples per piece
+    assert task.forwards[0] == 8 and task.forwards[-4:] == [2, 2, 2, 2]
+    assert result.finite and plain.finite
+    torch.testing.assert_close(result.window, plain.window)  # loss sum and items of the step
+    for a, b in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_without_a_budget_an_out_of_memory_error_is_raised():
+    with pytest.raises(memory_fit.OutOfMemoryError):
+        one_step(TinyTask(fits=2), budgeted=False, batches=[batch(1)])
+
+
+def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights():
+    class NaNTask(TinyTask):
+        def loss_sum(self, model, batch):
+            return super().loss_sum(model, batch) * float("nan")
+
+    model, result, _, _ = one_step(NaNTask(), budgeted=False, batches=[batch(1)])
+    assert not result.finite
+    for a, b in zip(model.parameters(), Linear().parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_missing_micro_batch_runs_a_zero_weight_stand_in():
+    task = TinyTask()
+    from effitrain.devices import make_accelerator
+
+    accelerator, model = make_accelerator(), Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    runner = StepRunner(accelerator, task, model, optimizer, scheduler, batch_size=8, stand_in=batch(9, 1))
+    result = runner.run([batch(1), None], step=1)
+    reference, alone, _, _ = one_step(TinyTask(), budgeted=False, batches=[batch(1)])
+    assert task.forwards == [8, 1] and result.window[1] == 8
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_train_state_round_trips_and_scales_the_sums_per_process():
+    state = TrainState(step=7, best_value=0.5, best_step=4, evals_without_improvement=1, last_loss=0.3)
+    state.window += torch.tensor([6.0, 3.0])
+    state.totals += torch.tensor([10.0, 100.0])
+    saved = state.state_dict(reduce=lambda t: t * 2)  # as if two processes held the same sums
+    assert saved["window"] == [12.0, 6.0] and saved["totals"] == [20.0, 200.0]
+    restored = TrainState()
+    restored.load_state_dict(saved, world=2)
+    assert (restored.step, restored.best_value, restored.best_step, restored.evals_without_improvement) == (7, 0.5, 4, 1)
+    assert restored.window.tolist() == [6.0, 3.0] and restored.totals.tolist() == [10.0, 100.0]
+    assert restored.take_window() == (6.0, 3.0) and restored.window.tolist() == [0.0, 0.0]
+
+
+class FakeTask:
+    def __init__(self, values):
+        self.values = iter(values)
+
+    def is_higher_better(self, metric):
+        return metric == "accuracy"
+
+
+@pytest.mark.parametrize("metric, values, threshold, best_step, stop_after", [
+    ("loss", [1.0, 0.8, 0.9, 0.85, 0.7], 0.0, 10, 4),  # 0.9 and 0.85 do not beat 0.8: patience 2 runs out
+    ("loss", [1.0, 0.97, 0.96], 0.05, 2, 3),  # improvements below the threshold do not count
+    ("accuracy", [0.5, 0.7, 0.6, 0.8], 0.0, 8, None),  # higher is better
+])
+def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, best_step, stop_after):
+    from effitrain.engine import evaluate as evaluation
+
+    task = FakeTask(values)
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a: {metric: next(task.values)})
+    evaluator = Evaluator(None, task, None, None, steps_per_epoch=100, total_steps=100, eval_every=2, metric=metric,
+                          patience=2, threshold=threshold)
+    state, stopped = TrainState(), None
+    for number in range(1, len(values) + 1):
+        state.step = 2 * number
+        evaluator.validate(None, state)
+        if stopped is None and evaluator.should_stop(state):
+            stopped = number
+    assert state.best_step == best_step and stopped == stop_after
+    assert evaluator.due(2) and not evaluator.due(3) and evaluator.due(100)
+
+
+# -- the shape of the code ---------------------------------------------------------------------------
+
+# Lower layers first; a module may import its own layer and those below it, never one above.
+LAYERS = [
+    {"errors", "tasks"},  # tasks: the registry of names only (tasks/__init__.py imports nothing of ours)
+    {"config", "devices", "outputs"},
+    {"models", "data"},
+    {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics"},
+    {"planning"},
+    {"engine"},
+    {"predict", "evaluate", "evaluation", "inference", "bench", "launch"},
+    {"cli", "__init__", "__main__"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every effitrain module a file imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("effitrain"):
+            base = node.module.removeprefix("effitrain").lstrip(".")
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}".lstrip(".")
+                found.add(candidate if (SRC / Path(*candidate.split("."))).with_suffix(".py").exists()
+                          or (SRC / Path(*candidate.split("."))).is_dir() else base)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("effitrain").lstrip(".") for a in node.names if a.name.startswith("effitrain")}
+    return {name for name in found if name}
+
+
+def layer_of(name: str) -> int:
+    for depth in range(name.count(".") + 1, 0, -1):
+        prefix = ".".join(name.split(".")[:depth])
+        for index, layer in enumerate(LAYERS):
+            if prefix in layer:
+                return index
+    raise AssertionError(f"module {name} has no layer in LAYERS: add it")
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(path): imports_of(path) for path in SRC.rglob("*.py")}
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    wrong = [f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
+             if layer_of(target) > layer_of(module)]
+    assert not wrong, wrong
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    graph = {module: {t for t in targets if t in graph and t != module} for module, targets in graph.items()}
+    visiting, done, circles = [], set(), []
+
+    def visit(module):
+        if module in visiting:
+            circles.append(visiting[visiting.index(module):] + [module])
+            return
+        if module in done:
+            return
+        visiting.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert not circles, circles
+
+
+def longest_functions(folder: Path) -> list[tuple[int, str]]:
+    lengths = []
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lengths.append((node.end_lineno - node.lineno + 1, f"{path.name}:{node.name}"))
+    return sorted(lengths, reverse=True)
+
+
+def test_no_engine_function_is_longer_than_60_lines():
+    longest = longest_functions(SRC / "engine")
+    print("longest engine functions:", longest[:5])
+    assert longest[0][0] <= 60, longest[:3]
+
+
+def test_no_task_name_is_compared_outside_tasks():
+    names = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
+    found = []
+    for path in SRC.rglob("*.py"):
+        if "tasks" in path.relative_to(SRC).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                found += [f"{path.name}:{node.lineno}" for c in constants if c in names]
+    assert not found, found
