@@ -34,6 +34,57 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                                 metavar=f.name.upper(), **common)
 
 
+def add_predict_flags(predict: argparse.ArgumentParser) -> None:
+    predict.add_argument("--model", required=True, help="a model/ directory written by `effitrain train` (or any "
+                                                        "save_pretrained classifier or causal LM)")
+    predict.add_argument("--text", action="append", help="a text to classify (repeatable)")
+    predict.add_argument("--text-pair", action="append", help="the second text of a pair, paired with --text by "
+                                                              "position (repeatable)")
+    predict.add_argument("--prompt", action="append", help="a prompt for a causal LM to continue (repeatable)")
+    predict.add_argument("--input", help="texts or prompts: a JSONL/CSV file with a `text` (and `text_pair`) or "
+                                         "`prompt` field; images and audio: a file, a folder of files, or a "
+                                         "JSONL/CSV file with a `path` (or `image`/`audio`) column")
+    predict.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass (default: 64)")
+    predict.add_argument("--max-length", type=int, default=None, help="text: tokens kept per input (default: the "
+                                                                      "saved tokenizer's, i.e. train's --max-length)")
+    predict.add_argument("--max-duration", type=float, default=10.0, help="audio: seconds kept per clip "
+                                                                          "(default: 10.0)")
+    predict.add_argument("--max-new-tokens", type=int, default=32, help="causal LM: tokens generated per prompt "
+                                                                        "(default: 32)")
+    predict.add_argument("--temperature", type=float, default=None, help="causal LM: sample at this temperature "
+                                                                         "(default: greedy)")
+    predict.add_argument("--top-p", type=float, default=None, help="causal LM: sample from the smallest set of "
+                                                                   "tokens holding this probability (default: greedy)")
+    predict.add_argument("--seed", type=int, default=42, help="seed for sampling (default: 42)")
+    predict.add_argument("--all-scores", action="store_true", help="classification: every label's probability")
+    predict.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
+    predict.add_argument("--debug", action="store_true")
+
+
+def add_evaluate_flags(evaluate: argparse.ArgumentParser) -> None:
+    from effitrain.evaluate import DATA_KEYS, SPLITS
+
+    evaluate.add_argument("--model", required=True, help="a model/ directory written by `effitrain train`")
+    evaluate.add_argument("--split", default="test", choices=SPLITS, help="the split to evaluate (default: test)")
+    evaluate.add_argument("--output", help="also write the metrics to this JSON file")
+    evaluate.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
+    evaluate.add_argument("--debug", action="store_true")
+    types = cfg.field_types()
+    for f in cfg.fields():
+        if f.name not in DATA_KEYS:
+            continue
+        kind, _ = cfg.base_type(types[f.name])
+        default = f" (default: {f.default})" if f.default is not None else ""
+        if f.name == "max_length":
+            default = " (default: the saved tokenizer's, i.e. train's --max-length)"
+        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default}
+        if kind is bool:
+            evaluate.add_argument(cfg.flag(f.name), action=argparse.BooleanOptionalAction, **common)
+        else:
+            evaluate.add_argument(cfg.flag(f.name), type=kind, choices=f.metadata.get("choices"),
+                                  metavar=f.name.upper(), **common)
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="effitrain", description="Fine-tune pretrained transformers efficiently.")
     parser.add_argument("--version", action="version", version=f"effitrain {_version()}")
@@ -42,12 +93,12 @@ def build_parser() -> Parser:
     train = commands.add_parser("train", help="fine-tune a model (defaults: all-MiniLM-L6-v2 on SMS spam)")
     add_train_flags(train)
 
-    predict = commands.add_parser("predict", help="label texts with a trained model directory")
-    predict.add_argument("--model", required=True, help="a model/ directory written by `effitrain train`")
-    predict.add_argument("--text", action="append", help="a text to label (repeatable)")
-    predict.add_argument("--input", help="a JSONL file with one {\"text\": ...} per line")
-    predict.add_argument("--batch-size", type=int, default=64)
-    predict.add_argument("--debug", action="store_true")
+    add_predict_flags(commands.add_parser(
+        "predict", help="label texts, text pairs, images or audio clips, or continue prompts, with a trained model "
+                        "directory (its task comes from its config.json)"))
+    add_evaluate_flags(commands.add_parser(
+        "evaluate", help="the metrics `train` writes into metrics.json, for a trained model directory on a split "
+                         "of the data (same data flags and defaults as train)"))
 
     inspect = commands.add_parser("inspect", help="show a model's configuration and parameter counts")
     inspect.add_argument("model", nargs="?", default="default", help="default, a directory or a cached hub id")
@@ -122,14 +173,44 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from effitrain import models
-    from effitrain.predict import predict, read_inputs
+    from effitrain.predict import predict
+    from effitrain.tasks.base import PredictOptions
 
-    if args.batch_size <= 0:
-        raise UserError(f"--batch-size must be > 0, got {args.batch_size}", "pass e.g. --batch-size 64")
-    texts = read_inputs(args.text, args.input)
+    for name in ("max_length", "max_duration", "max_new_tokens", "temperature"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}",
+                            f"pass a positive --{name.replace('_', '-')}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}", "pass e.g. --top-p 0.9")
     models.quiet_libraries(args.debug)
-    for result in predict(args.model, texts, args.batch_size):
+    options = PredictOptions(max_length=args.max_length, max_duration=args.max_duration,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             all_scores=args.all_scores)
+    results = predict(args.model, args.text, args.batch_size, text_pairs=args.text_pair, prompts=args.prompt,
+                      input_file=args.input, options=options, seed=args.seed, allow_pickle=args.allow_pickle,
+                      progress=True)
+    for result in results:
         print(json.dumps(result, ensure_ascii=False))
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from effitrain import models, outputs
+    from effitrain.evaluate import DATA_KEYS, evaluate
+
+    output = Path(args.output) if args.output else None
+    if output is not None and (output.is_dir() or not output.parent.is_dir()):
+        raise UserError(f"--output {output} is a folder" if output.is_dir() else f"--output {output}: no folder "
+                        f"{output.parent}", "pass a file path in an existing folder, e.g. --output metrics.json")
+    models.quiet_libraries(args.debug)
+    values = {key: getattr(args, key) for key in DATA_KEYS if hasattr(args, key)}
+    metrics = evaluate(args.model, values, args.split, args.allow_pickle)
+    if int(os.environ.get("RANK", "0")) == 0:  # every process has the gathered metrics; one prints them
+        print(json.dumps(metrics))
+        if output is not None:
+            outputs.write_json(output, metrics)
     return 0
 
 
@@ -235,7 +316,7 @@ def _record_for_launcher(err: BaseException) -> None:
         ErrorHandler().record_exception(err)
 
 
-COMMANDS = {"train": cmd_train, "predict": cmd_predict, "inspect": cmd_inspect, "env": cmd_env,
+COMMANDS = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "inspect": cmd_inspect, "env": cmd_env,
             "launch": cmd_launch, "bench": cmd_bench, "plan": cmd_plan}
 
 

@@ -1,53 +1,60 @@
-"""Label texts with a saved model directory, as plain transformers would."""
+"""Predict with a saved model directory, whatever its task: labels of texts, text pairs, images and
+audio clips, or continuations of prompts. The task (from the directory's config.json) reads the inputs,
+builds the batches and says what the outputs mean; this module batches and keeps the input order."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from effitrain import models
+from effitrain import inference
 from effitrain.errors import UserError
+from effitrain.tasks.base import PredictInputs, PredictOptions
+
+NOTHING = ("nothing to predict", "pass --text \"...\" (classifiers, repeatable), --prompt \"...\" (language models) "
+                                 "or --input FILE (a JSONL/CSV of texts or prompts, an image or audio file, a folder)")
 
 
-def read_inputs(texts: list[str] | None, input_file: str | None) -> list[str]:
-    inputs = list(texts or [])
-    if input_file:
-        path = Path(input_file)
-        if not path.is_file():
-            raise UserError(f"--input {path} does not exist", "pass a JSONL file with one {\"text\": ...} per line")
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"--input {path} line {number} is not JSON", "write one {\"text\": \"...\"} per line")
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise UserError(f"--input {path} line {number} has no string field `text`",
-                                "write one {\"text\": \"...\"} per line")
-            inputs.append(record["text"])
-    if not inputs:
-        raise UserError("nothing to predict", "pass --text \"...\" (repeatable) or --input FILE.jsonl")
-    return inputs
-
-
-def predict(model_dir: str, texts: list[str], batch_size: int = 64) -> list[dict]:
-    """One {text, label, score} per input; score is the softmax probability of the label."""
+def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = 64, *,
+            text_pairs: list[str] | None = None, prompts: list[str] | None = None, input_file: str | None = None,
+            options: PredictOptions | None = None, seed: int = 42, allow_pickle: bool = False,
+            progress: bool = False) -> list[dict]:
+    """One dict per input, in input order: the input (`text`/`text_pair`, `image`, `audio`, `prompt`)
+    and the prediction (`label` and `score`, the softmax probability of the label; or `generated`)."""
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
 
-    path = models.resolve(model_dir)
-    tokenizer = models.load_tokenizer(path)
-    with models.loading(path):
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), use_safetensors=True,
-                                                                   local_files_only=True).eval()
-    results = []
+    if batch_size <= 0:
+        raise UserError(f"--batch-size must be > 0, got {batch_size}", "pass e.g. --batch-size 64")
+    given = PredictInputs(list(texts or []), list(text_pairs or []), list(prompts or []), input_file)
+    if not given.flags():
+        raise UserError(*NOTHING)
+    path, task = inference.locate(model_dir, allow_pickle)
+    records = task.prediction_records(given, str(path))
+    if not records:
+        raise UserError(*NOTHING)
+    saved = inference.load(path, task)
+    options = options or PredictOptions()
+    if task.is_text and options.max_length is None:
+        options.max_length = inference.text_max_length(saved.processor, saved.model.config)
+    device = _device()
+    model = saved.model.to(device)
+    # Inputs of similar sizes batched together (less padding); results go back to input order.
+    order = sorted(range(len(records)), key=lambda i: task.prediction_size(records[i]))
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    results: list[dict | None] = [None] * len(records)
+    set_seed(seed)  # sampling (--temperature, --top-p) draws from it
+    # disable=None: a bar only where stderr is a terminal.
+    bar = tqdm(batches, desc="predict", unit="batch", disable=None if progress and len(batches) > 3 else True)
     with torch.inference_mode():
-        for start in range(0, len(texts), batch_size):
-            chunk = texts[start:start + batch_size]
-            batch = tokenizer(chunk, truncation=True, padding=True, return_tensors="pt")
-            probs = model(**batch).logits.float().softmax(-1)
-            scores, labels = probs.max(-1)
-            results += [{"text": t, "label": model.config.id2label[int(i)], "score": round(float(s), 6)}
-                        for t, i, s in zip(chunk, labels, scores)]
+        for indices in bar:
+            batch = task.prediction_batch([records[i] for i in indices], saved.processor, options)
+            batch = {key: value.to(device) for key, value in batch.items()}
+            for i, prediction in zip(indices, task.predictions(model, batch, saved.processor, options)):
+                results[i] = {**records[i], **prediction}
     return results
+
+
+def _device():
+    """Prediction runs in this one process, on its accelerator if there is one."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=False).device

@@ -131,7 +131,7 @@ class Classification(Task):
                                                                          self.modality)]
         self.refuse_other_inputs(given, ("--text", "--text-pair", "--input"), where)
         if given.text_pairs and len(given.text_pairs) != len(given.texts):
-            raise UserError(f"--text-pair given {len(given.text_pairs)} times but --text {len(given.texts)} times",
+            raise UserError(f"{len(given.texts)} --text but {len(given.text_pairs)} --text-pair",
                             "give one --text-pair per --text (they pair by position)")
         pairs = given.text_pairs or [None] * len(given.texts)
         records = [_text_record(text, pair) for text, pair in zip(given.texts, pairs)]
