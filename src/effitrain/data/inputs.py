@@ -27,6 +27,8 @@ def existing(path: str, fix: str) -> Path:
 def read_table(path: Path, fix: str) -> list[dict]:
     """The rows of a JSONL, JSON (an array of objects, or JSON lines), CSV or TSV file, as dicts."""
     suffix = path.suffix.lower()
+    if path.is_dir():
+        raise UserError(f"--input {path} is a folder", fix)
     if suffix not in TABLES:
         raise UserError(f"--input {path}: unknown file type `{path.suffix}`", fix)
     try:
