@@ -17,7 +17,7 @@ What is timed: the Trainer's `trainer.train()` wall clock (and its own `train_ru
 `train_samples_per_second`); effitrain's `train_seconds` / `train_samples_per_second` (the training
 loop only: not the data loading, tokenization, evaluation or saving that effitrain.train also does).
 Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training. For effitrain
-that moment is taken by wrapping `effitrain.engine.loop.evaluate` (first called right after the
+that moment is taken by wrapping `effitrain.engine.evaluate.evaluate` (first called right after the
 loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
 The wrappers only observe: they return what the wrapped functions return.
 
@@ -267,41 +267,40 @@ def run_effitrain(args) -> dict:
 
     import effitrain
     from effitrain import tasks
-    from effitrain.engine import loop, optim
+    from effitrain.engine import evaluate as evaluation
+    from effitrain.engine import optim
 
     observed: dict = {}
     counters: list[CountingCollator] = []
+    task = tasks.get("sequence-classification")
 
     # Instrumentation only: each wrapper returns exactly what the wrapped function returns.
-    if hasattr(loop, "evaluate"):
-        evaluate = loop.evaluate
+    evaluate = evaluation.evaluate
 
-        def evaluate_after_training(*a, **k):
-            observed.setdefault("rss_end_of_training", rss_peak_bytes())  # the first call follows the loop
-            observed.setdefault("cpu_end_of_training", cpu_snapshot())
-            return evaluate(*a, **k)
+    def evaluate_after_training(*a, **k):
+        observed.setdefault("rss_end_of_training", rss_peak_bytes())  # the first call follows the loop
+        observed.setdefault("cpu_end_of_training", cpu_snapshot())
+        return evaluate(*a, **k)
 
-        loop.evaluate = evaluate_after_training
-    if hasattr(tasks, "collators"):
-        collators = tasks.collators
+    evaluation.evaluate = evaluate_after_training
+    collators = task.collators
 
-        def counting_collators(*a, **k):
-            train_collate, eval_collate = collators(*a, **k)
-            counters.append(CountingCollator(train_collate, args.batch_size))
-            return counters[-1], eval_collate
+    def counting_collators(*a, **k):
+        train_collate, eval_collate = collators(*a, **k)
+        counters.append(CountingCollator(train_collate, args.batch_size))
+        return counters[-1], eval_collate
 
-        tasks.collators = counting_collators
-    if hasattr(tasks, "build_model"):
-        build_model = tasks.build_model
+    task.collators = counting_collators
+    build_model = task.build_model
 
-        def recording_build_model(*a, **k):
-            model = build_model(*a, **k)
-            observed["dtype"] = str(next(model.parameters()).dtype)
-            if hasattr(model, "classifier"):
-                observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
-            return model
+    def recording_build_model(*a, **k):
+        model = build_model(*a, **k)
+        observed["dtype"] = str(next(model.parameters()).dtype)
+        if hasattr(model, "classifier"):
+            observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
+        return model
 
-        tasks.build_model = recording_build_model
+    task.build_model = recording_build_model
 
     out_dir = Path(tempfile.mkdtemp(prefix="vs_trainer_effitrain_")) / "run"
     config = {

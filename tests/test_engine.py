@@ -163,7 +163,7 @@ def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, bes
 # Lower layers first; a module may import its own layer and those below it, never one above.
 LAYERS = [
     {"errors", "tasks"},  # tasks: the registry of names only (tasks/__init__.py imports nothing of ours)
-    {"config", "devices", "outputs"},
+    {"config", "devices", "outputs", "planning.sizes"},  # planning.sizes: parsing "8GiB", no imports
     {"models", "data"},
     {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics"},
     {"planning"},
@@ -260,3 +260,30 @@ def test_no_task_name_is_compared_outside_tasks():
                 constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
                 found += [f"{path.name}:{node.lineno}" for c in constants if c in names]
     assert not found, found
+
+
+def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tiny_model_dir, tmp_path, monkeypatch):
+    import effitrain
+    from effitrain import outputs, tasks
+
+    task = tasks.get("sequence-classification")
+    real, calls, closed = task.loss_sum, [], []
+
+    def failing(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("boom")
+        return real(model, batch)
+
+    monkeypatch.setattr(task, "loss_sum", failing)
+    real_close = outputs.JsonlLog.close
+    monkeypatch.setattr(outputs.JsonlLog, "close", lambda self: (closed.append("log"), real_close(self)))
+    from accelerate import Accelerator
+
+    real_end = Accelerator.end_training
+    monkeypatch.setattr(Accelerator, "end_training", lambda self: (closed.append("accelerator"), real_end(self)))
+    with pytest.raises(ValueError, match="boom"):
+        effitrain.train({"model": str(tiny_model_dir), "max_train_samples": 32, "max_eval_samples": 8,
+                         "batch_size": 4, "log_every": 1, "output_dir": str(tmp_path / "o")})
+    assert closed == ["log", "accelerator"]
+    assert [r["step"] for r in __import__("conftest").read_jsonl(tmp_path / "o" / "log.jsonl")] == [1, 2]

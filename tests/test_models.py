@@ -92,3 +92,21 @@ def test_pickle_weights_are_refused_unless_allowed_and_then_load(tiny_model_dir,
     expected = load_file(str(tiny_model_dir / "model.safetensors"))
     torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight,
                                expected["bert.embeddings.word_embeddings.weight"])
+
+
+def test_inspect_builds_the_model_of_the_task_it_is_asked_for(tmp_path, capsys):
+    """`inspect --task causal-lm` shows a causal LM (it used to build a classifier whatever the task)."""
+    import json
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from effitrain.cli import main
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "lm")
+    assert main(["inspect", str(tmp_path / "lm"), "--task", "causal-lm", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    expected = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100))
+    assert shown["parameters"] == models.parameter_counts(expected)
+    assert main(["inspect", str(tmp_path / "lm"), "--task", "sequence-classification", "--json"]) == 0
+    classifier = json.loads(capsys.readouterr().out)["parameters"]
+    assert classifier["total"] != shown["total"]

@@ -211,6 +211,20 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     assert "micro-batch 16 -> 4" in note["memory_plan"]
     same_weights(tmp_path / "plain", tmp_path / "fitted")
 
+    # config.yaml records the plan beside the config, which the run left unchanged; rerunning it pins
+    # the plan instead of planning again (here on a budget no plan could fit), and reproduces the run.
+    import yaml
+
+    written = yaml.safe_load((tmp_path / "fitted" / "config.yaml").read_text())
+    assert written["plan"] == {"grad_accum": 1, "pieces": 4, "optim": "adamw", "gradient_checkpointing": False,
+                               "precision": "no"}
+    assert written["memory_budget"] == str(budget) and written["optim"] == "adamw"
+    rerun = {**written, "memory_budget": "1KiB", "output_dir": str(tmp_path / "rerun")}
+    again = effitrain.train(rerun)
+    assert again["pieces_per_micro_batch"] == 4
+    fitted_weights, rerun_weights = read_weights(tmp_path / "fitted"), read_weights(tmp_path / "rerun")
+    assert all(torch.equal(fitted_weights[name], rerun_weights[name]) for name in fitted_weights)
+
 
 def same_weights(a, b):
     reference = read_weights(a)
@@ -220,18 +234,18 @@ def same_weights(a, b):
 
 
 def inject_out_of_memory_above(limit: int, monkeypatch) -> None:
-    """A forward of more than `limit` examples raises an out-of-memory error, as a small device would."""
-    from effitrain import tasks
+    """The training steps' forwards of more than `limit` examples raise an out-of-memory error, as a
+    small device would (the planner's simulation on fake tensors is left alone)."""
+    from hooks.patched_cli import SmallDevice
 
-    task = tasks.get("sequence-classification")
-    real = task.loss_sum
+    from effitrain.engine.step import StepRunner
 
-    def loss_sum(model, batch):
-        if len(batch["labels"]) > limit:
-            raise memory_fit.OutOfMemoryError(f"test: more than {limit} examples do not fit")
-        return real(model, batch)
+    real_init = StepRunner.__init__
 
-    monkeypatch.setattr(task, "loss_sum", loss_sum)
+    def init(self, accelerator, task, *args, **kwargs):
+        real_init(self, accelerator, SmallDevice(task, limit, memory_fit.OutOfMemoryError), *args, **kwargs)
+
+    monkeypatch.setattr(StepRunner, "__init__", init)
 
 
 def test_out_of_memory_during_the_run_halves_the_pieces_and_retries_the_step(tiny_model_dir, tmp_path, monkeypatch):

@@ -16,21 +16,33 @@ import time
 
 
 def inject_out_of_memory(limit: int, rank: str | None) -> None:
-    from effitrain import tasks
+    """The training steps' forwards only (not the planner's simulation on fake tensors)."""
     from effitrain.engine import memory_fit
+    from effitrain.engine.step import StepRunner
 
     if rank is not None and os.environ.get("RANK", "0") != rank:
         return
-    for name in tasks.NAMES:
-        task = tasks.get(name)
-        real = task.loss_sum
+    real_init = StepRunner.__init__
 
-        def loss_sum(model, batch, real=real):
-            if len(next(iter(batch.values()))) > limit:
-                raise memory_fit.OutOfMemoryError(f"test hook: more than {limit} examples do not fit")
-            return real(model, batch)
+    def init(self, accelerator, task, *args, **kwargs):
+        real_init(self, accelerator, SmallDevice(task, limit, memory_fit.OutOfMemoryError), *args, **kwargs)
 
-        task.loss_sum = loss_sum
+    StepRunner.__init__ = init
+
+
+class SmallDevice:
+    """A task whose forwards of more than `limit` examples run out of memory."""
+
+    def __init__(self, task, limit: int, error: type):
+        self.task, self.limit, self.error = task, limit, error
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def loss_sum(self, model, batch):
+        if len(next(iter(batch.values()))) > self.limit:
+            raise self.error(f"test hook: more than {self.limit} examples do not fit")
+        return self.task.loss_sum(model, batch)
 
 
 def pause_saves(seconds: float) -> None:
