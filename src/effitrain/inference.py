@@ -21,7 +21,7 @@ def locate(model_dir: str, allow_pickle: bool = False) -> tuple[Path, object]:
     """The directory and its task; reads config.json only, so that bad inputs are refused before any
     weights load."""
     path = models.resolve(model_dir, allow_pickle)
-    return path, tasks.for_model_dir(path)
+    return path, tasks.for_model_config(models.load_config(path), str(path))
 
 
 def load(path: Path, task) -> SavedModel:

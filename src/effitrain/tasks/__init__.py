@@ -53,9 +53,3 @@ def for_model_config(model_config, where: str):
                     "names a *ForSequenceClassification, *ForImageClassification, *ForAudioClassification or "
                     "causal LM class")
 
-
-def for_model_dir(path):
-    """The task of a model directory (reads only its config.json)."""
-    from effitrain import models
-
-    return for_model_config(models.load_config(path), str(path))
