@@ -22,10 +22,17 @@ class Parser(argparse.ArgumentParser):
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file whose keys are these flags' names with underscores; "
                                          "flags given here override it")
+    add_config_flags(parser, cfg.cli_fields())
+
+
+def add_config_flags(parser: argparse.ArgumentParser, fields, default_notes: dict[str, str] | None = None) -> None:
+    """One flag per config field (bools get --no-...); absent flags stay absent, so that a YAML file
+    or train's defaults fill them."""
     types = cfg.field_types()
-    for f in cfg.cli_fields():
+    for f in fields:
         kind, _ = cfg.base_type(types[f.name])
         default = f" (default: {f.default})" if f.default is not None else ""
+        default = (default_notes or {}).get(f.name, default)
         common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default}
         if kind is bool:
             parser.add_argument(cfg.flag(f.name), action=argparse.BooleanOptionalAction, **common)
@@ -69,20 +76,8 @@ def add_evaluate_flags(evaluate: argparse.ArgumentParser) -> None:
     evaluate.add_argument("--output", help="also write the metrics to this JSON file")
     evaluate.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
     evaluate.add_argument("--debug", action="store_true")
-    types = cfg.field_types()
-    for f in cfg.fields():
-        if f.name not in DATA_KEYS:
-            continue
-        kind, _ = cfg.base_type(types[f.name])
-        default = f" (default: {f.default})" if f.default is not None else ""
-        if f.name == "max_length":
-            default = " (default: the saved tokenizer's, i.e. train's --max-length)"
-        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default}
-        if kind is bool:
-            evaluate.add_argument(cfg.flag(f.name), action=argparse.BooleanOptionalAction, **common)
-        else:
-            evaluate.add_argument(cfg.flag(f.name), type=kind, choices=f.metadata.get("choices"),
-                                  metavar=f.name.upper(), **common)
+    add_config_flags(evaluate, [f for f in cfg.fields() if f.name in DATA_KEYS],
+                     {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
 
 
 def build_parser() -> Parser:

@@ -33,15 +33,16 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     if unknown:
         raise UserError(f"evaluate takes no setting `{unknown[0]}`", f"use only {', '.join(DATA_KEYS)}")
     path, task = inference.locate(model_dir, allow_pickle)
-    config = cfg.build(None, {**values, "model": str(path), "task": task.name})  # train's defaults, validated
-    mixed_precision, _ = precision.choose(config.precision)
-    accelerator = make_accelerator(mixed_precision=mixed_precision)
-    set_seed(config.seed)
+    cfg.build(None, {**values, "model": str(path), "task": task.name})  # the flags checked before anything loads
     source = models.ModelSource(path)
     processor = task.load_processor(source)
     model_config = models.load_config(path)
     if task.is_text and "max_length" not in values:
-        config.max_length = inference.text_max_length(processor, model_config)
+        values["max_length"] = inference.text_max_length(processor, model_config)
+    config = cfg.build(None, {**values, "model": str(path), "task": task.name})  # train's defaults
+    mixed_precision, _ = precision.choose(config.precision)
+    accelerator = make_accelerator(mixed_precision=mixed_precision)
+    set_seed(config.seed)
     loaded = task.load_data(config)
     label_names = inference.label_names(model_config) if task.has_labels else None
     data = loaded.splits[split]

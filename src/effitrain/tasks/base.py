@@ -95,9 +95,6 @@ class Task:
         """The longest input a micro-batch can hold (the planner's sequence length)."""
         return config.max_length
 
-    def throughput_tokens(self) -> bool:
-        return self.is_text
-
     # -- the loss and its counts -------------------------------------------------------------------
     @staticmethod
     def inputs(batch) -> dict:
