@@ -63,7 +63,7 @@ def write(run, result: dict) -> None:
                     if result["train_tokens_per_second"] is not None else "")
     best = result["best"]
     kept = (f"best validation {best['metric']} {best['value']:.4f} at step {best['step']}"
-            + (" (in model/)" if best["kept_in_model"] else "") + "\n") if best["value"] is not None else ""
+            + (" (in model/)" if best["kept_in_model"] else "") + "\n") if run.keeps_best and best["step"] else ""
     run.accelerator.print(f"test: {short(result['test'])}\n{kept}"
                           f"{result['train_samples_per_second']:.1f} samples/s, {tokens_per_s}"
                           f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB, "

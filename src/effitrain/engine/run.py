@@ -140,8 +140,7 @@ def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
     improved = evaluator.validate(job.model, state)
     log_record(job, state, split="validation", **state.validation)
     write(job, bar, f"step {state.step} validation: {report.short(state.validation)}")
-    config = job.config
-    if improved and (config.metric_for_best or config.early_stopping_patience or config.keep == "best"):
+    if improved and job.keeps_best:
         saving.save_model(job, job.out_dir / "best")
     stop = evaluator.should_stop(state)
     if stop:

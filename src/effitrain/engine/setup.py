@@ -79,6 +79,12 @@ class Run:
     def total_steps(self) -> int:
         return self.config.max_steps or self.config.epochs * self.steps_per_epoch
 
+    @property
+    def keeps_best(self) -> bool:
+        """The best evaluation's weights are saved to best/ only when the user asked for them."""
+        config = self.config
+        return bool(config.metric_for_best or config.early_stopping_patience or config.keep == "best")
+
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over processes (a collective; the tensor itself on one process)."""
         return self.accelerator.reduce(tensor, "sum") if self.world > 1 else tensor
