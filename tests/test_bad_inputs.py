@@ -32,12 +32,19 @@ def workdir(tiny_model_dir, tmp_path_factory):
     (root / "dev.csv").write_text("text,label\nhello,ham\nbuy now,promo\n")
     (root / "d.txt").write_text("plain text\n")
     (root / "bad.yaml").write_text("learning_rate: 0.1\n")
+    (root / "plan-bad.yaml").write_text("plan:\n  pieces: 0\n")
+    (root / "plan-edited.yaml").write_text("plan:\n  grad_accum: 1\n  pieces: 1\n  optim: sgd\n")
     (root / "badtype.yaml").write_text("lr: fast\n")
     (root / "corrupt").mkdir()
     shutil.copy(tiny_model_dir / "config.json", root / "corrupt" / "config.json")
+    shutil.copy(tiny_model_dir / "tokenizer.json", root / "corrupt" / "tokenizer.json")
     (root / "corrupt" / "model.safetensors").write_bytes(b"\x00" * 64)
     (root / "pickled").mkdir()
     shutil.copy(tiny_model_dir / "config.json", root / "pickled" / "config.json")
+    shutil.copy(tiny_model_dir / "tokenizer.json", root / "pickled" / "tokenizer.json")
+    (root / "notok").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, root / "notok" / name)
     torch.save({}, root / "pickled" / "pytorch_model.bin")
     return root
 
@@ -80,6 +87,8 @@ CASES = [
     (["train", *TINY, "--data", "badrow.csv", "--output-dir", "new"], "cannot be read"),
     (["train", *TINY, "--data", "d.csv", "--validation-file", "dev.csv", "--output-dir", "new"],
      "label `promo` is not in the training data"),
+    (["train", "--model", "notok", "--output-dir", "new"], "has no tokenizer"),
+    (["predict", "--model", "notok", "--text", "hi"], "has no tokenizer"),
     # evaluation during training
     (["train", *TINY, "--data", "d.csv", "--metric-for-best", "f1_promo", "--output-dir", "new"],
      "--metric-for-best `f1_promo` is not a metric of sequence-classification"),
@@ -88,6 +97,13 @@ CASES = [
     (["train", "--early-stopping-patience", "0"], "--early-stopping-patience must be > 0"),
     (["train", "--early-stopping-threshold", "-1"], "--early-stopping-threshold must be >= 0"),
     (["train", "--eval-every", "0"], "--eval-every must be > 0"),
+    (["train", "--early-stopping-threshold", "0.1"], "applies to early stopping, which is off"),
+    (["train", "--early-stopping-patience", "2", "--early-stopping-threshold", "inf"], "must be >= 0 and finite"),
+    (["train", "--config", "plan-bad.yaml"], "plan `pieces: 0` is not an integer from 1 to --batch-size"),
+    (["train", "--config", "plan-edited.yaml", *TINY, "--output-dir", "new"], "the plan's `optim: 'sgd'` is not what"),
+    (["evaluate", "--model", "prev/model", "--output", "prev/metrics.json"], "already exists"),
+    (["evaluate", "--model", "prev/model", "--output", "nowhere/m.json"], "no folder nowhere"),
+    (["predict", "--model", "prev/model", "--text", "x", "--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["train", "--keep", "worst"], "invalid choice"),
     # outputs
     (["train", *TINY, "--output-dir", "prev"], "already holds files"),

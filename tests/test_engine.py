@@ -138,7 +138,7 @@ class FakeTask:
 
 @pytest.mark.parametrize("metric, values, threshold, best_step, stop_after", [
     ("loss", [1.0, 0.8, 0.9, 0.85, 0.7], 0.0, 10, 4),  # 0.9 and 0.85 do not beat 0.8: patience 2 runs out
-    ("loss", [1.0, 0.97, 0.96], 0.05, 2, 3),  # improvements below the threshold do not count
+    ("loss", [1.0, 0.97, 0.96], 0.05, 6, 3),  # improvements below the threshold: best, but patience runs
     ("accuracy", [0.5, 0.7, 0.6, 0.8], 0.0, 8, None),  # higher is better
 ])
 def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, best_step, stop_after):
@@ -156,6 +156,8 @@ def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, bes
             stopped = number
     assert state.best_step == best_step and stopped == stop_after
     assert evaluator.due(2) and not evaluator.due(3) and evaluator.due(100)
+    state.step = 100  # the last step: the run ends there anyway, that is no early stop
+    assert not evaluator.should_stop(state)
 
 
 # -- the shape of the code ---------------------------------------------------------------------------

@@ -172,11 +172,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from effitrain.tasks.base import PredictOptions
 
     for name in ("max_length", "max_duration", "max_new_tokens", "temperature"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}",
+        value = getattr(args, name)
+        if value is not None and not 0 < value < float("inf"):  # NaN fails too
+            raise UserError(f"--{name.replace('_', '-')} must be > 0 and finite, got {value}",
                             f"pass a positive --{name.replace('_', '-')}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}", "pass e.g. --top-p 0.9")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2**32), got {args.seed}", "pass e.g. --seed 42")
     models.quiet_libraries(args.debug)
     options = PredictOptions(max_length=args.max_length, max_duration=args.max_duration,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -190,23 +193,43 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from effitrain import models, outputs
     from effitrain.evaluate import DATA_KEYS, evaluate
 
-    output = Path(args.output) if args.output else None
-    if output is not None and (output.is_dir() or not output.parent.is_dir()):
-        raise UserError(f"--output {output} is a folder" if output.is_dir() else f"--output {output}: no folder "
-                        f"{output.parent}", "pass a file path in an existing folder, e.g. --output metrics.json")
+    output = check_output_file(args.output)
     models.quiet_libraries(args.debug)
     values = {key: getattr(args, key) for key in DATA_KEYS if hasattr(args, key)}
     metrics = evaluate(args.model, values, args.split, args.allow_pickle)
     if int(os.environ.get("RANK", "0")) == 0:  # every process has the gathered metrics; one prints them
         print(json.dumps(metrics))
         if output is not None:
-            outputs.write_json(output, metrics)
+            try:
+                outputs.write_json(output, metrics)
+            except OSError as err:
+                raise UserError(f"--output {output} cannot be written ({err.strerror or err})",
+                                "pass a file path you can write") from err
     return 0
+
+
+def check_output_file(given: str | None):
+    """--output: a new file in an existing, writable folder; checked before anything runs. An existing
+    file is never replaced (it may be a run's own metrics.json or config.json)."""
+    from pathlib import Path
+
+    if given is None:
+        return None
+    output = Path(given)
+    if not given or output.is_dir():
+        raise UserError(f"--output `{given}` is a folder", "pass a file path, e.g. --output metrics.json")
+    if output.exists() or output.is_symlink():
+        raise UserError(f"--output {output} already exists", "pass a new file path (effitrain never replaces a "
+                        "file it did not write)")
+    if not output.parent.is_dir():
+        raise UserError(f"--output {output}: no folder {output.parent}", "pass a file path in an existing folder")
+    if not os.access(output.parent, os.W_OK):
+        raise UserError(f"--output {output}: the folder {output.parent} is not writable",
+                        "pass a file path in a folder you can write")
+    return output
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -327,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
+    except PermissionError as err:  # always the user's file or folder, wherever it was met
+        if debug:
+            raise
+        print(f"effitrain: error: permission denied: {err.filename or err}; fix: make it readable (and its "
+              "folder writable, for outputs), or run as its owner", file=sys.stderr)
+        return 2
     except UserError as err:
         if debug:
             raise

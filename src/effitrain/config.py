@@ -16,7 +16,6 @@ from effitrain.tasks import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 KEEP = ("final", "best")
-PLAN_KEYS = ("grad_accum", "pieces", "optim", "gradient_checkpointing", "precision")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
 
@@ -222,6 +221,28 @@ def _positive(config: TrainConfig, *names: str) -> None:
             raise UserError(f"{flag(name)} must be > 0, got {value}", f"pass a positive value to {flag(name)}")
 
 
+# What a written plan may hold: each key's check, and the values it allows in words.
+PLAN_VALUES = {
+    "grad_accum": (lambda v, batch: type(v) is int and v >= 1, "an integer >= 1"),
+    "pieces": (lambda v, batch: type(v) is int and 1 <= v <= batch, "an integer from 1 to --batch-size"),
+    "optim": (lambda v, batch: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
+    "gradient_checkpointing": (lambda v, batch: type(v) is bool, "true or false"),
+    "precision": (lambda v, batch: v in ("no", "bf16", "fp16"), "no, bf16 or fp16"),
+}
+
+
+def check_plan(plan: dict, batch_size: int) -> None:
+    """The `plan:` block of a config.yaml, as a run wrote it (an edited one is checked, not trusted)."""
+    for key, value in plan.items():
+        if key not in PLAN_VALUES:
+            raise UserError(f"config: unknown plan key `{key}`",
+                            f"a plan holds only {', '.join(PLAN_VALUES)} (as config.yaml writes it)")
+        allowed, words = PLAN_VALUES[key]
+        if not allowed(value, batch_size):
+            raise UserError(f"config: plan `{key}: {value!r}` is not {words}",
+                            "rerun with the config.yaml as the run wrote it, or drop the plan block")
+
+
 def validate(config: TrainConfig) -> None:
     for f in fields():
         coerce(f.name, getattr(config, f.name), "config")
@@ -261,12 +282,14 @@ def validate(config: TrainConfig) -> None:
                         "drop --packing, or lower --batch-size yourself")
     if config.keep not in KEEP:
         raise UserError(f"unknown --keep `{config.keep}`", f"pass --keep {' or '.join(KEEP)}")
-    if config.early_stopping_threshold < 0 or config.early_stopping_threshold != config.early_stopping_threshold:
-        raise UserError(f"--early-stopping-threshold must be >= 0, got {config.early_stopping_threshold}",
+    if not 0 <= config.early_stopping_threshold < float("inf"):  # NaN fails too
+        raise UserError(f"--early-stopping-threshold must be >= 0 and finite, got {config.early_stopping_threshold}",
                         "pass e.g. --early-stopping-threshold 0.001")
-    if config.plan is not None and set(config.plan) - set(PLAN_KEYS):
-        raise UserError(f"config: unknown plan key `{sorted(set(config.plan) - set(PLAN_KEYS))[0]}`",
-                        f"a plan holds only {', '.join(PLAN_KEYS)} (as config.yaml writes it)")
+    if config.early_stopping_threshold and config.early_stopping_patience is None:
+        raise UserError("--early-stopping-threshold applies to early stopping, which is off",
+                        "pass --early-stopping-patience too, or drop the threshold")
+    if config.plan is not None:
+        check_plan(config.plan, config.batch_size)
     from effitrain import tasks
 
     tasks.get(config.task).check_config(config)  # an unknown task name is refused here too

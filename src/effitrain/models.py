@@ -163,9 +163,18 @@ def load_config(path: Path):
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
+# What a saved tokenizer leaves in a model directory (one of them is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def load_text_tokenizer(source: ModelSource):
     """The model's tokenizer; a model built from a config has none of its own and uses the default
     model's WordPiece tokenizer. GPT-style tokenizers pad with EOS (masked out of the loss)."""
+    if source.path is not None and not any((source.path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model directory {source.path} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, "
+                        "...)", "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR)), as "
+                        "`effitrain train` does in model/")
     tokenizer = load_tokenizer(source.path or default_model_dir())
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

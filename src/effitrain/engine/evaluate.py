@@ -39,21 +39,27 @@ class Evaluator:
         return step % self.every == 0 or step == self.total_steps
 
     def validate(self, model, state) -> bool:
-        """Evaluate, update the state's best value and patience count; True if this evaluation is
-        the best so far."""
+        """Evaluate; update the state's best value (any improvement) and patience count (reset only
+        by an improvement larger than the threshold, as the Trainer's early stopping). True if this
+        evaluation is the best so far."""
         state.validation = evaluate(self.accelerator, self.task, model, self.dataloader, self.label_names)
         value = state.validation[self.metric]
-        if self.improves(value, state.best_value):
-            state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+        if self.improves(value, state.best_value, self.threshold):
+            state.evals_without_improvement = 0
+        else:
+            state.evals_without_improvement += 1
+        if self.improves(value, state.best_value, 0.0):
+            state.best_value, state.best_step = value, state.step
             return True
-        state.evals_without_improvement += 1
         return False
 
-    def improves(self, value: float, best: float | None) -> bool:
+    def improves(self, value: float, best: float | None, threshold: float) -> bool:
         if best is None:
             return value == value  # a NaN never becomes the best
         gain = value - best if self.higher_is_better else best - value
-        return gain > self.threshold
+        return gain > threshold
 
     def should_stop(self, state) -> bool:
-        return self.patience is not None and state.evals_without_improvement >= self.patience
+        """Early: never at the last step, where the run ends anyway."""
+        return (self.patience is not None and state.evals_without_improvement >= self.patience
+                and state.step < self.total_steps)

@@ -162,11 +162,11 @@ def resolve_plan(config: TrainConfig, accelerator, mixed_precision: str, reason:
     world = accelerator.num_processes
     plan = RunPlan(accumulation(config, world), 1, config.optim, config.gradient_checkpointing, mixed_precision,
                    reason)
-    pinned = config.plan or {}
-    if pinned:
-        plan.pieces = pinned.get("pieces", 1)
-        plan.optim = pinned.get("optim", plan.optim)
-        plan.gradient_checkpointing = pinned.get("gradient_checkpointing", plan.gradient_checkpointing)
+    if config.plan:
+        check_pinned(config, plan)
+        plan.pieces = config.plan.get("pieces", 1)
+        plan.optim = config.plan.get("optim", plan.optim)
+        plan.gradient_checkpointing = config.plan.get("gradient_checkpointing", plan.gradient_checkpointing)
         return plan
     if not config.memory_budget:
         return plan
@@ -178,6 +178,28 @@ def resolve_plan(config: TrainConfig, accelerator, mixed_precision: str, reason:
         config, accelerator.device, world, plan.grad_accum, mixed_precision, len(data.label_names or []),
         data.processor, fixed=fixed)
     return plan
+
+
+def check_pinned(config: TrainConfig, plan: RunPlan) -> None:
+    """A plan written by a run with these settings: what they resolve to here must be what it says,
+    and what it chose must be a choice the memory planner could make from them (a flag changed since
+    the plan was written, or a hand-edited plan, is refused rather than half applied)."""
+    from effitrain.planning.plan import LIGHTER
+
+    pinned, budget = config.plan, config.memory_budget is not None
+    possible = {
+        "grad_accum": pinned.get("grad_accum", plan.grad_accum) == plan.grad_accum,
+        "precision": pinned.get("precision", plan.precision) == plan.precision,
+        "pieces": pinned.get("pieces", 1) == 1 or budget,
+        "optim": pinned.get("optim", plan.optim) in [plan.optim] + (LIGHTER.get(plan.optim, []) if budget else []),
+        "gradient_checkpointing": pinned.get("gradient_checkpointing", plan.gradient_checkpointing) in
+        ({plan.gradient_checkpointing, True} if budget else {plan.gradient_checkpointing}),
+    }
+    for key, ok in possible.items():
+        if not ok:
+            raise UserError(f"config: the plan's `{key}: {pinned[key]!r}` is not what this run's settings give "
+                            f"(the plan was written for other settings, or edited)",
+                            "drop the plan block to plan again, or rerun with the settings it was written with")
 
 
 def build_model(task, source, data: Data, plan: RunPlan):
