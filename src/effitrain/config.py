@@ -153,9 +153,10 @@ def coerce(key: str, value: Any, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
+        choices = next(f.metadata.get("choices") for f in fields() if f.name == key)
+        example = f"one of {', '.join(map(str, choices))}" if choices else f"e.g. `{key}: {_example(kind)}`"
         raise UserError(f"{where}: `{key}` must be {kind.__name__}{' or null' if nullable else ''}, "
-                        f"got {type(value).__name__} {value!r}",
-                        f"write e.g. `{key}: {_example(kind)}`")
+                        f"got {type(value).__name__} {value!r}", f"write {example}")
     return value
 
 
