@@ -18,6 +18,7 @@ def save_model(run, folder: Path) -> None:
     accelerator.unwrap_model(run.model).save_pretrained(
         tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
+    accelerator.wait_for_everyone()  # the other processes' save_pretrained also looks into `tmp`
     if accelerator.is_main_process:
         processor = run.data.processor
         if run.task.is_text:
