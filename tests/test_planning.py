@@ -233,25 +233,12 @@ def same_weights(a, b):
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=1e-6)
 
 
-def inject_out_of_memory_above(limit: int, monkeypatch) -> None:
-    """The training steps' forwards of more than `limit` examples raise an out-of-memory error, as a
-    small device would (the planner's simulation on fake tensors is left alone)."""
-    from hooks.patched_cli import SmallDevice
-
-    from effitrain.engine.step import StepRunner
-
-    real_init = StepRunner.__init__
-
-    def init(self, accelerator, task, *args, **kwargs):
-        real_init(self, accelerator, SmallDevice(task, limit, memory_fit.OutOfMemoryError), *args, **kwargs)
-
-    monkeypatch.setattr(StepRunner, "__init__", init)
-
-
 def test_out_of_memory_during_the_run_halves_the_pieces_and_retries_the_step(tiny_model_dir, tmp_path, monkeypatch):
     common = {**COMMON, "model": str(tiny_model_dir)}
     effitrain.train({**common, "output_dir": str(tmp_path / "plain")})
-    inject_out_of_memory_above(5, monkeypatch)
+    from hooks.patched_cli import inject_out_of_memory
+
+    inject_out_of_memory(5, patch=monkeypatch.setattr)  # as a device too small for 6 examples would
     metrics = effitrain.train({**common, "output_dir": str(tmp_path / "oom"), "memory_budget": "64GiB"})
     assert metrics["pieces_per_micro_batch"] == 4  # 16 -> 8 -> 4 examples per piece
     retries = [r for r in read_jsonl(tmp_path / "oom" / "log.jsonl") if "out_of_memory" in r]

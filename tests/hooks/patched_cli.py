@@ -15,8 +15,9 @@ import sys
 import time
 
 
-def inject_out_of_memory(limit: int, rank: str | None) -> None:
-    """The training steps' forwards only (not the planner's simulation on fake tensors)."""
+def inject_out_of_memory(limit: int, rank: str | None = None, patch=setattr) -> None:
+    """The training steps' forwards only (not the planner's simulation on fake tensors); `patch`:
+    setattr, or a test's monkeypatch.setattr so that the patch is undone."""
     from effitrain.engine import memory_fit
     from effitrain.engine.step import StepRunner
 
@@ -27,7 +28,7 @@ def inject_out_of_memory(limit: int, rank: str | None) -> None:
     def init(self, accelerator, task, *args, **kwargs):
         real_init(self, accelerator, SmallDevice(task, limit, memory_fit.OutOfMemoryError), *args, **kwargs)
 
-    StepRunner.__init__ = init
+    patch(StepRunner, "__init__", init)
 
 
 class SmallDevice:
