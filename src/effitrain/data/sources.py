@@ -5,6 +5,7 @@ Every source ends as train/validation/test splits with canonical column names (`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,12 @@ def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, 
         return BUILTINS[source](), None, 0
     path = Path(source).expanduser()
     if path.is_dir():
-        return _read_saved(path), path, 0
+        if flag != "--data":
+            raise UserError(f"{flag} {path} is a folder", "pass one data file (.csv, .tsv, .json, .jsonl, .parquet)")
+        return _read_saved(path, flag), path, 0
+    if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+        raise UserError(f"{flag} {path} is not a regular file (a pipe, socket or device)",
+                        "save the data to a file and pass its path")
     if path.is_file():
         if path.suffix.lower() not in FILE_KINDS:
             raise UserError(f"{flag} {path}: unknown file type `{path.suffix}`",
@@ -56,25 +62,66 @@ def _read_file(path: Path, skip_bad_rows: bool):
             bad_lines.append(fields)
             return None
 
+        separator = "\t" if path.suffix.lower() == ".tsv" else ","
         try:
-            frame = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", engine="python",
+            frame = pd.read_csv(path, sep=separator, engine="python",
                                 on_bad_lines=on_bad_line if skip_bad_rows else "error")
-        except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as err:
+        except UnicodeDecodeError as err:  # --skip-bad-rows cannot help: the whole file has another encoding
+            raise _not_utf8(path, err)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
             raise UserError(f"data file {path} cannot be read: {_first_line(err)}",
                             "fix that row (quote fields holding the separator), or pass --skip-bad-rows")
+        _check_separator(path, frame, separator)
         return Dataset.from_pandas(frame, preserve_index=False), len(bad_lines)
     try:
-        return load_dataset(kind, data_files=str(path), split="train"), 0
+        with _datasets_silent():
+            return load_dataset(kind, data_files=str(path), split="train"), 0
     except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
-        raise UserError(f"data file {path} cannot be read as {kind}: {_first_line(err.__cause__ or err)}",
+        cause = err.__cause__ or err
+        if isinstance(cause, UnicodeDecodeError):
+            raise _not_utf8(path, cause)
+        raise UserError(f"data file {path} cannot be read as {kind}: {_first_line(cause)}",
                         f"check that every line is valid {kind}")
 
 
-def _read_saved(path: Path) -> dict:
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> UserError:
+    return UserError(f"data file {path} is not UTF-8 text (first bad byte {err.object[err.start:err.start + 1]!r})",
+                     "save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`)")
+
+
+def _check_separator(path: Path, frame, separator: str) -> None:
+    """One column whose name holds another separator: the file is not separated the way its name says."""
+    if len(frame.columns) != 1:
+        return
+    header = str(frame.columns[0])
+    other = next((sep for sep in (";", "\t", ",", "|") if sep != separator and sep in header), None)
+    if other is not None:
+        name = {"\t": "tabs", ";": "semicolons", ",": "commas", "|": "bars"}[other]
+        wanted = "tab-separated with a .tsv name" if separator == "\t" else "comma-separated"
+        raise UserError(f"data file {path} looks separated by {name} (one column named `{header[:80]}`), "
+                        f"but a {path.suffix} file is read as {wanted}",
+                        "save it comma-separated as .csv, or tab-separated as .tsv")
+
+
+@contextlib.contextmanager
+def _datasets_silent():
+    """datasets' builders log an ERROR line before raising; the UserError that follows says it in one line."""
+    import logging
+
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _read_saved(path: Path, flag: str = "--data") -> dict:
     from datasets import Dataset, DatasetDict, load_from_disk
 
     if not any((path / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
-        raise UserError(f"--data {path} is a folder but not one written by datasets' save_to_disk",
+        raise UserError(f"{flag} {path} is a folder but not one written by datasets' save_to_disk",
                         "pass a data file, or a folder from Dataset.save_to_disk / DatasetDict.save_to_disk")
     data = load_from_disk(str(path))
     if isinstance(data, Dataset):
@@ -111,6 +158,12 @@ def _first_line(err: BaseException) -> str:
 
 
 def select_columns(data, columns: dict[str, str], where: str):
+    for canonical, user in columns.items():
+        other = next((c for c, u in columns.items() if u == user and c != canonical), None)
+        if other is not None:  # e.g. --label-column text: one column cannot be both the input and the label
+            first, second = (flag.replace("_", "-") for flag in (canonical, other))
+            raise UserError(f"{where}: column `{user}` is both the {first} column and the {second} column",
+                            f"pass --{second}-column or --{first}-column naming another column")
     missing = [user for user in columns.values() if user not in data.column_names]
     if missing:
         canonical = next(c for c, user in columns.items() if user == missing[0])
@@ -145,6 +198,86 @@ def drop_bad_rows(data, where: str, skip: bool):
 
         data = data.select(np.flatnonzero(~bad.to_numpy(zero_copy_only=False)))
     return data, count
+
+
+# The Arrow types each canonical column may hold (the label column is checked by labels_as_classes).
+def _is_text(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_image(t) -> bool:
+    import pyarrow as pa
+
+    return _is_text(t) or (pa.types.is_struct(t) and {"bytes", "path"} & {f.name for f in t})
+
+
+_EXPECTED = {"text": (_is_text, "text"), "text_pair": (_is_text, "text"), "audio": (_is_text, "file paths"),
+             "image": (_is_image, "images or file paths")}
+
+
+def _kind(t) -> str:
+    """An Arrow type in the user's words."""
+    import pyarrow as pa
+
+    for test, words in ((pa.types.is_boolean, "true/false values"), (pa.types.is_integer, "integers"),
+                        (pa.types.is_floating, "decimal numbers"), (pa.types.is_struct, "objects (dicts)"),
+                        (pa.types.is_list, "lists"), (pa.types.is_large_list, "lists"), (pa.types.is_map, "maps"),
+                        (pa.types.is_binary, "raw bytes"), (pa.types.is_temporal, "dates or times"),
+                        (_is_text, "text")):
+        if test(t):
+            return words
+    return f"values of type {t}"
+
+
+def check_types(data, columns: dict[str, str], where: str) -> None:
+    """Each input column holds what its task reads: text as strings, images as images or paths, audio as
+    paths. A number or a list where text belongs would reach the tokenizer (a traceback) or, worse, be
+    taken as pre-split words."""
+    for canonical, (accepts, wanted) in _EXPECTED.items():
+        if canonical not in data.column_names:
+            continue
+        t = data.data.column(canonical).type
+        if not accepts(t):
+            raise UserError(f"{where}: column `{columns[canonical]}` ({canonical.replace('_', ' ')}) holds {_kind(t)}, "
+                            f"not {wanted}", f"pass --{canonical.replace('_', '-')}-column naming a column of "
+                            f"{wanted}, or convert that column")
+
+
+def labels_as_classes(data, user_column: str, where: str):
+    """The label column as class labels: strings, integers and ClassLabels as they are; true/false as
+    the strings "false"/"true"; decimal numbers only when all are whole (1.0 -> 1). Anything else
+    (fractions: a regression target; lists, dicts) is refused with what it is."""
+    import numpy as np
+    import pyarrow as pa
+    from datasets import ClassLabel, Value
+
+    if isinstance(data.features["label"], ClassLabel):
+        return data
+    t = data.data.column("label").type
+    if _is_text(t) or pa.types.is_integer(t):
+        return data
+    if pa.types.is_boolean(t):
+        return data.cast_column("label", Value("string"))
+    if pa.types.is_floating(t):
+        values = data.data.column("label").to_numpy()
+        fraction = values[~np.isfinite(values) | (values != np.round(values))]
+        if len(fraction) == 0:
+            return data.cast_column("label", Value("int64"))
+        raise UserError(f"{where}: label column `{user_column}` holds numbers like {fraction[0]:g}: a regression "
+                        "target, and effitrain trains classifiers only", "give each row a class (a name or a whole "
+                        "number), e.g. bin the values into ranges, or pass --label-column naming a class column")
+    raise UserError(f"{where}: label column `{user_column}` holds {_kind(t)}, not class labels",
+                    "give each row one label, a name or a whole number (multi-label data is not supported)")
+
+
+def check_classes(data, names: list[str], where: str) -> None:
+    """A classifier needs two classes in its training data: with one it learns a constant and scores 1.0."""
+    present = data.unique("label")
+    if len(present) < 2:
+        raise UserError(f"{where}: every training label is `{names[present[0]]}` (one class)",
+                        "add examples of at least one other class to the training data")
 
 
 def label_names(data) -> list[str]:
@@ -200,10 +333,14 @@ def load(config, columns: dict[str, str]) -> Loaded:
         data, dropped = drop_bad_rows(data, where[name], config.skip_bad_rows)
         if len(data) == 0:
             raise UserError(f"{where[name]} has no usable rows", "pass data with at least one complete row")
+        check_types(data, columns, where[name])
+        if "label" in columns:
+            data = labels_as_classes(data, columns["label"], where[name])
         prepared[name], skipped = data, skipped + dropped
     if "label" in columns:
         names = label_names(prepared["all"])
         prepared = {name: encode_labels(data, names, where[name]) for name, data in prepared.items()}
+        check_classes(prepared["all"], names, where["all"])
     splits = _split(prepared, config)
     return Loaded(limit(DatasetDict(splits), config.max_train_samples, config.max_eval_samples), base_dir, skipped)
 
