@@ -110,17 +110,6 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, group_by_le
     assert len([r for r in read_jsonl(tmp_path / "accum" / "log.jsonl") if "split" not in r]) == 4
 
 
-def test_non_empty_output_dir_is_never_overwritten(tiny_model_dir, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "metrics.json").write_text("precious")
-    with pytest.raises(UserError, match="already holds files"):
-        effitrain.train(small(tiny_model_dir, out))
-    assert (out / "metrics.json").read_text() == "precious"
-    effitrain.train(small(tiny_model_dir, out, overwrite=True, max_steps=1))
-    assert json.loads((out / "metrics.json").read_text())["steps"] == 1
-
-
 def test_epochs_run_to_the_end_of_the_data(tiny_model_dir, tmp_path):
     metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=None, epochs=2, max_train_samples=20,
                                     batch_size=8))

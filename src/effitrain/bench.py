@@ -98,16 +98,20 @@ def run(args: argparse.Namespace) -> int:
     for name in names:  # a setting that cannot work fails now, not after the other variants ran
         variant_settings(name, args.batch_size)
     skipped = {} if explicit else default_skips(names)
-    bench_dir = Path(args.output_dir) if args.output_dir else outputs.default_dir("bench")
-    outputs.check_free(bench_dir, args.overwrite)
-    outputs.prepare(bench_dir, args.overwrite)
-
-    results = run_matrix(args, names, skipped, extra, bench_dir)
-    add_ratios(results)
-    print()
-    print(format_table(results))
-    outputs.write_json(bench_dir / "bench.json", report(args, extra, results))
-    chart = write_chart(bench_dir / "bench.png", results)
+    held = outputs.RunDir(args.output_dir, args.overwrite, kind="bench").acquire()
+    bench_dir = held.path
+    try:
+        held.start()
+        results = run_matrix(args, names, skipped, extra, bench_dir)
+        add_ratios(results)
+        print()
+        print(format_table(results))
+        outputs.write_json(bench_dir / "bench.json", report(args, extra, results))
+        chart = write_chart(bench_dir / "bench.png", results)
+    except BaseException as err:
+        held.fail(user_mistake=isinstance(err, UserError))
+        raise
+    held.succeed()
     print(f"\nwrote {bench_dir / 'bench.json'}" + (f" and {chart}" if chart else ""))
     return 0 if all(r["status"] != "failed" for r in results) else 1
 

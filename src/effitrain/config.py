@@ -245,8 +245,15 @@ def check_plan(plan: dict, batch_size: int) -> None:
 
 
 def validate(config: TrainConfig) -> None:
+    import math
+
     for f in fields():
-        coerce(f.name, getattr(config, f.name), "config")
+        value = coerce(f.name, getattr(config, f.name), "config")
+        if isinstance(value, float) and not math.isfinite(value):  # a NaN passes every comparison below
+            raise UserError(f"{flag(f.name)} must be a finite number, got {value}",
+                            f"pass e.g. {flag(f.name)} {f.default if f.default is not None else 1.0}")
+    if not 0 <= config.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2**32), got {config.seed}", "pass e.g. --seed 42")
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
               "local_sgd_steps", "effective_batch_size",

@@ -11,3 +11,9 @@ class UserError(Exception):
         self.problem = " ".join(str(problem).split())
         self.fix = " ".join(str(fix).split())
         super().__init__(f"{self.problem}; fix: {self.fix}")
+
+
+class Terminated(BaseException):
+    """SIGTERM during a run: unwinds it like Ctrl-C (a BaseException, so no `except Exception` eats it)."""
+
+    exit_code = 143

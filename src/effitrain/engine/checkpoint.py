@@ -15,8 +15,9 @@ from pathlib import Path
 
 from effitrain.errors import UserError
 
-# Settings that decide the arithmetic and the data order: resuming with others would not continue the run.
-MUST_MATCH = ("model", "task", "data", "validation_file", "test_file", "text_column", "text_pair_column",
+# Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
+# depends on the number of steps): resuming with others would not continue the run.
+MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column", "text_pair_column",
               "label_column", "image_column", "audio_column", "max_train_samples", "batch_size", "grad_accum",
               "effective_batch_size", "seed", "max_length", "group_by_length", "packing", "optim", "precision",
               "lr", "weight_decay", "warmup_ratio", "beta1", "beta2", "validation_split", "test_split",
@@ -49,14 +50,19 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
         for stale in base.glob(".tmp-step-*"):  # left by a run killed while saving
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+    except BaseException:  # a signal or a full disk mid-save: no half checkpoint is left behind
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
         for old in complete(out_dir)[:-keep_last] if keep_last else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -19,12 +19,13 @@ from effitrain.engine.step import StepRunner
 from effitrain.errors import UserError
 
 
-def run(config: TrainConfig) -> dict:
-    """Train, evaluate, save. Returns the metrics written to metrics.json."""
+def run(config: TrainConfig, run_dir=None) -> dict:
+    """Train, evaluate, save. Returns the metrics written to metrics.json. `run_dir`: the output folder
+    runs.train checked and locked (process 0)."""
     wall_start = time.perf_counter()
     with contextlib.ExitStack() as cleanup:  # closed also when a step raises
-        job = setup(config, cleanup)
-        state = TrainState(job.accelerator.device)
+        job = setup(config, cleanup, run_dir)
+        state = TrainState(job.accelerator.device, started=wall_start)
         checkpointer = Checkpointer(job.accelerator, job.out_dir, config.save_every, config.keep_last,
                                     job.total_steps)
         if job.resume_from is not None:
@@ -42,11 +43,12 @@ def run(config: TrainConfig) -> dict:
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, bar)
         if config.keep == "best" and state.best_step is not None:
             saving.load_weights(job, job.out_dir / "best")
+        check_trained(job, state)
         test = evaluation.evaluate(job.accelerator, job.task, job.model, job.eval_dls["test"], job.data.label_names)
         log_record(job, state, split="test", **test)
         result = report.metrics(job, state, test, stopped_early)
         saving.save_model(job, job.out_dir / "model")
-        result["wall_seconds"] = time.perf_counter() - wall_start
+        result["wall_seconds"] = state.wall_seconds()
         report.write(job, result)
         return result
 
@@ -118,10 +120,30 @@ def after_step(job: Run, state: TrainState, result, bar) -> None:
     job.log.write({"step": step, "skipped": "non-finite loss or gradient", "grad_norm": None})
     write(job, bar, f"step {step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
     if state.bad_in_a_row >= job.config.max_bad_steps:
-        saving.save_model(job, job.out_dir / "model")  # the weights of the last good step
+        trained = state.skipped_steps < step  # some step was good: its weights are worth keeping
+        if trained:
+            saving.save_model(job, job.out_dir / "model")  # the weights of the last good step
         raise UserError(f"{state.bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step "
-                        f"{step}); the last good weights are in {job.out_dir / 'model'}",
-                        "lower --lr, use --precision fp32, or check the data for extreme values")
+                        f"{step}); " + (f"the last good weights are in {job.out_dir / 'model'}" if trained else
+                                        "no step trained, so no model was saved"), NON_FINITE_FIX)
+
+
+NON_FINITE_FIX = "lower --lr, use --precision fp32, or check the data for extreme values"
+
+
+def check_trained(job: Run, state: TrainState) -> None:
+    """Never report success for a broken model: a run whose every step was skipped, or whose weights
+    are not finite, ends here as a user error, and model/ is not written."""
+    import torch
+
+    if state.step and state.skipped_steps >= state.step:
+        raise UserError(f"all {state.step} steps had a non-finite loss or gradient and were skipped, so the model "
+                        "did not train; no model was saved", NON_FINITE_FIX)
+    model = job.accelerator.unwrap_model(job.model)
+    bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
+    if job.reduce(torch.tensor([bad], device=job.accelerator.device)).item():  # FSDP: each checks its shard
+        raise UserError("the trained weights are not finite (NaN or infinity), so no model was saved",
+                        NON_FINITE_FIX)
 
 
 def log_window(job: Run, state: TrainState, result, bar) -> None:

@@ -14,20 +14,35 @@ def save_model(run, folder: Path) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
+    try:
+        accelerator.unwrap_model(run.model).save_pretrained(
+            tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
+        accelerator.wait_for_everyone()  # the other processes' save_pretrained also looks into `tmp`
+        if accelerator.is_main_process:
+            save_processor(run, tmp)
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+    except BaseException:  # a signal or a full disk mid-save: no half model is left behind
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
-    accelerator.unwrap_model(run.model).save_pretrained(
-        tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
-    accelerator.wait_for_everyone()  # the other processes' save_pretrained also looks into `tmp`
-    if accelerator.is_main_process:
-        processor = run.data.processor
-        if run.task.is_text:
-            processor.model_max_length = run.config.max_length  # predictions truncate where training did
-        processor.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    accelerator.wait_for_everyone()
+
+
+def save_processor(run, folder: Path) -> None:
+    """The processor as prediction needs it: a text model's tokenizer truncates where training did."""
+    processor = run.data.processor
+    if run.task.is_text:
+        processor.model_max_length = run.config.max_length
+        backend = getattr(processor, "backend_tokenizer", None)
+        if backend is not None and backend.padding is not None:
+            # A checkpoint's tokenizer.json may pad every input to a fixed length (all-MiniLM's does);
+            # tokenizing switches that off, but a resumed run reads its data from the cache and never
+            # tokenizes: the saved tokenizer must be the same either way, and pad per batch.
+            backend.no_padding()
+    processor.save_pretrained(folder)
 
 
 def load_weights(run, folder: Path) -> None:

@@ -93,8 +93,9 @@ class Run:
         self.accelerator.print(message)
 
 
-def setup(config: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
-    """Everything a run needs; `cleanup` gets what must be closed even if the run raises."""
+def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.RunDir | None) -> Run:
+    """Everything a run needs; `cleanup` gets what must be closed even if the run raises. `run_dir`: the
+    output folder process 0 holds (checked and locked by runs.train; None on the other processes)."""
     from accelerate.utils import set_seed
 
     models.quiet_libraries(config.debug)
@@ -102,8 +103,6 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model, config.allow_pickle)
     resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
-    if config.output_dir is not None and resume_from is None:
-        outputs.check_free(Path(config.output_dir), config.overwrite)
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
                                    mixed_precision, broadcast_buffers=config.memory_budget is None)
@@ -118,7 +117,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     check_schedule(config, sizes)
     model = build_model(task, source, data, plan)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
-    out_dir = claim_output_dir(accelerator, config, plan, clear=resume_from is None)
+    out_dir = claim_output_dir(accelerator, config, plan, run_dir)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
     cleanup.callback(log.close)
     run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
@@ -210,16 +209,16 @@ def build_model(task, source, data: Data, plan: RunPlan):
     return model
 
 
-def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, clear: bool) -> Path:
+def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, run_dir: outputs.RunDir | None) -> Path:
     from accelerate.utils import broadcast_object_list
 
-    # Every process must write to the same directory: the main process picks the default name.
-    chosen = [str(config.output_dir or outputs.default_dir())]
+    # Every process must write to the same directory: the one the main process holds.
+    chosen = [str(run_dir.path) if accelerator.is_main_process else ""]
     broadcast_object_list(chosen, from_process=0)
     out_dir = Path(chosen[0])
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        outputs.prepare(out_dir, config.overwrite and clear)
+        run_dir.start()  # an overwritten run is moved aside now, not before the data and model loaded
         written = {**config.to_dict(), "output_dir": str(out_dir), "plan": plan.to_dict()}
         outputs.write_yaml(out_dir / "config.yaml", written)
     accelerator.wait_for_everyone()

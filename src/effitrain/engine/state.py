@@ -7,6 +7,7 @@ That scaling is done here and nowhere else."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,8 @@ class TrainState:
     validation: dict = field(default_factory=dict)  # the latest validation metrics
     window: torch.Tensor = None  # loss sum, items since the last log line (this process)
     totals: torch.Tensor = None  # examples, tokens (this process)
+    started: float = field(default_factory=time.perf_counter)  # this invocation's start (perf_counter)
+    earlier_wall_seconds: float = 0.0  # what the invocations before a resume ran, up to its checkpoint
 
     SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
                "evals_without_improvement", "validation")
@@ -41,15 +44,21 @@ class TrainState:
         """Plain values for trainer_state.json; `reduce` sums a tensor over the processes (a collective:
         every process calls this)."""
         reduce = reduce or (lambda tensor: tensor)
-        return {**{name: getattr(self, name) for name in self.SCALARS},
+        return {**{name: getattr(self, name) for name in self.SCALARS}, "wall_seconds": self.wall_seconds(),
                 "window": reduce(self.window.clone()).tolist(), "totals": reduce(self.totals.clone()).tolist()}
 
     def load_state_dict(self, state: dict, world: int) -> None:
         for name in self.SCALARS:
             if name in state:  # checkpoints from before evaluation-during-training lack the best fields
                 setattr(self, name, state[name])
+        self.earlier_wall_seconds = state.get("wall_seconds", state["train_seconds"])
         self.window = torch.tensor(state["window"], dtype=torch.float64, device=self.device) / world
         self.totals = torch.tensor(state["totals"], dtype=torch.float64, device=self.device) / world
+
+    def wall_seconds(self) -> float:
+        """Seconds the run has taken, over its invocations (a resumed run counts the earlier ones up to
+        the checkpoint, as train_seconds does)."""
+        return self.earlier_wall_seconds + time.perf_counter() - self.started
 
     def take_window(self, reduce=None) -> tuple[float, float]:
         """(loss sum, items) since the last call, over all processes; the window starts again."""
