@@ -298,9 +298,8 @@ def validate(config: TrainConfig) -> None:
                         "pass --early-stopping-patience too, or drop the threshold")
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
-    from effitrain import tasks
-
-    tasks.get(config.task).check_config(config)  # an unknown task name is refused here too
+    if config.task not in TASKS:
+        raise UserError(f"unknown task `{config.task}`", f"pass --task {' or '.join(TASKS)}")
     for name in ("weight_decay", "max_grad_norm"):
         if getattr(config, name) < 0:
             raise UserError(f"{flag(name)} must be >= 0, got {getattr(config, name)}", f"pass 0 or more to {flag(name)}")

@@ -31,7 +31,10 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
         run_dir = outputs.RunDir(out, config.overwrite, resume=resume_from is not None, inputs=inputs).acquire()
     try:
         with terminate_as_exception():
+            from effitrain import tasks
             from effitrain.engine.run import run
+
+            tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
 
             result = run(config, run_dir)
     except BaseException as err:

@@ -6,6 +6,7 @@ checkpoint.py (saving and resuming), saving.py (model/, best/), report.py (metri
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 from effitrain.config import TrainConfig
@@ -46,6 +47,8 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         check_trained(job, state)
         test = evaluation.evaluate(job.accelerator, job.task, job.model, job.eval_dls["test"], job.data.label_names)
         log_record(job, state, split="test", **test)
+        if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
+            raise UserError(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
         result = report.metrics(job, state, test, stopped_early)
         saving.save_model(job, job.out_dir / "model")
         result["wall_seconds"] = state.wall_seconds()
