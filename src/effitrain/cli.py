@@ -4,6 +4,7 @@ so that `--help` and bad flags answer at once."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -334,6 +335,13 @@ def _record_for_launcher(err: BaseException) -> None:
         ErrorHandler().record_exception(err)
 
 
+def _launcher_speaks() -> bool:
+    """A worker of `effitrain launch`: the launcher prints the job's one line (user error, signal)."""
+    from effitrain import devices, launch
+
+    return devices.started_by_torchrun() and os.environ.get(launch.LAUNCHED) == "1"
+
+
 COMMANDS = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "inspect": cmd_inspect, "env": cmd_env,
             "launch": cmd_launch, "bench": cmd_bench, "plan": cmd_plan}
 
@@ -347,27 +355,78 @@ def main(argv: list[str] | None = None) -> int:
         from effitrain.models import quiet_import_warnings
 
         quiet_import_warnings()
-    try:
-        args = build_parser().parse_args(argv)
-        return COMMANDS[args.command](args)
-    except PermissionError as err:  # always the user's file or folder, wherever it was met
-        if debug:
+    with _signals_unwind() as received:
+        try:
+            args = build_parser().parse_args(argv)
+            return COMMANDS[args.command](args)
+        except (SystemExit, GeneratorExit):  # --help, --version
             raise
-        print(f"effitrain: error: permission denied: {err.filename or err}; fix: make it readable (and its "
-              "folder writable, for outputs), or run as its owner", file=sys.stderr)
-        return 2
-    except UserError as err:
-        if debug:
-            raise
-        _record_for_launcher(err)
-        print(f"effitrain: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except Exception as err:
-        if type(err).__name__ != "LaunchFailed":
+        except BaseException as err:
+            return _ended(err, debug, received)
+
+
+def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
+    """The exit code of a command that raised, and its one stderr line: 2 for a user mistake, 128 + the
+    signal for Ctrl-C (130) or SIGTERM (143), also when the signal surfaced as another error (a peer
+    process stopped by the same signal); anything else is an internal error (traceback, 1). --debug
+    adds the traceback and keeps the code."""
+    import signal
+
+    from effitrain.errors import Terminated
+    from effitrain.launch import LaunchEnded
+
+    raised = err
+    if isinstance(err, PermissionError):  # always the user's file or folder, wherever it was met
+        err = UserError(f"permission denied: {err.filename or err}", "make it readable (and its folder writable, "
+                        "for outputs), or run as its owner")
+    if isinstance(err, (UserError, LaunchEnded)):
+        code, line = err.exit_code, err.line if isinstance(err, LaunchEnded) else f"effitrain: error: {err}"
+        if isinstance(err, UserError):
             _record_for_launcher(err)
-            raise
-        print(f"effitrain launch: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("effitrain: interrupted", file=sys.stderr)
-        return 130
+    elif isinstance(err, KeyboardInterrupt) or received:
+        sig = signal.Signals(received[0] if received else signal.SIGINT)
+        code, line = 128 + sig, f"effitrain: stopped by {sig.name}"
+    elif isinstance(err, Terminated):  # also raised by a run's own SIGTERM handler (runs.py)
+        code, line = err.exit_code, "effitrain: stopped by SIGTERM"
+    else:
+        _record_for_launcher(err)
+        raise err
+    if debug:
+        import traceback
+
+        traceback.print_exception(raised)
+    if not _launcher_speaks():
+        print(line, file=sys.stderr)
+    return code
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGINT and SIGTERM unwind the command as exceptions (KeyboardInterrupt, errors.Terminated), so that
+    a save in progress is removed and the output folder released; yields the list of signals received.
+    Under torchrun a second signal is ignored: the agent forwards Ctrl-C to workers the terminal has
+    already interrupted, and a second exception would cut their clean-up short (the agent SIGKILLs a
+    worker that has not ended within its shutdown timeout). The previous handlers come back after."""
+    import signal
+    import threading
+
+    from effitrain import devices
+    from effitrain.errors import Terminated
+
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def unwind(signum, frame):
+        if received and devices.started_by_torchrun():
+            return
+        received.append(signum)
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    previous = {sig: signal.signal(sig, unwind) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -9,6 +9,9 @@ from importlib import metadata
 from pathlib import Path
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+# Processes not started by torchrun (no agent waits for their peers) must all meet within this time:
+# stray launcher variables in a shell would otherwise make a plain `train` wait for peers that never come.
+JOIN_SECONDS = 10
 LIBRARIES = ("effitrain", "torch", "transformers", "accelerate", "datasets", "safetensors",
              "bitsandbytes", "torchao")
 
@@ -33,7 +36,7 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    init_process_group(timedelta(seconds=ddp_timeout or 600))
+    init_process_group(timedelta(seconds=ddp_timeout or 600))  # before accelerate, which would wait unbounded
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else []
     if not broadcast_buffers:
         from accelerate.utils import DistributedDataParallelKwargs
@@ -46,31 +49,112 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
                        **strategy_plugins(strategy, zero_stage, max_grad_norm))
 
 
+def launcher_variables() -> dict[str, str]:
+    """The torchrun variables set in this process's environment."""
+    return {name: os.environ[name] for name in DIST_VARS if os.environ.get(name)}
+
+
+def launcher_world_size() -> int:
+    """How many processes the launcher variables announce (1 without them). accelerate joins a process
+    group, and waits for the others, as soon as this is over 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def started_by_torchrun() -> bool:
+    """torchrun's agent (so also `effitrain launch`) sets this in its workers' environment only."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
 def init_process_group(timeout) -> None:
-    """Under torchrun, join the process group through the launcher's store with keys of this restart
-    attempt only. torch's launcher keeps one store for all attempts (the shared rendezvous store; the
-    static one for --master-addr) although torch.distributed assumes a new store per attempt, so a
-    restarted worker can read a dead peer's gloo address (or NCCL id) from the previous attempt:
+    """Join the process group before accelerate does. Outside torchrun, the peers must meet within
+    JOIN_SECONDS (join_started_by_hand). Under torchrun, join through the launcher's store with keys of
+    this restart attempt only. torch's launcher keeps one store for all attempts (the shared rendezvous
+    store; the static one for --master-addr) although torch.distributed assumes a new store per attempt,
+    so a restarted worker can read a dead peer's gloo address (or NCCL id) from the previous attempt:
     "Gloo connectFullMesh failed ... Connection refused" about every other restart here. accelerate
     then uses this process group as it is."""
-    import torch
     import torch.distributed as dist
 
     env = os.environ
+    if dist.is_initialized() or launcher_world_size() < 2:
+        return
+    if not started_by_torchrun():
+        join_started_by_hand(timeout)
+        return
     # One node only: restart counts are per node agent, so nodes could disagree on the attempt.
-    if (dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) < 2
-            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE")):
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
         return
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
                           timeout=timeout)
     store = dist.PrefixStore(f"/effitrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    _join(store, timeout)
+
+
+def _join(store, timeout) -> None:
+    import torch
+    import torch.distributed as dist
+
+    env = os.environ
     backend = "gloo"
     if torch.cuda.is_available():  # CPU tensors (accelerate launch --cpu) over gloo, CUDA ones over NCCL
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                             timeout=timeout)
+
+
+def join_started_by_hand(timeout) -> None:
+    """WORLD_SIZE > 1 without torchrun: stray variables in a shell, or processes started one by one.
+    No agent has checked that the peers exist, so they must meet within JOIN_SECONDS: process 0 opens
+    the store and waits that long for the others to connect; the others wait that long for it to open
+    (probed with a plain socket first: c10d's client logs each failed try with a C++ stack on stderr).
+    Once all are there, the store and the process group get the run's own timeout."""
+    import socket
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from effitrain.errors import UserError
+
+    variables = " ".join(f"{k}={v}" for k, v in launcher_variables().items())
+    fix = ("unset them (unset " + " ".join(launcher_variables()) + ") to run one process, or start every "
+           "process with `effitrain launch --nproc N -- ...`")
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    try:
+        rank, port = int(os.environ.get("RANK", "0")), int(os.environ.get("MASTER_PORT", "0"))
+    except ValueError:
+        missing, rank, port = missing or ["a number in RANK and MASTER_PORT"], 0, 0
+    world, address = launcher_world_size(), os.environ.get("MASTER_ADDR", "")
+    if missing or not 0 <= rank < world:
+        raise UserError(f"launcher variables {variables} ask for {world} processes but are incomplete (need "
+                        f"{', '.join(missing) or f'RANK in [0, {world})'}), and no launcher started this one", fix)
+    wait = timedelta(seconds=JOIN_SECONDS)
+    try:
+        if rank == 0:
+            store = dist.TCPStore(address, port, world, is_master=True, timeout=wait, wait_for_workers=True)
+        else:
+            deadline = time.monotonic() + JOIN_SECONDS
+            while True:
+                try:
+                    socket.create_connection((address, port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"nothing listens on {address}:{port}") from None
+                    time.sleep(0.2)
+            store = dist.TCPStore(address, port, world, is_master=False, timeout=wait)
+    except (RuntimeError, TimeoutError, OSError) as err:  # DistNetworkError, DistStoreError: RuntimeErrors
+        what = ("the other processes did not connect" if rank == 0 else f"process 0 did not answer at {address}:{port}")
+        if "address already in use" in str(err).lower():
+            what = f"port {port} of {address} is taken by another program"
+        raise UserError(f"launcher variables {variables} are set, so this process waits for {world - 1} other(s), "
+                        f"but {what} within {JOIN_SECONDS} s (no launcher started this process)", fix) from err
+    store.set_timeout(timeout)
+    _join(store, timeout)
 
 
 def fresh_accelerator_state() -> None:
@@ -189,15 +273,13 @@ def versions() -> dict[str, str | None]:
 
 
 def report() -> dict:
-    """Everything `effitrain env` prints, as data."""
+    """Everything `effitrain env` prints, as data. It never joins a process group: with launcher
+    variables for several processes set, it reports them and the device accelerate would take, instead
+    of waiting for peers (which, with stray variables, never come)."""
     import torch
 
-    accelerator = make_accelerator()
     info: dict = {
-        "device": str(accelerator.device),
-        "device_type": accelerator.device.type,
-        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-        "num_processes": accelerator.num_processes,
+        **what_accelerate_detects(),
         "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                 "memory_bytes": total_memory_bytes(), "fast_bf16": cpu_has_fast_bf16()},
         "gpus": [],
@@ -220,10 +302,29 @@ def report() -> dict:
         "fp16_supported": on_gpu,
         "fp16_fast": info["gpus"][0]["fp16_fast"] if on_gpu else False,
     }
-    info["distributed_env"] = {name: os.environ.get(name) for name in DIST_VARS if os.environ.get(name)}
+    info["distributed_env"] = launcher_variables()
+    info["started_by_torchrun"] = started_by_torchrun()
     info["python"] = platform.python_version()
     info["versions"] = versions()
     return info
+
+
+def what_accelerate_detects() -> dict:
+    """The Accelerator's device and mode; without building one when that would join a process group."""
+    world = launcher_world_size()
+    if world < 2:
+        accelerator = make_accelerator()
+        return {"device": str(accelerator.device), "device_type": accelerator.device.type,
+                "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+                "num_processes": accelerator.num_processes}
+    import torch
+
+    device = torch.device("cpu")
+    if has_accelerator():
+        kind = torch.accelerator.current_accelerator().type if hasattr(torch, "accelerator") else "cuda"
+        device = torch.device(kind, int(os.environ.get("LOCAL_RANK", "0") or 0))
+    return {"device": str(device), "device_type": device.type,
+            "distributed_type": "NOT_JOINED", "num_processes": world}
 
 
 def _gib(n: int | None) -> str:
@@ -247,6 +348,12 @@ def format_report(info: dict) -> str:
         f"bf16              supported {yes[precision['bf16_supported']]}, fast {yes[precision['bf16_fast']]}",
         f"fp16              supported {yes[precision['fp16_supported']]}, fast {yes[precision['fp16_fast']]}",
         "distributed env   " + (" ".join(f"{k}={v}" for k, v in info["distributed_env"].items()) or "none set"),
+    ]
+    if info["num_processes"] > 1 and not info["started_by_torchrun"]:
+        lines.append(f"                  these make train and evaluate wait up to {JOIN_SECONDS} s for "
+                     f"{info['num_processes'] - 1} other process(es), then stop; unset them to run one process, "
+                     "or start all with `effitrain launch`")
+    lines += [
         f"python            {info['python']}",
     ]
     lines += [f"{name:<18}{version or 'not installed'}" for name, version in info["versions"].items()]

@@ -3,6 +3,8 @@ fail in a controlled place; production code has no test hooks.
 
     python tests/hooks/patched_cli.py [--oom-above N [--oom-rank R]] [--save-pause S] -- train ...
 
+With `-- launch ... -- train ...`, the launched workers run this file with the same hooks.
+
 --oom-above N: a forward of more than N examples raises an out-of-memory error (on rank R only, if
 given), as a device too small for the micro-batch would. --save-pause S: a checkpoint save holds
 S seconds after writing its files and before its rename, so that a test can kill the run mid-save."""
@@ -70,6 +72,9 @@ def main() -> int:
         inject_out_of_memory(hooks.oom_above, hooks.oom_rank)
     if hooks.save_pause:
         pause_saves(hooks.save_pause)
+    from effitrain import launch
+
+    launch.WORKER_PROGRAM = [__file__, *argv[:split], "--"]
     from effitrain.cli import main as cli_main
 
     return cli_main(argv[split + 1:])
