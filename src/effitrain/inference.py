@@ -43,3 +43,14 @@ def text_max_length(processor, model_config) -> int:
 def label_names(model_config) -> list[str]:
     """The model's labels in the order of its output units."""
     return [model_config.id2label[i] for i in range(model_config.num_labels)]
+
+
+def device():
+    """Where prediction runs: this process's accelerator (CUDA, MPS, XPU, ...) if it has one, else the
+    CPU. torch answers this without importing accelerate, which `predict` does not need."""
+    import torch
+
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    kind = torch.accelerator.current_accelerator()
+    return torch.device(kind.type, torch.accelerator.current_device_index())

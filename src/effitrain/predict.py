@@ -12,18 +12,21 @@ NOTHING = ("nothing to predict", "pass --text \"...\" (classifiers, repeatable),
                                  "or --input FILE (a JSONL/CSV of texts or prompts, an image or audio file, a folder)")
 
 
-def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = 64, *,
+# Inputs per forward pass. Measured on 10,000 SMS texts with all-MiniLM-L6-v2 (benchmarks/predict_speed.py).
+BATCH_SIZE = 64
+
+
+def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = BATCH_SIZE, *,
             text_pairs: list[str] | None = None, prompts: list[str] | None = None, input_file: str | None = None,
             options: PredictOptions | None = None, seed: int = 42, allow_pickle: bool = False,
             progress: bool = False) -> list[dict]:
     """One dict per input, in input order: the input (`text`/`text_pair`, `image`, `audio`, `prompt`)
     and the prediction (`label` and `score`, the softmax probability of the label; or `generated`)."""
     import torch
-    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     if batch_size <= 0:
-        raise UserError(f"--batch-size must be > 0, got {batch_size}", "pass e.g. --batch-size 64")
+        raise UserError(f"--batch-size must be > 0, got {batch_size}", f"pass e.g. --batch-size {BATCH_SIZE}")
     given = PredictInputs(list(texts or []), list(text_pairs or []), list(prompts or []), input_file)
     if not given.flags():
         raise UserError(*NOTHING)
@@ -35,26 +38,21 @@ def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = 64
     options = options or PredictOptions()
     if task.is_text and options.max_length is None:
         options.max_length = inference.text_max_length(saved.processor, saved.model.config)
-    device = _device()
+    device = inference.device()
     model = saved.model.to(device)
-    # Inputs of similar sizes batched together (less padding); results go back to input order.
-    order = sorted(range(len(records)), key=lambda i: task.prediction_size(records[i]))
+    encodings = task.prediction_encodings(records, saved.processor, options)
+    # Inputs of similar sizes batched together (texts: by token count, so little padding); results go
+    # back to input order.
+    order = sorted(range(len(records)), key=lambda i: task.prediction_size(encodings[i]))
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     results: list[dict | None] = [None] * len(records)
-    set_seed(seed)  # sampling (--temperature, --top-p) draws from it
+    torch.manual_seed(seed)  # sampling (--temperature, --top-p) draws from it, on every device
     # disable=None: a bar only where stderr is a terminal.
     bar = tqdm(batches, desc="predict", unit="batch", disable=None if progress and len(batches) > 3 else True)
     with torch.inference_mode():
         for indices in bar:
-            batch = task.prediction_batch([records[i] for i in indices], saved.processor, options)
+            batch = task.prediction_batch([encodings[i] for i in indices], saved.processor, options)
             batch = {key: value.to(device) for key, value in batch.items()}
             for i, prediction in zip(indices, task.predictions(model, batch, saved.processor, options)):
                 results[i] = {**records[i], **prediction}
     return results
-
-
-def _device():
-    """Prediction runs in this one process, on its accelerator if there is one."""
-    from accelerate import PartialState
-
-    return PartialState(cpu=False).device

@@ -43,9 +43,29 @@ class Task:
         return type(model_config) in self.auto_class._model_mapping
 
     def check_supported(self, model_config) -> None:
+        """The task has a head for this model type, and the config builds one (sizes that fit together):
+        checked on the meta device, so a wrong setting is one line before anything loads."""
         if not self.supports(model_config):
             raise UserError(f"model type `{model_config.model_type}` has no {self.name} head in transformers",
                             f"pass a model that {self.auto_class_name} supports, or another --task")
+        models.check_sizes(model_config, f"model type `{model_config.model_type}`")
+        self.build_on_meta(copy.deepcopy(model_config))
+
+    def build_on_meta(self, model_config):
+        """The task's model from a config, without allocating weights (counts, inspect)."""
+        from huggingface_hub.errors import StrictDataclassError
+
+        try:
+            with torch.device("meta"):
+                return self.auto_class.from_config(model_config)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, RuntimeError,
+                StrictDataclassError) as err:
+            if isinstance(err, UserError):
+                raise
+            name = self.auto_class._model_mapping[type(model_config)].__name__
+            raise UserError(f"model type `{model_config.model_type}` with these settings does not build a {name}: "
+                            f"{models.first_line(err)}", "change the model's settings (e.g. hidden_size a multiple "
+                            "of num_attention_heads, sizes > 0)")
 
     def build_model(self, source: models.ModelSource, labels: list[str] | None, processor):
         """Pretrained weights with a fresh head sized for `labels`, or random initialisation from a config."""
@@ -74,11 +94,6 @@ class Task:
 
     def adapt_model(self, model, processor) -> None:
         """After loading or building: what the task needs set on the model."""
-
-    def build_on_meta(self, model_config):
-        """The task's model from a config, without allocating weights (counts, inspect)."""
-        with torch.device("meta"):
-            return self.auto_class.from_config(model_config)
 
     # -- data --------------------------------------------------------------------------------------
     def columns(self, config) -> dict[str, str]:
@@ -166,14 +181,22 @@ class Task:
         other = [flag for flag in given.flags() if flag not in accepted]
         if other:
             raise UserError(f"{other[0]} does not fit the model in {where} ({self.name})",
-                            f"this model takes {self.prediction_inputs()}")
+                            f"pass {self.prediction_inputs()}")
 
-    def prediction_size(self, record: dict) -> int:
-        """A cheap size of one input, to batch inputs of similar sizes together (less padding)."""
+    def prediction_encodings(self, records: list[dict], processor, options: PredictOptions) -> list:
+        """What each record is before batching, in record order. Texts are tokenised here, all in one
+        call (far cheaper than one call per text, and it gives the token counts to batch by); images
+        and audio stay records, decoded batch by batch so that a large folder is never all in memory."""
+        return records
+
+    def prediction_size(self, encoding) -> int:
+        """A cheap size of one input (an item of prediction_encodings), to batch inputs of similar
+        sizes together: the less padding, the less computing."""
         return 0
 
-    def prediction_batch(self, records: list[dict], processor, options: PredictOptions) -> dict:
-        """The model's input tensors for some records (decoded, processed, padded)."""
+    def prediction_batch(self, encodings: list, processor, options: PredictOptions) -> dict:
+        """The model's input tensors for some items of prediction_encodings (decoded, processed, padded
+        to the longest of them)."""
         raise NotImplementedError
 
     def predictions(self, model, batch: dict, processor, options: PredictOptions) -> list[dict]:

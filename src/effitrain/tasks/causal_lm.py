@@ -106,18 +106,21 @@ class CausalLM(Task):
                 raise UserError(f"prompt {number} is empty", "give every prompt some text to continue")
         return [{"prompt": prompt} for prompt in prompts]
 
-    def prediction_size(self, record: dict) -> int:
-        return len(record["prompt"])
+    def prediction_encodings(self, records: list[dict], processor, options) -> list:
+        """Each prompt's token ids, all tokenised in one call; a long prompt keeps its end (what the
+        model continues), options.max_length tokens of it."""
+        rows = [_prompt_ids(processor, ids) for ids in processor([r["prompt"] for r in records])["input_ids"]]
+        return [row[-options.max_length:] for row in rows] if options.max_length else rows
 
-    def prediction_batch(self, records: list[dict], processor, options) -> dict:
+    def prediction_size(self, encoding) -> int:
+        return len(encoding)
+
+    def prediction_batch(self, encodings: list, processor, options) -> dict:
         """Prompts padded on the left, so that every row's next token is generated at the same position."""
-        rows = [_prompt_ids(processor, r["prompt"]) for r in records]
-        if options.max_length:
-            rows = [row[-options.max_length:] for row in rows]  # the end of a long prompt is what it continues
-        width = max(len(row) for row in rows)
-        ids = torch.full((len(rows), width), processor.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
+        width = max(len(row) for row in encodings)
+        ids = torch.full((len(encodings), width), processor.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(encodings), width), dtype=torch.long)
+        for i, row in enumerate(encodings):
             ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[i, width - len(row):] = 1
         return {"input_ids": ids, "attention_mask": mask}
@@ -141,10 +144,9 @@ class CausalLM(Task):
         return [{"generated": text} for text in continuations]
 
 
-def _prompt_ids(processor, prompt: str) -> list[int]:
-    """The prompt's tokens with the tokenizer's leading special tokens (BOS, [CLS]) but none after it:
+def _prompt_ids(processor, ids: list[int]) -> list[int]:
+    """A prompt's tokens with the tokenizer's leading special tokens (BOS, [CLS]) but none after it:
     a trailing EOS or [SEP] would tell the model that the text has ended."""
-    ids = processor(prompt)["input_ids"]
     special = set(processor.all_special_ids)
     while len(ids) > 1 and ids[-1] in special:
         ids = ids[:-1]

@@ -144,24 +144,41 @@ class Classification(Task):
             records += [_text_record(text, pair) for text, pair in zip(texts, pairs)]
         return records
 
-    def prediction_size(self, record: dict) -> int:
-        return len(record["text"]) + len(record.get("text_pair") or "") if self.is_text else 0
+    def prediction_encodings(self, records: list[dict], processor, options) -> list:
+        """Texts: token ids, attention mask (and token types), cut at options.max_length as in training;
+        texts with and without a pair are tokenised in one call each. Images, audio: the records."""
+        if not self.is_text:
+            return records
+        encodings: list = [None] * len(records)
+        for paired in (False, True):
+            indices = [i for i, r in enumerate(records) if (r.get("text_pair") is not None) == paired]
+            if not indices:
+                continue
+            pairs = [records[i]["text_pair"] for i in indices] if paired else None
+            encoded = processor([records[i]["text"] for i in indices], pairs, truncation=True,
+                                max_length=options.max_length)
+            for j, i in enumerate(indices):
+                encodings[i] = {key: values[j] for key, values in encoded.items()}
+        return encodings
 
-    def prediction_batch(self, records: list[dict], processor, options) -> dict:
-        """Encoded as in training, then batched by the task's own evaluation collator."""
-        features = [dict(feature, labels=0) for feature in self._prediction_features(records, processor, options)]
+    def prediction_size(self, encoding) -> int:
+        return len(encoding["input_ids"]) if self.is_text else 0
+
+    def prediction_batch(self, encodings: list, processor, options) -> dict:
+        """Texts padded to the longest of the batch (padding to a multiple of 8, as training does, would
+        only add work here); images and audio processed as in training, by the evaluation collator."""
+        if self.is_text:
+            return dict(processor.pad(encodings, return_tensors="pt"))
+        features = [dict(feature, labels=0) for feature in self._media_features(encodings, processor, options)]
         batch = self.collators(processor, None)[1](features)
         batch.pop("labels")
         return dict(batch)
 
-    def _prediction_features(self, records: list[dict], processor, options) -> list[dict]:
+    def _media_features(self, records: list[dict], processor, options) -> list[dict]:
         import numpy as np
 
         from effitrain.data import audio, image
 
-        if self.is_text:
-            return [dict(processor(r["text"], r.get("text_pair"), truncation=True, max_length=options.max_length))
-                    for r in records]
         if self.modality == "image":
             pixels = processor(images=[image.load_image(r["image"], None) for r in records])["pixel_values"]
             return [{"pixel_values": np.asarray(p, dtype=np.float32)} for p in pixels]
