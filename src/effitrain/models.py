@@ -76,17 +76,59 @@ def config_for(model_type: str, sizes: str):
             raise UserError(f"--model {model_type}:{sizes}: `{item}` is not key=value",
                             "write e.g. --model gpt2:n_layer=2,n_embd=64")
         kwargs[key.strip()] = yaml.safe_load(value)
-    try:
-        config = AutoConfig.for_model(model_type, **kwargs)
-    except ValueError as err:
-        raise UserError(f"--model: unknown model type `{model_type}` ({str(err).splitlines()[0][:120]})",
+    from huggingface_hub.errors import StrictDataclassError
+
+    if model_type not in _known_model_types():
+        raise UserError(f"--model: unknown model type `{model_type}`",
                         "use a model_type that transformers knows, e.g. bert, gpt2, vit, wav2vec2")
     defaults = AutoConfig.for_model(model_type)  # for_model keeps unknown keys as attributes: compare
     unknown = [key for key in kwargs if not hasattr(defaults, key)]
     if unknown:
         raise UserError(f"--model: {model_type} has no setting `{unknown[0]}`",
-                        f"use the names in {type(config).__name__}")
-    return config
+                        f"use the names in {type(defaults).__name__}")
+    for key, value in kwargs.items():
+        _check_setting(f"--model {model_type}:{sizes}", key, value, getattr(defaults, key))
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except (StrictDataclassError, ValueError, TypeError) as err:  # the config's own validation
+        raise UserError(f"--model {model_type}:{sizes}: {first_line(err)}",
+                        f"use values that {type(defaults).__name__} accepts")
+
+
+def _check_setting(where: str, key: str, value, default) -> None:
+    """A whole-number setting (sizes, counts) given as something else, or as zero or less where the
+    default is positive (a layer count of -1 builds a model with no layers, silently)."""
+    if not isinstance(default, int) or isinstance(default, bool):
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UserError(f"{where}: `{key}` must be a whole number, got {value!r}",
+                        f"write e.g. {key}={default}")
+    if default > 0 and value <= 0:
+        raise UserError(f"{where}: `{key}` must be > 0, got {value}", f"write e.g. {key}={default}")
+
+
+_SIZE_NAME = re.compile(r"^(num|n)_|_(size|layers|heads|dim|positions|embeddings|ctx|embd|head|layer)$")
+
+
+def check_sizes(config, where: str) -> None:
+    """Sizes and counts below zero, in a config from a file or a spec, are refused before a model is built."""
+    for key, value in config.to_dict().items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0 and _SIZE_NAME.search(key):
+            raise UserError(f"the model config of {where} has `{key}: {value}`, which must be >= 0",
+                            f"fix `{key}` (e.g. the {type(config).__name__} default, "
+                            f"{getattr(type(config)(), key, 'a positive number')})")
+
+
+def _known_model_types() -> set[str]:
+    from transformers import CONFIG_MAPPING
+
+    return set(CONFIG_MAPPING.keys())
+
+
+def first_line(err: BaseException) -> str:
+    """The useful line of a library's error: huggingface_hub's validation errors put it second."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
+    return (lines[-1] if type(err).__name__.startswith("StrictDataclass") else lines[0])[:300]
 
 
 def _from_hub_cache(repo_id: str) -> Path:
@@ -96,6 +138,11 @@ def _from_hub_cache(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        first = Path(repo_id.split("/")[0]).expanduser()
+        if "/" in repo_id and first.is_dir():  # `runs/modle`: a typo in a local path, not a hub id
+            raise UserError(f"model path {repo_id} does not exist (the folder {first} does)",
+                            f"check the path; the folders in {first} are: "
+                            f"{', '.join(sorted(p.name for p in first.iterdir() if p.is_dir())[:10]) or 'none'}")
         raise UserError(f"model `{repo_id}` is not a local directory nor in the Hugging Face cache "
                         "(effitrain never downloads)",
                         "pass --model default, a directory from save_pretrained, or run `hf download "
@@ -106,6 +153,7 @@ def _checked_dir(path: Path, allow_pickle: bool = False) -> Path:
     if not (path / "config.json").is_file():
         raise UserError(f"model directory {path} has no config.json",
                         "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
+    _check_model_type(path)
     if has_safetensors(path):
         return path
     pickles = [p for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern)]
@@ -119,18 +167,37 @@ def _checked_dir(path: Path, allow_pickle: bool = False) -> Path:
                     "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
 
 
+def _check_model_type(path: Path) -> None:
+    """config.json read as JSON first: an unknown model type would otherwise surface as a tokenizer or
+    loading error that blames the files."""
+    import json
+
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError) as err:  # invalid JSON or not UTF-8; AttributeError: not an object
+        raise UserError(f"{path / 'config.json'} is not a JSON object ({first_line(err)[:120]})",
+                        "pass the directory that save_pretrained wrote, or fix the file")
+    if model_type is not None and model_type not in _known_model_types():
+        import transformers
+
+        raise UserError(f"the model in {path} has model_type `{model_type}`, which transformers "
+                        f"{transformers.__version__} does not know (effitrain runs no custom model code)",
+                        "pass a model of a type transformers knows (e.g. bert, gpt2, vit, wav2vec2), or a newer "
+                        "transformers that knows it")
+
+
 @contextlib.contextmanager
 def loading(path: Path):
     """A checkpoint that transformers or safetensors cannot read is the user's file to fix, not a crash."""
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     try:
         yield
-    except (OSError, SafetensorError, ValueError, KeyError) as err:
-        if isinstance(err, UserError):
+    except (OSError, SafetensorError, ValueError, KeyError, StrictDataclassError) as err:
+        if isinstance(err, (UserError, PermissionError)):
             raise
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UserError(f"cannot load the model in {path}: {first_line[:300]}",
+        raise UserError(f"cannot load the model in {path}: {first_line(err)}",
                         "check that the directory is a complete save_pretrained output, or save it again")
 
 
