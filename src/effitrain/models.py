@@ -119,6 +119,36 @@ def check_sizes(config, where: str) -> None:
                             f"{getattr(type(config)(), key, 'a positive number')})")
 
 
+# Model types whose position ids start after the padding index (RoBERTa's scheme): max_position_embeddings
+# counts pad_token_id + 1 positions that no token can use.
+_POSITIONS_AFTER_PADDING = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "esm", "ibert",
+                            "longformer", "luke", "markuplm", "mpnet", "roberta-prelayernorm", "xmod", "lilt",
+                            "layoutlmv3"}
+
+
+def position_limit(config) -> int | None:
+    """The most tokens one input may have: the learned absolute position embeddings' count; None where
+    positions are relative or rotary (longer inputs run, however well) or the config names none."""
+    positions = getattr(config, "max_position_embeddings", None)  # GPT-2's n_positions is mapped to it
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return None
+    if any(getattr(config, name, None) is not None for name in ("rope_parameters", "rope_theta", "rope_scaling")):
+        return None
+    if getattr(config, "position_biased_input", True) is False:  # DeBERTa-v2: relative positions only
+        return None
+    if config.model_type in _POSITIONS_AFTER_PADDING:
+        positions -= (getattr(config, "pad_token_id", None) or 0) + 1
+    return positions
+
+
+def check_length(config, length: int, flag: str) -> None:
+    """A text length beyond the model's positions: refused here, not a traceback deep in the embedding."""
+    limit = position_limit(config)
+    if limit is not None and length > limit:
+        raise UserError(f"{flag} {length} is longer than the {limit} positions of the model ({config.model_type})",
+                        f"pass {flag} {limit} or less")
+
+
 def _known_model_types() -> set[str]:
     from transformers import CONFIG_MAPPING
 

@@ -186,6 +186,8 @@ class Planner:
     def __init__(self, shapes: ModelShapes, seq_len: int, device: str = "cpu", world_size: int = 1,
                  strategy: str = "ddp", zero_stage: int = 2):
         self.shapes, self.seq_len, self.device = shapes, seq_len, device
+        if tasks.get(shapes.task).is_text:
+            models.check_length(shapes.config, seq_len, "--seq-len")
         self.world_size, self.strategy, self.zero_stage = world_size, strategy, zero_stage
         # What the strategy shards across the processes (nothing with one process).
         self._fsdp = strategy == "fsdp" and world_size > 1

@@ -104,7 +104,16 @@ class Task:
         """The data of `config` with this task's columns: sources.Loaded (splits, base dir, skipped rows)."""
         from effitrain.data import sources
 
+        self.check_lengths(config)
         return sources.load(config, self.columns(config))
+
+    def check_lengths(self, config) -> None:
+        """--max-length within the model's positions (read from --model's config; no weights loaded)."""
+        if not self.is_text:
+            return
+        source = models.resolve_source(config.model, config.allow_pickle)
+        model_config = source.config if source.config is not None else models.load_config(source.path)
+        models.check_length(model_config, config.max_length, "--max-length")
 
     def sequence_length(self, config, processor) -> int:
         """The longest input a micro-batch can hold (the planner's sequence length)."""
