@@ -63,6 +63,11 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, k
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-15", "step-18"]  # --keep-last 2
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 20
+    # Counted over both invocations, up to the checkpoint: training time is part of the wall time.
+    assert 0 < metrics["train_seconds"] <= metrics["wall_seconds"]
+    # The resumed run read its data from the cache: its saved tokenizer is still the same, byte for byte.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / "model" / name).read_bytes() == (tmp_path / "straight" / "model" / name).read_bytes()
 
 
 def read_log(out):

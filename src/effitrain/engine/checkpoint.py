@@ -63,6 +63,7 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if accelerator.is_main_process:
         for old in complete(out_dir)[:-keep_last] if keep_last else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
