@@ -45,6 +45,22 @@ def decode(path: str, sampling_rate: int, max_duration: float | None):
     return np.ascontiguousarray(audio, dtype=np.float32)
 
 
+def located(path: str, base_dir) -> str:
+    """A path from the data, relative to the data's folder unless absolute."""
+    return path if base_dir is None or Path(path).is_absolute() else str(Path(base_dir) / path)
+
+
+def check(path: str, max_duration: float | None) -> None:
+    """A UserError if `path` does not decode (as decode would read it), without resampling."""
+    import soundfile as sf
+
+    try:
+        rate = sf.info(path).samplerate if Path(path).is_file() else 16000
+    except (sf.SoundFileError, RuntimeError, OSError):
+        rate = 16000  # decode says why
+    decode(path, rate, max_duration)
+
+
 def feature_extractor(model_dir, model_type: str):
     """The checkpoint's own extractor, or the family default for a model trained from a config."""
     from transformers import AutoFeatureExtractor, ASTFeatureExtractor, Wav2Vec2FeatureExtractor
@@ -65,11 +81,8 @@ def preprocess(splits, extractor, max_duration: float, base_dir):
     """Decode every `audio` path and run the extractor; waveform features stay unpadded (padding is per batch)."""
     rate = extractor.sampling_rate
 
-    def where(path: str) -> str:
-        return path if base_dir is None or Path(path).is_absolute() else str(Path(base_dir) / path)
-
     def encode(batch):
-        arrays = [decode(where(path), rate, max_duration) for path in batch["audio"]]
+        arrays = [decode(located(path, base_dir), rate, max_duration) for path in batch["audio"]]
         return extractor(arrays, sampling_rate=rate)
 
     # Small batches: a batch holds its decoded waveforms (and AST's 512 KB spectrograms) in memory at once.

@@ -261,7 +261,7 @@ def labels_as_classes(data, user_column: str, where: str):
     if pa.types.is_boolean(t):
         return data.cast_column("label", Value("string"))
     if pa.types.is_floating(t):
-        values = data.data.column("label").to_numpy()
+        values = np.asarray(data["label"], dtype=np.float64)  # not data.data: rows may be selected
         fraction = values[~np.isfinite(values) | (values != np.round(values))]
         if len(fraction) == 0:
             return data.cast_column("label", Value("int64"))
@@ -312,9 +312,10 @@ def encode_labels(data, names: list[str], where: str):
     return data.cast_column("label", ClassLabel(names=names))
 
 
-def load(config, columns: dict[str, str]) -> Loaded:
+def load(config, columns: dict[str, str], undecodable=None) -> Loaded:
     """Read, pick and rename the task's `columns` (canonical name -> the user's column), check rows,
-    encode labels, split, and cap sizes."""
+    encode labels, split, and cap sizes. `undecodable(data, base_dir)`: with --skip-bad-rows, the
+    indices of rows whose image or audio file does not decode (left out and counted, before splitting)."""
     from datasets import DatasetDict
 
     raw, base_dir, skipped = read(config.data, config.skip_bad_rows)
@@ -331,6 +332,10 @@ def load(config, columns: dict[str, str]) -> Loaded:
             raise UserError(f"{where[name]} has no rows", "pass data with at least one example per split")
         data = select_columns(data, columns, where[name])
         data, dropped = drop_bad_rows(data, where[name], config.skip_bad_rows)
+        if config.skip_bad_rows and undecodable is not None:
+            bad = set(undecodable(data, base_dir))
+            if bad:
+                data, dropped = data.select([i for i in range(len(data)) if i not in bad]), dropped + len(bad)
         if len(data) == 0:
             raise UserError(f"{where[name]} has no usable rows", "pass data with at least one complete row")
         check_types(data, columns, where[name])

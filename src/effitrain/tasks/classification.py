@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +53,35 @@ class Classification(Task):
         if self.is_text and config.text_pair_column:
             wanted["text_pair"] = config.text_pair_column
         return wanted
+
+    def load_data(self, config):
+        """As every task; with --skip-bad-rows also without the images or clips that do not decode."""
+        from effitrain.data import sources
+
+        self.check_lengths(config)
+        media = self.modality in ("image", "audio")
+        undecodable = functools.partial(self._undecodable, config.max_duration) if media else None
+        return sources.load(config, self.columns(config), undecodable)
+
+    def _undecodable(self, max_duration: float, data, base_dir) -> list[int]:
+        """Rows whose file does not decode: each decoded once more, here (the cost of skipping them)."""
+        from datasets import Image
+
+        from effitrain.data import audio, image
+
+        def decodes(value) -> bool:
+            try:
+                if self.modality == "image":
+                    image.load_image(value, base_dir)
+                else:
+                    audio.check(audio.located(value, base_dir), max_duration)
+                return True
+            except UserError:
+                return False
+
+        if isinstance(data.features[self.modality], Image):  # the stored bytes or path, not a decoded image
+            data = data.cast_column(self.modality, Image(decode=False))
+        return [i for i, value in enumerate(data[self.modality]) if not decodes(value)]
 
     def sequence_length(self, config, processor) -> int:
         if self.modality == "audio":
@@ -139,6 +170,9 @@ class Classification(Task):
             fix = "pass a JSONL file with one {\"text\": ...} per line (or a CSV with a `text` column)"
             path = inputs.existing(given.input_file, fix)
             rows = inputs.read_table(path, fix)
+            if any("prompt" in row for row in rows) and not any("text" in row for row in rows):
+                raise UserError(f"--input {given.input_file} holds prompts (a `prompt` field), which causal LMs "
+                                f"continue; the model in {where} is a {self.name} model", f"pass {self.prediction_inputs()}")
             texts = inputs.string_field(path, rows, ("text",), fix)
             pairs = inputs.string_field(path, rows, ("text_pair",), fix, required=False)
             records += [_text_record(text, pair) for text, pair in zip(texts, pairs)]
