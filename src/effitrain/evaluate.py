@@ -14,10 +14,12 @@ DATA_KEYS = ("data", "validation_file", "test_file", "text_column", "text_pair_c
 SPLITS = ("test", "validation", "train")
 
 
-def evaluate(model_dir: str, values: dict | None = None, split: str = "test", allow_pickle: bool = False) -> dict:
+def evaluate(model_dir: str, values: dict | None = None, split: str = "test", allow_pickle: bool = False,
+             task: str | None = None) -> dict:
     """The task's metrics on `split`, gathered over all processes (the same on each). `values`: the
     DATA_KEYS given (the others take train's defaults); text is cut at the saved tokenizer's
-    model_max_length unless `max_length` is given."""
+    model_max_length unless `max_length` is given. `task`, when given, must be the model's own."""
+    expected_task = task
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
 
@@ -32,7 +34,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     unknown = sorted(set(values) - set(DATA_KEYS))
     if unknown:
         raise UserError(f"evaluate takes no setting `{unknown[0]}`", f"use only {', '.join(DATA_KEYS)}")
-    path, task = inference.locate(model_dir, allow_pickle)
+    path, task = inference.locate(model_dir, allow_pickle, expected_task)
     cfg.build(None, {**values, "model": str(path), "task": task.name})  # the flags checked before anything loads
     source = models.ModelSource(path)
     processor = task.load_processor(source)

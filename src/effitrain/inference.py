@@ -17,11 +17,11 @@ class SavedModel:
     model: object  # the task's Auto model, in eval mode, on the CPU
 
 
-def locate(model_dir: str, allow_pickle: bool = False) -> tuple[Path, object]:
-    """The directory and its task; reads config.json only, so that bad inputs are refused before any
-    weights load."""
+def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None = None) -> tuple[Path, object]:
+    """The directory and its task (refused when it is not `expected_task`); reads config.json only, so
+    that bad inputs are refused before any weights load."""
     path = models.resolve(model_dir, allow_pickle)
-    return path, tasks.for_model_config(models.load_config(path), str(path))
+    return path, tasks.for_model_config(models.load_config(path), str(path), expected_task)
 
 
 def load(path: Path, task) -> SavedModel:

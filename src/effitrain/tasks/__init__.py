@@ -32,19 +32,27 @@ def get(name: str):
     return _INSTANCES[name]
 
 
-def for_model_config(model_config, where: str):
+def for_model_config(model_config, where: str, expected: str | None = None):
     """The task a saved model was made for: the one whose Auto class maps the config to the class its
     config.json `architectures` names (BertForSequenceClassification, ViTForImageClassification,
     Wav2Vec2ForSequenceClassification, GPT2LMHeadModel, ...). Without `architectures`, the one task
-    whose Auto class knows the config type, if only one does."""
+    whose Auto class knows the config type, if only one does. `expected`: the task the user asked for
+    (evaluate's --task), refused when it is not the model's."""
+    from effitrain.errors import UserError
+
     candidates = [get(name) for name in NAMES]
+    wanted = get(expected) if expected is not None else None  # an unknown name is refused here
     architectures = list(getattr(model_config, "architectures", None) or [])
     found = [task for task in candidates if task.makes(model_config)]
     if not architectures:
         found = [task for task in candidates if task.supports(model_config)]
     if len(found) == 1 or (found and architectures):
+        if wanted is not None and wanted is not found[0]:
+            kind = architectures[0] if architectures else model_config.model_type
+            raise UserError(f"--task {expected} does not fit the model in {where}: it is a {found[0].name} model "
+                            f"({kind})", f"drop --task (the task comes from the model's config.json), or pass a "
+                                         f"{expected} model")
         return found[0]
-    from effitrain.errors import UserError
 
     kind = architectures[0] if architectures else f"model type `{model_config.model_type}` without `architectures`"
     raise UserError(f"the model in {where} is a {kind}, which has no head effitrain predicts or evaluates with "

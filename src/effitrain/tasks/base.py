@@ -78,9 +78,11 @@ class Task:
             with models.loading(source.path):
                 # A checkpoint fine-tuned on other labels keeps its body and gets a new head.
                 # Safetensors whenever they exist; pickle only where resolve() let it through (--allow-pickle).
-                model = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=bool(head),
-                                             use_safetensors=models.has_safetensors(source.path),
-                                             local_files_only=True, **head)
+                # Mismatched shapes are reported, not raised: check_loaded decides what may differ.
+                model, info = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=True,
+                                                   use_safetensors=models.has_safetensors(source.path),
+                                                   local_files_only=True, output_loading_info=True, **head)
+            models.check_loaded(model, info, source, new_head=bool(head))
         else:
             for key, value in head.items():
                 setattr(config, key, value)

@@ -100,7 +100,12 @@ class CausalLM(Task):
         fix = "pass a JSONL file with one {\"prompt\": ...} per line (or a CSV with a `prompt` column)"
         if given.input_file:
             path = inputs.existing(given.input_file, fix)
-            prompts += inputs.string_field(path, inputs.read_table(path, fix), ("prompt", "text"), fix)
+            rows = inputs.read_table(path, fix)
+            if any("text_pair" in row for row in rows):
+                raise UserError(f"--input {given.input_file} holds text pairs (a `text_pair` field), which classifiers "
+                                f"label; the model in {where} is a {self.name} model, which continues prompts",
+                                f"pass {self.prediction_inputs()}")
+            prompts += inputs.string_field(path, rows, ("prompt", "text"), fix)
         for number, prompt in enumerate(prompts, 1):
             if not prompt.strip():
                 raise UserError(f"prompt {number} is empty", "give every prompt some text to continue")

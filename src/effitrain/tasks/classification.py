@@ -172,7 +172,8 @@ class Classification(Task):
             rows = inputs.read_table(path, fix)
             if any("prompt" in row for row in rows) and not any("text" in row for row in rows):
                 raise UserError(f"--input {given.input_file} holds prompts (a `prompt` field), which causal LMs "
-                                f"continue; the model in {where} is a {self.name} model", f"pass {self.prediction_inputs()}")
+                                f"continue; the model in {where} is a {self.name} model",
+                                f"pass {self.prediction_inputs()}")
             texts = inputs.string_field(path, rows, ("text",), fix)
             pairs = inputs.string_field(path, rows, ("text_pair",), fix, required=False)
             records += [_text_record(text, pair) for text, pair in zip(texts, pairs)]
