@@ -74,6 +74,9 @@ def add_evaluate_flags(evaluate: argparse.ArgumentParser) -> None:
 
     evaluate.add_argument("--model", required=True, help="a model/ directory written by `effitrain train`")
     evaluate.add_argument("--split", default="test", choices=SPLITS, help="the split to evaluate (default: test)")
+    evaluate.add_argument("--task", choices=cfg.TASKS, default=None, help="the task the data is for; refused "
+                                                                          "unless it is the model's (default: the "
+                                                                          "model's, from its config.json)")
     evaluate.add_argument("--output", help="also write the metrics to this JSON file")
     evaluate.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
     evaluate.add_argument("--debug", action="store_true")
@@ -168,10 +171,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from effitrain import models
-    from effitrain.predict import predict
-    from effitrain.tasks.base import PredictOptions
-
     for name in ("max_length", "max_duration", "max_new_tokens", "temperature"):
         value = getattr(args, name)
         if value is not None and not 0 < value < float("inf"):  # NaN fails too
@@ -181,7 +180,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}", "pass e.g. --top-p 0.9")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {args.seed}", "pass e.g. --seed 42")
-    models.quiet_libraries(args.debug)
+    # Only what prediction needs is imported (torch, transformers): no datasets, no accelerate, no engine.
+    from effitrain import models
+    from effitrain.predict import predict
+    from effitrain.tasks.base import PredictOptions
+
+    if not args.debug:  # models.quiet_libraries would import datasets, which prediction never uses
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        models.quiet_import_warnings()
     options = PredictOptions(max_length=args.max_length, max_duration=args.max_duration,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              all_scores=args.all_scores)
@@ -200,7 +209,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     output = check_output_file(args.output)
     models.quiet_libraries(args.debug)
     values = {key: getattr(args, key) for key in DATA_KEYS if hasattr(args, key)}
-    metrics = evaluate(args.model, values, args.split, args.allow_pickle)
+    metrics = evaluate(args.model, values, args.split, args.allow_pickle, args.task)
     if int(os.environ.get("RANK", "0")) == 0:  # every process has the gathered metrics; one prints them
         print(json.dumps(metrics))
         if output is not None:
