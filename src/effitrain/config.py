@@ -31,6 +31,9 @@ class TrainConfig:
                       "Hugging Face cache (never downloaded)")
     allow_pickle: bool = _opt(False, "accept a model whose weights are only pickle files (.bin/.pt), loaded "
                               "with torch.load(weights_only=True); otherwise only safetensors are loaded")
+    allow_partial_load: bool = _opt(False, "train even when the model's weights do not all fit its config "
+                                    "(missing or of another shape): those start from random values; otherwise "
+                                    "refused (a new head for other labels is always fine)")
     task: str = _opt("sequence-classification", "what the model learns", choices=TASKS)
     data: str = _opt("sms-spam", "a built-in (sms-spam, bbc-news, fashion-mnist, digits), a CSV/TSV/JSON/JSONL/"
                      "Parquet file, a folder from datasets' save_to_disk, or a data set id in the local "

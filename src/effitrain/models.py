@@ -45,10 +45,31 @@ class ModelSource:
 
     path: Path | None
     config: object | None = None
+    allow_partial: bool = False  # --allow-partial-load: weights that do not fit are initialised at random
 
     @property
     def pretrained(self) -> bool:
         return self.config is None
+
+
+def check_loaded(model, info: dict, source: ModelSource, new_head: bool) -> None:
+    """Weights that do not fit the model are refused: training (or predicting) from random weights
+    without a word is the worst failure there is. A new head (other labels, a base checkpoint) is
+    expected when training: only keys under the body (`base_model_prefix`) count then."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+
+    def counts(key: str) -> bool:
+        return not new_head or key.startswith(prefix)
+
+    missing = sorted(key for key in info.get("missing_keys", ()) if counts(key))
+    mismatched = sorted(entry[0] for entry in info.get("mismatched_keys", ()) if counts(entry[0]))
+    if not (missing or mismatched) or source.allow_partial:
+        return
+    found = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+             for keys, what in ((missing, "missing"), (mismatched, "of another shape")) if keys]
+    raise UserError(f"the weights in {source.path} do not fit its config.json: {'; '.join(found)}",
+                    "pass the folder save_pretrained wrote for this config, or --allow-partial-load (train) to "
+                    "start those weights from random values")
 
 
 def resolve_source(name: str, allow_pickle: bool = False) -> ModelSource:

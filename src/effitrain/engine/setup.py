@@ -102,6 +102,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     task = tasks.get(config.task)
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model, config.allow_pickle)
+    source.allow_partial = config.allow_partial_load
     resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,

@@ -45,11 +45,20 @@ class Task:
     def check_supported(self, model_config) -> None:
         """The task has a head for this model type, and the config builds one (sizes that fit together):
         checked on the meta device, so a wrong setting is one line before anything loads."""
+        self.check_head(model_config)
+        models.check_sizes(model_config, f"model type `{model_config.model_type}`")
+        self.build_on_meta(copy.deepcopy(model_config))
+
+    def check_head(self, model_config) -> None:
+        """Only whether the task has a head for this model type (cheap: before the processor loads, so that a
+        model of another kind is named as such, not as a missing tokenizer)."""
         if not self.supports(model_config):
             raise UserError(f"model type `{model_config.model_type}` has no {self.name} head in transformers",
                             f"pass a model that {self.auto_class_name} supports, or another --task")
-        models.check_sizes(model_config, f"model type `{model_config.model_type}`")
-        self.build_on_meta(copy.deepcopy(model_config))
+
+    @staticmethod
+    def source_config(source: models.ModelSource):
+        return source.config if source.config is not None else models.load_config(source.path)
 
     def build_on_meta(self, model_config):
         """The task's model from a config, without allocating weights (counts, inspect)."""
@@ -72,7 +81,7 @@ class Task:
         auto = self.auto_class
         head = {} if labels is None else {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
                                           "label2id": {label: i for i, label in enumerate(labels)}}
-        config = copy.deepcopy(source.config) if source.config is not None else models.load_config(source.path)
+        config = copy.deepcopy(self.source_config(source))
         self.check_supported(config)
         if source.pretrained:
             with models.loading(source.path):
@@ -114,8 +123,7 @@ class Task:
         if not self.is_text:
             return
         source = models.resolve_source(config.model, config.allow_pickle)
-        model_config = source.config if source.config is not None else models.load_config(source.path)
-        models.check_length(model_config, config.max_length, "--max-length")
+        models.check_length(self.source_config(source), config.max_length, "--max-length")
 
     def sequence_length(self, config, processor) -> int:
         """The longest input a micro-batch can hold (the planner's sequence length)."""
