@@ -209,3 +209,18 @@ def test_resume_refuses_another_number_of_steps(tiny_model_dir, tmp_path):
     (out / "metrics.json").unlink()  # as if killed after its checkpoint at step 2
     with pytest.raises(UserError, match="made with max_steps=4, this run has 8"):
         effitrain.train(small(tiny_model_dir, out, max_steps=8, save_every=2, resume="auto"))
+
+
+def test_a_signal_during_a_save_leaves_no_half_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    from effitrain.engine import checkpoint
+    from effitrain.errors import Terminated
+
+    def signalled(path):
+        raise Terminated()  # as SIGTERM arriving while the checkpoint's files are flushed
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", signalled)
+    out = tmp_path / "out"
+    with pytest.raises(Terminated):
+        effitrain.train(small(tiny_model_dir, out, max_steps=4, save_every=2))
+    assert list((out / "checkpoints").iterdir()) == [] and not (out / outputs.LOCK).exists()
+    assert (out / "config.yaml").exists()  # a signalled run is kept (not a user mistake), for --resume
