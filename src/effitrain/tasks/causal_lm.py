@@ -21,6 +21,7 @@ class CausalLM(Task):
 
     # -- models ------------------------------------------------------------------------------------
     def load_processor(self, source: models.ModelSource):
+        self.check_head(self.source_config(source))
         return models.load_text_tokenizer(source)
 
     def adapt_config(self, config, processor) -> None:

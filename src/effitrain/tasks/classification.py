@@ -30,9 +30,10 @@ class Classification(Task):
         own: text models then use the default model's WordPiece tokenizer."""
         from effitrain.data import audio, image
 
+        config = self.source_config(source)
+        self.check_head(config)
         if self.is_text:
             return models.load_text_tokenizer(source)
-        config = source.config if source.config is not None else models.load_config(source.path)
         with models.loading(source.path or "config"):
             if self.modality == "image":
                 return image.image_processor(source.path, config)
