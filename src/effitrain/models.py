@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -201,6 +202,9 @@ def _from_hub_cache(repo_id: str) -> Path:
 
 
 def _checked_dir(path: Path, allow_pickle: bool = False) -> Path:
+    if not os.access(path, os.R_OK | os.X_OK):  # else every file in it would read as missing
+        raise UserError(f"model directory {path} cannot be read (permission denied)",
+                        "make it readable (chmod -R u+rX), or run as its owner")
     if not (path / "config.json").is_file():
         raise UserError(f"model directory {path} has no config.json",
                         "pass the directory that save_pretrained wrote (config.json + model.safetensors)")

@@ -6,6 +6,7 @@ Every source ends as train/validation/test splits with canonical column names (`
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, 
     if source in BUILTINS:
         return BUILTINS[source](), None, 0
     path = Path(source).expanduser()
+    if path.exists() and not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise UserError(f"{flag} {path} cannot be read (permission denied)",
+                        "make it readable (chmod u+r, and u+x for a folder), or run as its owner")
     if path.is_dir():
         if flag != "--data":
             raise UserError(f"{flag} {path} is a folder", "pass one data file (.csv, .tsv, .json, .jsonl, .parquet)")
@@ -123,7 +127,14 @@ def _read_saved(path: Path, flag: str = "--data") -> dict:
     if not any((path / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
         raise UserError(f"{flag} {path} is a folder but not one written by datasets' save_to_disk",
                         "pass a data file, or a folder from Dataset.save_to_disk / DatasetDict.save_to_disk")
-    data = load_from_disk(str(path))
+    try:
+        with _datasets_silent():
+            data = load_from_disk(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a damaged or hand-made folder
+        if isinstance(err, PermissionError):
+            raise
+        raise UserError(f"{flag} {path} cannot be read by datasets' load_from_disk: {_first_line(err)}",
+                        "save it again with save_to_disk, or pass a data file")
     if isinstance(data, Dataset):
         return {"all": data}
     return _named_splits(DatasetDict(data), str(path))
@@ -137,7 +148,8 @@ def _read_hub_cache(name: str) -> dict:
 
     try:
         folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
-        return _named_splits(load_dataset(folder), name)
+        with _datasets_silent():
+            return _named_splits(load_dataset(folder), name)
     except UserError:
         raise
     except Exception as err:
