@@ -160,13 +160,13 @@ def _version() -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from effitrain.engine.run import run
+    from effitrain import runs
 
     values = vars(args).copy()
     values.pop("command")
-    file_values = cfg.load_yaml(values.pop("config")) if values.get("config") else {}
-    values.pop("config", None)
-    run(cfg.build(file_values, values))
+    config_file = values.pop("config", None)
+    file_values = cfg.load_yaml(config_file) if config_file else {}
+    runs.train(cfg.build(file_values, values), config_file)
     return 0
 
 
@@ -181,7 +181,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {args.seed}", "pass e.g. --seed 42")
     # Only what prediction needs is imported (torch, transformers): no datasets, no accelerate, no engine.
-    from effitrain import models
+    from effitrain import models, outputs
     from effitrain.predict import predict
     from effitrain.tasks.base import PredictOptions
 
@@ -198,7 +198,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                       input_file=args.input, options=options, seed=args.seed, allow_pickle=args.allow_pickle,
                       progress=True)
     for result in results:
-        print(json.dumps(result, ensure_ascii=False))
+        print(outputs.json_text(result, ensure_ascii=False))
     return 0
 
 
@@ -211,7 +211,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     values = {key: getattr(args, key) for key in DATA_KEYS if hasattr(args, key)}
     metrics = evaluate(args.model, values, args.split, args.allow_pickle, args.task)
     if int(os.environ.get("RANK", "0")) == 0:  # every process has the gathered metrics; one prints them
-        print(json.dumps(metrics))
+        print(outputs.json_text(metrics))
         if output is not None:
             try:
                 outputs.write_json(output, metrics)
@@ -268,15 +268,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
-
-    from effitrain import devices, models
-    from effitrain.planning import plan, sizes
+    from effitrain.planning import sizes
 
     for name in ("seq_len", "batch_size", "world_size", "num_labels"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}",
                             f"pass a positive --{name.replace('_', '-')}")
+    if args.memory is not None:
+        sizes.parse_size(args.memory)  # a mistake answers before torch is imported
+    import torch
+
+    from effitrain import devices, models
+    from effitrain.planning import plan
+
     models.quiet_libraries(args.debug)
     device = args.device or ("cuda" if devices.has_accelerator() else "cpu")
     if args.memory is None and device == "cuda" and not torch.cuda.is_available():

@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+from effitrain import outputs
 from effitrain.errors import UserError
 
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
@@ -54,7 +55,7 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+            (tmp / "trainer_state.json").write_text(outputs.json_text({**state, "step": step}, indent=1))
             _fsync_tree(tmp)
             if final.exists():
                 shutil.rmtree(final)
