@@ -85,6 +85,24 @@ def test_incomplete_launcher_variables_are_refused_at_once(monkeypatch):
         devices.init_process_group(timedelta(seconds=5))
 
 
+def test_a_master_port_taken_by_another_program_is_one_line(monkeypatch, capfd):
+    import socket
+    from datetime import timedelta
+
+    from effitrain.errors import UserError
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(taken.getsockname()[1])}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(UserError, match=r"port \d+ of 127.0.0.1 is taken by another program.*fix: unset them"):
+            devices.init_process_group(timedelta(seconds=5))
+    assert capfd.readouterr().err == ""  # c10d's own logs are kept off stderr
+
+
 def failure(exitcode: int, message: str = "", timestamp: int = 100):
     return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp,
                            signal_name=lambda: signal.Signals(-exitcode).name)

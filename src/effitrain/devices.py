@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -47,6 +49,21 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     fresh_accelerator_state()
     return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
                        **strategy_plugins(strategy, zero_stage, max_grad_norm))
+
+
+@contextlib.contextmanager
+def _c10d_logs_off():
+    """c10d's C++ side logs each failed connection, with a stack, straight to file descriptor 2; the
+    failure becomes one line of effitrain's instead."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def launcher_variables() -> dict[str, str]:
@@ -135,7 +152,8 @@ def join_started_by_hand(timeout) -> None:
     wait = timedelta(seconds=JOIN_SECONDS)
     try:
         if rank == 0:
-            store = dist.TCPStore(address, port, world, is_master=True, timeout=wait, wait_for_workers=True)
+            with _c10d_logs_off():
+                store = dist.TCPStore(address, port, world, is_master=True, timeout=wait, wait_for_workers=True)
         else:
             deadline = time.monotonic() + JOIN_SECONDS
             while True:
@@ -146,13 +164,15 @@ def join_started_by_hand(timeout) -> None:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"nothing listens on {address}:{port}") from None
                     time.sleep(0.2)
-            store = dist.TCPStore(address, port, world, is_master=False, timeout=wait)
+            with _c10d_logs_off():
+                store = dist.TCPStore(address, port, world, is_master=False, timeout=wait)
     except (RuntimeError, TimeoutError, OSError) as err:  # DistNetworkError, DistStoreError: RuntimeErrors
-        what = ("the other processes did not connect" if rank == 0 else f"process 0 did not answer at {address}:{port}")
+        what = (f"the other processes did not connect within {JOIN_SECONDS} s" if rank == 0 else
+                f"process 0 did not answer at {address}:{port} within {JOIN_SECONDS} s")
         if "address already in use" in str(err).lower():
             what = f"port {port} of {address} is taken by another program"
         raise UserError(f"launcher variables {variables} are set, so this process waits for {world - 1} other(s), "
-                        f"but {what} within {JOIN_SECONDS} s (no launcher started this process)", fix) from err
+                        f"but {what} (no launcher started this process)", fix) from err
     store.set_timeout(timeout)
     _join(store, timeout)
 
