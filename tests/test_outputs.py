@@ -224,3 +224,17 @@ def test_a_signal_during_a_save_leaves_no_half_checkpoint(tiny_model_dir, tmp_pa
         effitrain.train(small(tiny_model_dir, out, max_steps=4, save_every=2))
     assert list((out / "checkpoints").iterdir()) == [] and not (out / outputs.LOCK).exists()
     assert (out / "config.yaml").exists()  # a signalled run is kept (not a user mistake), for --resume
+
+
+def test_an_unreadable_lock_is_trusted_while_fresh_and_taken_over_once_old(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / outputs.LOCK).write_text("")  # its writer died between creating and filling it, or is writing now
+    with pytest.raises(UserError, match="a lock being written now"):
+        outputs.RunDir(out).acquire()
+    old = time.time() - 60
+    os.utime(out / outputs.LOCK, (old, old))
+    held = outputs.RunDir(out).acquire()
+    assert json.loads((out / outputs.LOCK).read_text())["pid"] == os.getpid()
+    held.release(discard=True)
+    assert not out.exists() or not any(out.iterdir())

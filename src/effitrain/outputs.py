@@ -104,7 +104,7 @@ class RunDir:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = _read_lock(lock)
-                if _is_stale(owner):
+                if _is_stale(owner) or not owner and _age_seconds(lock) > 10:  # unreadable: its writer died
                     lock.unlink(missing_ok=True)  # its run was killed: the folder is free again
                     continue
                 where = (f"pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('started')}"
@@ -219,6 +219,13 @@ def _read_lock(lock: Path) -> dict:
         return json.loads(lock.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _age_seconds(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _is_stale(owner: dict) -> bool:
