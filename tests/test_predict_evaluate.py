@@ -289,3 +289,122 @@ def test_bad_input_from_a_fresh_process(folder, image_run, bad):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "broken.png could not be decoded" in lines[0], result.stderr
     assert "fix:" in lines[0] and not result.stdout
+
+
+# -- batching and padding change nothing ----------------------------------------------------------------
+def plain_forward(model_dir, text, pair=None) -> list[float]:
+    """One text alone through plain transformers (no padding at all): its label probabilities."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    with torch.inference_mode():
+        encoded = tokenizer(text, pair, truncation=True, max_length=512, return_tensors="pt")
+        return model(**encoded).logits.softmax(-1)[0].tolist()
+
+
+def test_predict_equals_a_plain_forward_whatever_the_batch(tiny_model_dir):
+    """Texts of very different lengths (one token to past the 512-token cut), single and paired, in
+    batches of 1, 3 and 64: each text's label and scores are those of the text alone, unpadded."""
+    from effitrain.predict import predict
+    from effitrain.tasks.base import PredictOptions
+
+    texts = ["hi", "free entry in a weekly competition to win cup final tickets " * 3, "ok " * 700,
+             "see you at lunch", "x", "call now " * 40, "urgent! your mobile number has won a prize"]
+    pairs = ["a reply", "", "b " * 300, "lunch?", "y", "z", "claim it"]
+    names = ["LABEL_0", "LABEL_1"]
+    want = [plain_forward(tiny_model_dir, text) for text in texts]
+    want_pairs = [plain_forward(tiny_model_dir, text, pair) for text, pair in zip(texts, pairs)]
+    assert max(p for row in want for p in row) < 0.999  # a model that says something else for each text
+    for batch_size in (1, 3, 64):
+        got = predict(str(tiny_model_dir), texts, batch_size, options=PredictOptions(all_scores=True))
+        got_pairs = predict(str(tiny_model_dir), texts, batch_size, text_pairs=pairs,
+                            options=PredictOptions(all_scores=True))
+        for results, expected in ((got, want), (got_pairs, want_pairs)):
+            assert [r["text"] for r in results] == texts  # input order
+            for result, probs in zip(results, expected):
+                assert result["label"] == names[int(np.argmax(probs))]
+                assert result["score"] == pytest.approx(max(probs), abs=1e-5, rel=0)
+                assert [result["scores"][n] for n in names] == pytest.approx(probs, abs=1e-5, rel=0)
+
+
+def test_texts_with_and_without_a_pair_in_one_input_file(tmp_path, tiny_model_dir):
+    from effitrain.predict import predict
+
+    rows = [{"text": "one", "text_pair": "two"}, {"text": "three " * 50}, {"text": "four", "text_pair": "five six"}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    results = predict(str(tiny_model_dir), input_file=str(path), batch_size=8)
+    assert [{k: r[k] for k in row} for r, row in zip(results, rows)] == rows
+    for result, row in zip(results, rows):
+        assert result["score"] == pytest.approx(max(plain_forward(tiny_model_dir, row["text"], row.get("text_pair"))),
+                                                abs=1e-5, rel=0)
+
+
+# -- a model of another task than the inputs or data ask for ---------------------------------------------
+@pytest.fixture(scope="module")
+def other_models(tmp_path_factory):
+    """Causal LMs (GPT-2, Llama) and a masked LM built from configs, saved with save_pretrained, with the
+    packaged tokenizer."""
+    import torch
+    from transformers import (AutoTokenizer, BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM)
+
+    from effitrain.models import default_model_dir
+
+    root = tmp_path_factory.mktemp("other-tasks")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    vocab = tokenizer.vocab_size
+    torch.manual_seed(0)
+    built = {
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_layer=1, n_embd=16, n_head=2, n_positions=64)),
+        "llama": LlamaForCausalLM(LlamaConfig(vocab_size=vocab, num_hidden_layers=1, hidden_size=16,
+                                              intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+                                              max_position_embeddings=64)),
+        "mlm": BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=32)),
+    }
+    for name, model in built.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    (root / "prompts.jsonl").write_text('{"prompt": "once upon a time"}\n')
+    (root / "pairs.jsonl").write_text('{"text": "a", "text_pair": "b"}\n')
+    (root / "labelled.csv").write_text("text,label\n" + "".join(f"text {i},{'ab'[i % 2]}\n" for i in range(20)))
+    return root
+
+
+OTHER_TASK = [
+    (["predict", "--model", "M/gpt2", "--text", "hello"], "--text does not fit the model", "fix: pass --prompt"),
+    (["predict", "--model", "M/llama", "--text", "hello", "--text", "bye"], "(causal-lm)", "fix: pass --prompt"),
+    (["predict", "--model", "M/llama", "--input", "M/pairs.jsonl"], "holds text pairs", "fix: pass --prompt"),
+    (["predict", "--model", "TINY", "--prompt", "once upon"], "--prompt does not fit", "fix: pass --text"),
+    (["predict", "--model", "TINY", "--input", "M/prompts.jsonl"], "is a sequence-classification model",
+     "fix: pass --text"),
+    (["evaluate", "--model", "TINY", "--data", "M/labelled.csv", "--task", "causal-lm"],
+     "it is a sequence-classification model (BertForSequenceClassification)", "fix: drop --task"),
+    (["evaluate", "--model", "M/gpt2", "--data", "M/labelled.csv", "--task", "sequence-classification"],
+     "it is a causal-lm model (GPT2LMHeadModel)", "fix: drop --task"),
+    (["predict", "--model", "M/mlm", "--text", "hello"], "is a BertForMaskedLM, which has no head", "fix:"),
+    (["evaluate", "--model", "M/mlm", "--data", "M/labelled.csv"], "is a BertForMaskedLM, which has no head", "fix:"),
+]
+
+
+@pytest.mark.parametrize("args, problem, fix", OTHER_TASK)
+def test_a_model_of_another_task_is_refused(capsys, other_models, tiny_model_dir, args, problem, fix):
+    args = [str(a).replace("M/", f"{other_models}/").replace("TINY", str(tiny_model_dir)) for a in args]
+    code, out, err = cli(capsys, *args)
+    assert code == 2 and len(err) == 1 and problem in err[0] and fix in err[0], err
+    assert not out and "Traceback" not in err[0]
+
+
+def test_a_causal_lm_given_texts_from_a_fresh_process(other_models):
+    from conftest import run_cli
+
+    result = run_cli("predict", "--model", other_models / "gpt2", "--text", "hi")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "fix: pass --prompt" in lines[0], result.stderr
+    assert not result.stdout  # no labels printed for a model that has none
+    prompted = run_cli("predict", "--model", other_models / "gpt2", "--prompt", "hi", "--max-new-tokens", "2")
+    assert prompted.returncode == 0, prompted.stderr
+    assert set(json.loads(prompted.stdout)) == {"prompt", "generated"}
