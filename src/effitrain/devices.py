@@ -125,16 +125,9 @@ def _join(store, timeout) -> None:
 
 def join_started_by_hand(timeout) -> None:
     """WORLD_SIZE > 1 without torchrun: stray variables in a shell, or processes started one by one.
-    No agent has checked that the peers exist, so they must meet within JOIN_SECONDS: process 0 opens
-    the store and waits that long for the others to connect; the others wait that long for it to open
-    (probed with a plain socket first: c10d's client logs each failed try with a C++ stack on stderr).
-    Once all are there, the store and the process group get the run's own timeout."""
-    import socket
-    import time
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
+    No agent has checked that the peers exist, so they must meet within JOIN_SECONDS, or this one stops
+    with one line naming the variables. Once all are there, the store and the process group get the
+    run's own timeout."""
     from effitrain.errors import UserError
 
     variables = " ".join(f"{k}={v}" for k, v in launcher_variables().items())
@@ -149,23 +142,8 @@ def join_started_by_hand(timeout) -> None:
     if missing or not 0 <= rank < world:
         raise UserError(f"launcher variables {variables} ask for {world} processes but are incomplete (need "
                         f"{', '.join(missing) or f'RANK in [0, {world})'}), and no launcher started this one", fix)
-    wait = timedelta(seconds=JOIN_SECONDS)
     try:
-        if rank == 0:
-            with _c10d_logs_off():
-                store = dist.TCPStore(address, port, world, is_master=True, timeout=wait, wait_for_workers=True)
-        else:
-            deadline = time.monotonic() + JOIN_SECONDS
-            while True:
-                try:
-                    socket.create_connection((address, port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"nothing listens on {address}:{port}") from None
-                    time.sleep(0.2)
-            with _c10d_logs_off():
-                store = dist.TCPStore(address, port, world, is_master=False, timeout=wait)
+        store = _open_store(address, port, rank, world)
     except (RuntimeError, TimeoutError, OSError) as err:  # DistNetworkError, DistStoreError: RuntimeErrors
         what = (f"the other processes did not connect within {JOIN_SECONDS} s" if rank == 0 else
                 f"process 0 did not answer at {address}:{port} within {JOIN_SECONDS} s")
@@ -175,6 +153,32 @@ def join_started_by_hand(timeout) -> None:
                         f"but {what} (no launcher started this process)", fix) from err
     store.set_timeout(timeout)
     _join(store, timeout)
+
+
+def _open_store(address: str, port: int, rank: int, world: int):
+    """The rendezvous store, within JOIN_SECONDS: process 0 serves it and waits for the others to connect;
+    the others wait for it to listen (a plain socket probe: c10d's client would log each failed try)."""
+    import socket
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=JOIN_SECONDS)
+    if rank == 0:
+        with _c10d_logs_off():
+            return dist.TCPStore(address, port, world, is_master=True, timeout=wait, wait_for_workers=True)
+    deadline = time.monotonic() + JOIN_SECONDS
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {address}:{port}") from None
+            time.sleep(0.2)
+    with _c10d_logs_off():
+        return dist.TCPStore(address, port, world, is_master=False, timeout=wait)
 
 
 def fresh_accelerator_state() -> None:
