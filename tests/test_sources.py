@@ -160,3 +160,134 @@ def test_data_set_from_the_local_hub_cache_offline(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str(len(ROWS))
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("value, words", [(7, "integers"), (["a", "b"], "lists"), ({"a": 1}, "objects")])
+def test_text_column_of_another_type_is_refused(tmp_path, value, words):
+    # A list of words would reach the tokenizer as pre-split text and train on it, silently.
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": value, "label": l} for _, l in ROWS])
+    with pytest.raises(UserError, match=f"column `text` \\(text\\) holds {words}"):
+        load(path)
+
+
+def test_text_pair_column_of_another_type_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t, "q": 1.5, "label": l} for t, l in ROWS])
+    with pytest.raises(UserError, match="column `q` \\(text pair\\) holds decimal numbers"):
+        load(path, text_pair_column="q")
+
+
+@pytest.mark.parametrize("value, words", [([1], "lists"), ({"x": 1}, "objects")])
+def test_label_column_of_lists_or_dicts_is_refused(tmp_path, value, words):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t, "label": value} for t, _ in ROWS])
+    with pytest.raises(UserError, match=f"label column `label` holds {words}"):
+        load(path)
+
+
+def test_fractional_labels_are_a_regression_target(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t, "label": i * 0.25} for i, (t, _) in enumerate(ROWS)])
+    with pytest.raises(UserError, match="holds numbers like 0.25: a regression target"):
+        load(path)
+
+
+def test_whole_float_and_boolean_labels_are_classes(tmp_path):
+    floats = write_jsonl(tmp_path / "f.jsonl", [{"text": t, "label": float(l == "spam")} for t, l in ROWS])
+    bools = write_jsonl(tmp_path / "b.jsonl", [{"text": t, "label": l == "spam"} for t, l in ROWS])
+    for path, names in ((floats, ["0", "1"]), (bools, ["false", "true"])):
+        splits = load(path).splits
+        assert splits["train"].features["label"].names == names
+        total = sum(sum(s["label"]) for s in splits.values())  # label 1 is spam in both
+        assert total == sum(l == "spam" for _, l in ROWS)
+
+
+def test_float_labels_with_a_skipped_empty_row(tmp_path):
+    # Rows dropped by --skip-bad-rows are selected away, not gone from the Arrow table: not a NaN label.
+    path = tmp_path / "d.csv"
+    path.write_text("text,label\n" + "\n".join(f"row {i},{i % 2}.0" for i in range(18)) + "\nno label,\n")
+    loaded = load(path, skip_bad_rows=True)
+    assert loaded.skipped_rows == 1 and loaded.splits["train"].features["label"].names == ["0", "1"]
+
+
+def test_one_class_training_data_is_refused_naming_the_class(tmp_path):
+    path = write_csv(tmp_path / "d.csv", [(t, "ham") for t, _ in ROWS])
+    with pytest.raises(UserError, match="every training label is `ham` \\(one class\\)"):
+        load(path)
+
+
+def test_one_column_for_two_roles_is_refused(tmp_path):
+    with pytest.raises(UserError, match="column `text` is both the text column and the label column"):
+        load(write_csv(tmp_path / "d.csv"), label_column="text")
+
+
+def test_not_utf8_and_semicolons_are_not_sent_to_skip_bad_rows(tmp_path):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text,label\ncaf\xe9,ham\nok,spam\n".encode("latin-1"))
+    semi = write_csv(tmp_path / "semi.csv", sep=";")
+    for path, needle in ((latin, "is not UTF-8 text"), (semi, "looks separated by semicolons")):
+        for skip in (False, True):
+            with pytest.raises(UserError, match=needle) as err:
+                load(path, skip_bad_rows=skip)
+            assert "--skip-bad-rows" not in str(err.value)
+
+
+def test_pipes_devices_and_folders_where_a_file_belongs(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.csv")
+    with pytest.raises(UserError, match="is not a regular file"):  # would block forever if opened
+        load(tmp_path / "pipe.csv")
+    with pytest.raises(UserError, match="is not a regular file"):
+        load("/dev/zero")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(UserError, match="--validation-file .*folder is a folder"):
+        load(write_csv(tmp_path / "d.csv"), validation_file=str(tmp_path / "folder"))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root reads files whatever their mode")
+def test_unreadable_data_file_is_named(tmp_path):
+    path = write_csv(tmp_path / "d.csv")
+    path.chmod(0)
+    with pytest.raises(UserError, match="cannot be read \\(permission denied\\)"):
+        load(path)
+
+
+def test_datasets_error_log_is_silenced(tmp_path, capsys):
+    import logging
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a", "label": "x"}\n{"text": oops\n')
+    handler = logging.StreamHandler()  # what a user's terminal would get from datasets' logger
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        with pytest.raises(UserError, match="cannot be read as json"):
+            load(path)
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    assert "Failed to load JSON" not in capsys.readouterr().err
+
+
+def test_skip_bad_rows_skips_undecodable_images_and_counts_them(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    rows = ["image,label"]
+    for i in range(10):
+        Image.fromarray(np.full((8, 8, 3), i * 20, dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{'ab'[i % 2]}")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG garbage")
+    (tmp_path / "data.csv").write_text("\n".join(rows + ["broken.png,a", "missing.png,b"]) + "\n")
+    config = TrainConfig(task="image-classification", data=str(tmp_path / "data.csv"), skip_bad_rows=True,
+                         model="vit:image_size=8,patch_size=4,hidden_size=16,num_hidden_layers=1,"
+                               "num_attention_heads=2,intermediate_size=16")
+    loaded = tasks.get(config.task).load_data(config)
+    assert loaded.skipped_rows == 2
+    kept = [p for split in loaded.splits.values() for p in split["image"]]
+    assert sorted(kept) == sorted(f"{i}.png" for i in range(10))
+    # Without the flag nothing is decoded here: preprocessing names the first bad file (test_image.py).
+    unskipped = tasks.get(config.task).load_data(TrainConfig(**{**config.to_dict(), "skip_bad_rows": False}))
+    assert unskipped.skipped_rows == 0 and sum(len(s) for s in unskipped.splits.values()) == 12
