@@ -110,3 +110,85 @@ def test_inspect_builds_the_model_of_the_task_it_is_asked_for(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "lm"), "--task", "sequence-classification", "--json"]) == 0
     classifier = json.loads(capsys.readouterr().out)["parameters"]
     assert classifier["total"] != shown["parameters"]["total"]
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("bert:hidden_size=abc", "`hidden_size` must be a whole number, got 'abc'"),
+    ("bert:hidden_size=2.5", "`hidden_size` must be a whole number, got 2.5"),
+    ("bert:num_hidden_layers=-1", "`num_hidden_layers` must be > 0, got -1"),  # would build zero layers
+    ("bert:num_attention_heads=0", "`num_attention_heads` must be > 0"),
+    ("nosuchtype:a=1", "unknown model type `nosuchtype`"),
+])
+def test_model_specs_with_bad_values_are_refused(spec, needle):
+    with pytest.raises(UserError, match=needle):
+        models.resolve_source(spec)
+
+
+def test_shapes_that_do_not_fit_are_refused_before_building():
+    config = models.resolve_source("bert:hidden_size=30,num_attention_heads=4").config
+    with pytest.raises(UserError, match="does not build a BertForSequenceClassification: The hidden size \\(30\\)"):
+        CLASSIFY.check_supported(config)
+
+
+def test_negative_sizes_in_a_config_file_are_refused(tiny_model_dir, tmp_path):
+    import json
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -2}))
+    with pytest.raises(UserError, match="`num_hidden_layers: -2`, which must be >= 0"):
+        CLASSIFY.check_supported(models.load_config(tmp_path / "m"))
+
+
+def test_unknown_model_type_in_a_directory_is_named_before_any_tokenizer(tiny_model_dir, tmp_path):
+    import json
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "nosuchmodel"}))
+    with pytest.raises(UserError, match="model_type `nosuchmodel`, which transformers .* does not know"):
+        models.resolve(str(tmp_path / "m"))
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="is not a JSON object"):
+        models.resolve(str(tmp_path / "m"))
+
+
+def test_a_model_of_another_kind_is_named_before_its_processor(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                        intermediate_size=8)).save_pretrained(tmp_path / "vit")
+    with pytest.raises(UserError, match="model type `vit` has no sequence-classification head"):
+        CLASSIFY.load_processor(models.ModelSource(tmp_path / "vit"))  # not "has no tokenizer"
+
+
+def test_a_local_path_typo_is_not_a_hub_id(tmp_path, monkeypatch):
+    (tmp_path / "runs" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="model path runs/modle does not exist \\(the folder runs does\\).*model"):
+        models.resolve("runs/modle")
+
+
+@pytest.mark.parametrize("spec, limit", [
+    ("bert:max_position_embeddings=64", 64),
+    ("gpt2:n_positions=32", 32),
+    ("roberta:max_position_embeddings=66", 64),  # positions start after the padding index
+    ("llama:max_position_embeddings=16", None),  # rotary: no hard limit
+])
+def test_position_limits(spec, limit):
+    config = models.resolve_source(spec).config
+    assert models.position_limit(config) == limit
+    if limit is not None:
+        models.check_length(config, limit, "--max-length")
+        with pytest.raises(UserError, match=f"--max-length {limit + 1} is longer than the {limit} positions"):
+            models.check_length(config, limit + 1, "--max-length")
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root reads folders whatever their mode")
+def test_unreadable_model_folder_is_named(tiny_model_dir, tmp_path):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m").chmod(0)
+    try:
+        with pytest.raises(UserError, match="cannot be read \\(permission denied\\)"):
+            models.resolve(str(tmp_path / "m"))
+    finally:
+        (tmp_path / "m").chmod(0o755)
