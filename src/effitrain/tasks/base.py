@@ -193,7 +193,7 @@ class Task:
 
     def prediction_records(self, given: PredictInputs, where: str) -> list[dict]:
         """One JSON-able record per input, in input order: what the output line echoes and what
-        prediction_batch reads. Inputs of a kind the model does not take are refused."""
+        prediction_encodings reads. Inputs of a kind the model does not take are refused."""
         raise NotImplementedError
 
     def refuse_other_inputs(self, given: PredictInputs, accepted: tuple[str, ...], where: str) -> None:
