@@ -2,6 +2,7 @@
 previous run's files exactly as they were."""
 
 import hashlib
+import os
 import shutil
 
 import pytest
@@ -46,10 +47,56 @@ def workdir(tiny_model_dir, tmp_path_factory):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny_model_dir / name, root / "notok" / name)
     torch.save({}, root / "pickled" / "pytorch_model.bin")
+    write_bad_data(root)
+    write_bad_models(root, tiny_model_dir)
     return root
 
 
+def write_bad_data(root):
+    """Data of the wrong types, encodings and kinds of file."""
+    import json
+    import os
+
+    def jsonl(name, make):
+        (root / name).write_text("".join(json.dumps(make(i)) + "\n" for i in range(12)))
+
+    label = ["ham", "spam"]
+    jsonl("num_text.jsonl", lambda i: {"text": i, "label": label[i % 2]})
+    jsonl("list_text.jsonl", lambda i: {"text": ["some", "words"], "label": label[i % 2]})
+    jsonl("dict_text.jsonl", lambda i: {"text": {"body": "x"}, "label": label[i % 2]})
+    jsonl("list_label.jsonl", lambda i: {"text": f"m {i}", "label": [i % 2]})
+    jsonl("dict_label.jsonl", lambda i: {"text": f"m {i}", "label": {"y": i % 2}})
+    jsonl("frac_label.jsonl", lambda i: {"text": f"m {i}", "label": i * 0.37})
+    jsonl("pair_num.jsonl", lambda i: {"text": f"m {i}", "q": i, "label": label[i % 2]})
+    (root / "one_class.csv").write_text("text,label\n" + "".join(f"message {i},ham\n" for i in range(12)))
+    (root / "semi.csv").write_text("text;label\n" + "".join(f"message {i};{label[i % 2]}\n" for i in range(12)))
+    (root / "latin.csv").write_bytes(("text,label\n" + "".join(f"caf\xe9 {i},{label[i % 2]}\n" for i in range(12)))
+                                     .encode("latin-1"))
+    (root / "bad.jsonl").write_text('{"text": "a", "label": "x"}\n{"text": oops\n')
+    os.mkfifo(root / "pipe.csv")
+    (root / "noread.csv").write_text("text,label\nhello,ham\n")
+    (root / "noread.csv").chmod(0)
+
+
+def write_bad_models(root, tiny_model_dir):
+    """Model folders whose config cannot give the model asked for."""
+    import json
+
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    for name, changes in (("unknown-type", {"model_type": "nosuchmodel"}),
+                          ("bad-shapes", {"hidden_size": 30, "num_attention_heads": 4})):
+        shutil.copytree(tiny_model_dir, root / name)
+        (root / name / "config.json").write_text(json.dumps({**config, **changes}))
+    ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                        intermediate_size=8, image_size=16, patch_size=8)).save_pretrained(root / "vit")
+    shutil.copytree(tiny_model_dir, root / "noread-model")
+    (root / "noread-model").chmod(0)
+
+
 CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines without an accelerator")
+NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 TINY = ["--model", "prev/model", "--max-train-samples", "8"]
 
 CASES = [
@@ -115,6 +162,47 @@ CASES = [
     (["launch", "--nproc", "2"], "needs the command to run after `--`"),
     (["launch", "--nnodes", "2", "--", "train"], "needs --master-port"),
     (["bench", "--variants", "nope"], "unknown"),
+    # data of the wrong type, encoding or kind of file (issue 12, item 5)
+    (["train", *TINY, "--data", "num_text.jsonl", "--output-dir", "new"], "column `text` (text) holds integers"),
+    (["train", *TINY, "--data", "list_text.jsonl", "--output-dir", "new"], "column `text` (text) holds lists"),
+    (["train", *TINY, "--data", "dict_text.jsonl", "--output-dir", "new"], "column `text` (text) holds objects"),
+    (["train", *TINY, "--data", "pair_num.jsonl", "--text-pair-column", "q", "--output-dir", "new"],
+     "column `q` (text pair) holds integers"),
+    (["train", *TINY, "--data", "list_label.jsonl", "--output-dir", "new"], "label column `label` holds lists"),
+    (["train", *TINY, "--data", "dict_label.jsonl", "--output-dir", "new"], "label column `label` holds objects"),
+    (["train", *TINY, "--data", "frac_label.jsonl", "--output-dir", "new"], "a regression target"),
+    (["train", *TINY, "--data", "one_class.csv", "--output-dir", "new"], "every training label is `ham` (one class)"),
+    (["train", *TINY, "--data", "d.csv", "--label-column", "text", "--output-dir", "new"],
+     "column `text` is both the text column and the label column"),
+    (["train", *TINY, "--data", "latin.csv", "--output-dir", "new"], "is not UTF-8 text"),
+    (["train", *TINY, "--data", "latin.csv", "--skip-bad-rows", "--output-dir", "new"], "is not UTF-8 text"),
+    (["train", *TINY, "--data", "semi.csv", "--output-dir", "new"], "looks separated by semicolons"),
+    (["train", *TINY, "--data", "bad.jsonl", "--output-dir", "new"], "cannot be read as json"),  # no datasets log
+    (["train", *TINY, "--data", "pipe.csv", "--output-dir", "new"], "is not a regular file"),
+    (["train", *TINY, "--data", "/dev/zero", "--output-dir", "new"], "is not a regular file"),
+    (["train", *TINY, "--data", "d.csv", "--validation-file", "corrupt", "--output-dir", "new"],
+     "--validation-file corrupt is a folder"),
+    pytest.param(["train", *TINY, "--data", "noread.csv", "--output-dir", "new"], "permission denied", marks=NOT_ROOT),
+    # model configs that cannot be built, lengths beyond the model (issue 12, item 6)
+    (["train", *TINY, "--data", "d.csv", "--model", "bert:hidden_size=abc"], "`hidden_size` must be a whole number"),
+    (["train", *TINY, "--data", "d.csv", "--model", "bert:num_hidden_layers=-1"], "`num_hidden_layers` must be > 0"),
+    (["train", *TINY, "--data", "d.csv", "--model", "bert:hidden_size=30,num_attention_heads=4", "--output-dir", "new"],
+     "does not build a BertForSequenceClassification"),
+    (["plan", "--model", "bert:hidden_size=30,num_attention_heads=4"], "does not build a BertForSequenceClassification"),
+    (["plan", "--model", "bert:hidden_size=abc"], "`hidden_size` must be a whole number"),
+    (["inspect", "bad-shapes"], "does not build a BertForSequenceClassification"),
+    (["train", *TINY, "--data", "d.csv", "--model", "unknown-type", "--output-dir", "new"],
+     "model_type `nosuchmodel`, which transformers"),
+    (["inspect", "unknown-type"], "model_type `nosuchmodel`, which transformers"),
+    (["train", *TINY, "--data", "d.csv", "--model", "vit", "--output-dir", "new"],
+     "model type `vit` has no sequence-classification head"),
+    (["train", *TINY, "--data", "d.csv", "--model", "prev/modle", "--output-dir", "new"],
+     "model path prev/modle does not exist (the folder prev does)"),
+    (["train", *TINY, "--data", "d.csv", "--max-length", "100000", "--output-dir", "new"],
+     "--max-length 100000 is longer than the 512 positions"),
+    (["plan", "--model", "prev/model", "--seq-len", "100000"], "--seq-len 100000 is longer than the 512 positions"),
+    pytest.param(["train", *TINY, "--data", "d.csv", "--model", "noread-model", "--output-dir", "new"],
+                 "permission denied", marks=NOT_ROOT),
 ]
 
 
@@ -130,4 +218,4 @@ def test_bad_input(workdir, args, needle):
 
 
 def test_the_table_is_long_enough():
-    assert len(CASES) >= 25
+    assert len(CASES) >= 80
