@@ -1,18 +1,15 @@
 """A training run seen from outside the engine: the checks that need no heavy library, the output
-folder's lock, the run itself, and what is left behind when it fails or is signalled. Nothing here
+folder's lock, the run itself, and what is left behind when it fails or is stopped. Nothing here
 imports torch or transformers until the engine starts, so that a mistake answers at once."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import threading
 from pathlib import Path
 
 from effitrain import outputs
 from effitrain.config import TrainConfig
-from effitrain.errors import Terminated, UserError
+from effitrain.errors import UserError
 
 
 def train(config: TrainConfig, config_file: str | None = None) -> dict:
@@ -29,14 +26,12 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
     if outputs.is_main_process():  # the other processes write into the folder process 0 holds
         inputs = (config.data, config.validation_file, config.test_file, config.model, config_file, config.resume)
         run_dir = outputs.RunDir(out, config.overwrite, resume=resume_from is not None, inputs=inputs).acquire()
-    try:
-        with terminate_as_exception():
-            from effitrain import tasks
-            from effitrain.engine.run import run
+    try:  # the CLI turns SIGINT and SIGTERM into exceptions (cli._signals_unwind): they come here too
+        from effitrain import tasks
+        from effitrain.engine.run import run
 
-            tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
-
-            result = run(config, run_dir)
+        tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
+        result = run(config, run_dir)
     except BaseException as err:
         if run_dir is not None:
             run_dir.fail(user_mistake=isinstance(err, UserError))
@@ -69,21 +64,3 @@ def finished_run(config: TrainConfig, out: Path) -> dict | None:
     if outputs.is_main_process():
         print(f"the run in {out} has already finished (metrics.json); nothing to resume")
     return metrics
-
-
-@contextlib.contextmanager
-def terminate_as_exception():
-    """SIGTERM (a scheduler's or torchrun's stop) unwinds the run as an exception does, so that saves
-    in progress are cleaned up and an overwritten run is put back; the previous handler is restored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_terminated(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
