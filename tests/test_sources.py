@@ -291,3 +291,11 @@ def test_skip_bad_rows_skips_undecodable_images_and_counts_them(tmp_path):
     # Without the flag nothing is decoded here: preprocessing names the first bad file (test_image.py).
     unskipped = tasks.get(config.task).load_data(TrainConfig(**{**config.to_dict(), "skip_bad_rows": False}))
     assert unskipped.skipped_rows == 0 and sum(len(s) for s in unskipped.splits.values()) == 12
+
+
+def test_an_unclosed_quote_is_named_not_sent_to_skip_bad_rows(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('text,label\nok,ham\n"never closed,spam\nmore,ham\n')
+    with pytest.raises(UserError, match="has a quote that is never closed") as err:
+        load(path)
+    assert "--skip-bad-rows" not in str(err.value)

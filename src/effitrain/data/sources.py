@@ -73,6 +73,9 @@ def _read_file(path: Path, skip_bad_rows: bool):
         except UnicodeDecodeError as err:  # --skip-bad-rows cannot help: the whole file has another encoding
             raise _not_utf8(path, err)
         except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+            if "unexpected end of data" in str(err):  # skipping cannot help: the rest of the file is one field
+                raise UserError(f"data file {path} has a quote that is never closed (from there on the file "
+                                "reads as one field)", 'close that quote; write a quote inside a field as ""')
             raise UserError(f"data file {path} cannot be read: {_first_line(err)}",
                             "fix that row (quote fields holding the separator), or pass --skip-bad-rows")
         _check_separator(path, frame, separator)
