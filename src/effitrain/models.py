@@ -133,12 +133,19 @@ _SIZE_NAME = re.compile(r"^(num|n)_|_(size|layers|heads|dim|positions|embeddings
 
 
 def check_sizes(config, where: str) -> None:
-    """Sizes and counts below zero, in a config from a file or a spec, are refused before a model is built."""
+    """Sizes and counts below zero, in a config from a file or a spec, are refused before a model is built
+    (a layer count of -2 builds no layers, silently). Only where the config class's own default is >= 0:
+    some settings use -1 on purpose (DeBERTa's max_relative_positions, LLaVA's vision_feature_layer)."""
+    try:
+        defaults = type(config)().to_dict()
+    except Exception:  # composite configs that need arguments: nothing to compare with
+        return
     for key, value in config.to_dict().items():
-        if isinstance(value, int) and not isinstance(value, bool) and value < 0 and _SIZE_NAME.search(key):
+        default = defaults.get(key)
+        if (isinstance(value, int) and not isinstance(value, bool) and value < 0 and _SIZE_NAME.search(key)
+                and isinstance(default, int) and default >= 0):
             raise UserError(f"the model config of {where} has `{key}: {value}`, which must be >= 0",
-                            f"fix `{key}` (e.g. the {type(config).__name__} default, "
-                            f"{getattr(type(config)(), key, 'a positive number')})")
+                            f"fix `{key}` (e.g. the {type(config).__name__} default, {default})")
 
 
 # Model types whose position ids start after the padding index (RoBERTa's scheme): max_position_embeddings
@@ -152,7 +159,7 @@ def position_limit(config) -> int | None:
     """The most tokens one input may have: the learned absolute position embeddings' count; None where
     positions are relative or rotary (longer inputs run, however well) or the config names none."""
     positions = getattr(config, "max_position_embeddings", None)  # GPT-2's n_positions is mapped to it
-    if not isinstance(positions, int) or isinstance(positions, bool):
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:  # XLNet: -1, relative
         return None
     if any(getattr(config, name, None) is not None for name in ("rope_parameters", "rope_theta", "rope_scaling")):
         return None
