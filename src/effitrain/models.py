@@ -120,8 +120,8 @@ def config_for(model_type: str, sizes: str):
 def _check_setting(where: str, key: str, value, default) -> None:
     """A whole-number setting (sizes, counts) given as something else, or as zero or less where the
     default is positive (a layer count of -1 builds a model with no layers, silently)."""
-    if not isinstance(default, int) or isinstance(default, bool):
-        return
+    if not isinstance(default, int) or isinstance(default, bool) or not _SIZE_NAME.search(key):
+        return  # only sizes and counts: other int defaults (rope_theta) may well take a float
     if not isinstance(value, int) or isinstance(value, bool):
         raise UserError(f"{where}: `{key}` must be a whole number, got {value!r}",
                         f"write e.g. {key}={default}")
