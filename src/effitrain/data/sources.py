@@ -287,14 +287,6 @@ def labels_as_classes(data, user_column: str, where: str):
                     "give each row one label, a name or a whole number (multi-label data is not supported)")
 
 
-def check_classes(data, names: list[str], where: str) -> None:
-    """A classifier needs two classes in its training data: with one it learns a constant and scores 1.0."""
-    present = data.unique("label")
-    if len(present) < 2:
-        raise UserError(f"{where}: every training label is `{names[present[0]]}` (one class)",
-                        "add examples of at least one other class to the training data")
-
-
 def label_names(data) -> list[str]:
     """A ClassLabel's own names (built-ins keep their order), else the sorted distinct values."""
     from datasets import ClassLabel
@@ -360,7 +352,6 @@ def load(config, columns: dict[str, str], undecodable=None) -> Loaded:
     if "label" in columns:
         names = label_names(prepared["all"])
         prepared = {name: encode_labels(data, names, where[name]) for name, data in prepared.items()}
-        check_classes(prepared["all"], names, where["all"])
     splits = _split(prepared, config)
     return Loaded(limit(DatasetDict(splits), config.max_train_samples, config.max_eval_samples), base_dir, skipped)
 

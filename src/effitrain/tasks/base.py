@@ -78,6 +78,10 @@ class Task:
 
     def build_model(self, source: models.ModelSource, labels: list[str] | None, processor):
         """Pretrained weights with a fresh head sized for `labels`, or random initialisation from a config."""
+        if labels is not None and len(labels) < 2:  # evaluating on one class is fine; training on one is not
+            raise UserError(f"every training label is `{labels[0]}` (one class): a classifier trained on it learns "
+                            "a constant (and one output unit would make transformers treat it as regression)",
+                            "add examples of at least one other class to the training data")
         auto = self.auto_class
         head = {} if labels is None else {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
                                           "label2id": {label: i for i, label in enumerate(labels)}}
