@@ -148,7 +148,7 @@ def test_unknown_model_type_in_a_directory_is_named_before_any_tokenizer(tiny_mo
     with pytest.raises(UserError, match="model_type `nosuchmodel`, which transformers .* does not know"):
         models.resolve(str(tmp_path / "m"))
     (tmp_path / "m" / "config.json").write_text("{not json")
-    with pytest.raises(UserError, match="is not a JSON object"):
+    with pytest.raises(UserError, match="is not a valid JSON file"):
         models.resolve(str(tmp_path / "m"))
 
 

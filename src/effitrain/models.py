@@ -237,7 +237,7 @@ def _check_model_type(path: Path) -> None:
     try:
         model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (ValueError, AttributeError) as err:  # invalid JSON or not UTF-8; AttributeError: not an object
-        raise UserError(f"{path / 'config.json'} is not a JSON object ({first_line(err)[:120]})",
+        raise UserError(f"{path / 'config.json'} is not a valid JSON file with an object ({first_line(err)[:120]})",
                         "pass the directory that save_pretrained wrote, or fix the file")
     if model_type is not None and model_type not in _known_model_types():
         import transformers
