@@ -229,8 +229,11 @@ def test_one_column_for_two_roles_is_refused(tmp_path):
 def test_not_utf8_and_semicolons_are_not_sent_to_skip_bad_rows(tmp_path):
     latin = tmp_path / "latin.csv"
     latin.write_bytes("text,label\ncaf\xe9,ham\nok,spam\n".encode("latin-1"))
+    latin_jsonl = tmp_path / "latin.jsonl"  # datasets reads it; the bytes would fail at the first string function
+    latin_jsonl.write_bytes('{"text": "caf\xe9", "label": "ham"}\n{"text": "ok", "label": "spam"}\n'.encode("latin-1"))
     semi = write_csv(tmp_path / "semi.csv", sep=";")
-    for path, needle in ((latin, "is not UTF-8 text"), (semi, "looks separated by semicolons")):
+    for path, needle in ((latin, "is not UTF-8 text"), (latin_jsonl, "is not UTF-8 text"),
+                         (semi, "looks separated by semicolons")):
         for skip in (False, True):
             with pytest.raises(UserError, match=needle) as err:
                 load(path, skip_bad_rows=skip)

@@ -82,7 +82,11 @@ def _read_file(path: Path, skip_bad_rows: bool):
         return Dataset.from_pandas(frame, preserve_index=False), len(bad_lines)
     try:
         with _datasets_silent():
-            return load_dataset(kind, data_files=str(path), split="train"), 0
+            data = load_dataset(kind, data_files=str(path), split="train")
+        _check_utf8(path, data)
+        return data, 0
+    except UserError:
+        raise
     except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
         cause = err.__cause__ or err
         if isinstance(cause, UnicodeDecodeError):
@@ -91,9 +95,24 @@ def _read_file(path: Path, skip_bad_rows: bool):
                         f"check that every line is valid {kind}")
 
 
-def _not_utf8(path: Path, err: UnicodeDecodeError) -> UserError:
-    return UserError(f"data file {path} is not UTF-8 text (first bad byte {err.object[err.start:err.start + 1]!r})",
+def _not_utf8(path: Path, err: UnicodeDecodeError | None) -> UserError:
+    where = "" if err is None else f" (first bad byte {err.object[err.start:err.start + 1]!r})"
+    return UserError(f"data file {path} is not UTF-8 text{where}",
                      "save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`)")
+
+
+def _check_utf8(path: Path, data) -> None:
+    """datasets' JSON reader lets bytes that are not UTF-8 into string columns, where the first string
+    function fails on them: checked once here."""
+    import pyarrow as pa
+
+    for name in data.column_names:
+        column = data.data.column(name)
+        if _is_text(column.type):
+            try:
+                column.validate(full=True)
+            except pa.ArrowInvalid:
+                raise _not_utf8(path, None) from None
 
 
 def _check_separator(path: Path, frame, separator: str) -> None:
