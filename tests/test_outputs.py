@@ -124,21 +124,36 @@ def test_a_second_run_into_the_same_folder_is_refused_at_once(tiny_model_dir, tm
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
 
 
-def test_a_live_lock_refuses_and_a_stale_one_is_taken_over(tiny_model_dir, tmp_path):
+def test_a_held_lock_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, tmp_path):
+    """The lock is an flock: held while its process lives, released by the kernel when it dies."""
+    import fcntl
+
     out = tmp_path / "out"
     out.mkdir()
-    sleeper = subprocess.Popen(["sleep", "60"])
-    try:
-        (out / outputs.LOCK).write_text(json.dumps({"pid": sleeper.pid, "host": os.uname().nodename,
-                                                    "started": "2026-12-03 09:00:00"}))
-        with pytest.raises(UserError, match=f"another effitrain run \\(pid {sleeper.pid} on "):
+    lock = out / outputs.LOCK
+    lock.write_text(json.dumps({"pid": 4242, "host": "gpu-node-7", "started": "2026-12-03 09:00:00"}))
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the other run's process holds it
+        with pytest.raises(UserError, match=r"another effitrain run \(pid 4242 on gpu-node-7, since 2026-12-03"):
             effitrain.train(small(tiny_model_dir, out, max_steps=1))
-        assert (out / outputs.LOCK).exists()  # not ours to remove
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert effitrain.train(small(tiny_model_dir, out, max_steps=1))["steps"] == 1  # its process is gone
-    assert not (out / outputs.LOCK).exists()
+        assert lock.exists()  # not ours to remove
+    # The same file, no longer held (its process died): taken over, then removed at the end.
+    assert effitrain.train(small(tiny_model_dir, out, max_steps=1))["steps"] == 1
+    assert not lock.exists()
+
+
+def test_a_lock_that_is_not_a_file_is_refused_and_a_race_has_one_winner(tmp_path):
+    odd = tmp_path / "odd"
+    (odd / outputs.LOCK).mkdir(parents=True)
+    with pytest.raises(UserError, match="the lock file .* cannot be opened"):
+        outputs.RunDir(odd).acquire()
+    assert (odd / outputs.LOCK).is_dir()
+    first = outputs.RunDir(tmp_path / "race").acquire()
+    with pytest.raises(UserError, match="another effitrain run"):
+        outputs.RunDir(tmp_path / "race").acquire()
+    first.release(discard=True)
+    assert not (tmp_path / "race").exists()
+    outputs.RunDir(tmp_path / "race").acquire().release(discard=True)
 
 
 def test_a_user_mistake_during_the_run_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
@@ -226,15 +241,120 @@ def test_a_signal_during_a_save_leaves_no_half_checkpoint(tiny_model_dir, tmp_pa
     assert (out / "config.yaml").exists()  # a signalled run is kept (not a user mistake), for --resume
 
 
-def test_an_unreadable_lock_is_trusted_while_fresh_and_taken_over_once_old(tmp_path):
+class Killed(BaseException):
+    """Stands for SIGKILL: the run stops where it is, and nothing of its own clean-up runs."""
+
+
+def kill_at_step(monkeypatch, step: int) -> None:
+    fail_at_step(monkeypatch, step, Killed())
+
+    def die(self, user_mistake):
+        os.close(self.fd)  # what the kernel does for a dead process: the lock is free, nothing else changes
+        self.fd = None
+
+    monkeypatch.setattr(outputs.RunDir, "fail", die)
+
+
+def test_resume_auto_restarts_a_run_killed_before_its_first_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / outputs.LOCK).write_text("")  # its writer died between creating and filling it, or is writing now
-    with pytest.raises(UserError, match="a lock being written now"):
-        outputs.RunDir(out).acquire()
-    old = time.time() - 60
-    os.utime(out / outputs.LOCK, (old, old))
-    held = outputs.RunDir(out).acquire()
-    assert json.loads((out / outputs.LOCK).read_text())["pid"] == os.getpid()
-    held.release(discard=True)
-    assert not out.exists() or not any(out.iterdir())
+    kill_at_step(monkeypatch, 2)
+    with pytest.raises(Killed):
+        effitrain.train(small(tiny_model_dir, out, save_every=3, resume="auto"))
+    assert (out / "log.jsonl").exists() and not (out / "checkpoints").exists()
+    monkeypatch.undo()
+    assert effitrain.train(small(tiny_model_dir, out, save_every=3, resume="auto"))["steps"] == 6  # the same command
+
+
+def test_overwrite_with_resume_auto_continues_the_replacing_run_after_a_kill(tiny_model_dir, earlier_run,
+                                                                             monkeypatch):
+    """A restart loop (`launch --max-restarts`) with --overwrite --resume auto: the first start replaces the
+    earlier run, the restarts continue the new one; the earlier run stays aside until it succeeds."""
+    out, before = earlier_run
+    kill_at_step(monkeypatch, 4)
+    settings = dict(overwrite=True, resume="auto", save_every=3, max_steps=6)
+    with pytest.raises(Killed):
+        effitrain.train(small(tiny_model_dir, out, **settings))
+    assert (out / outputs.PREVIOUS / "metrics.json").exists() and (out / "checkpoints" / "step-3").is_dir()
+    monkeypatch.undo()
+    metrics = effitrain.train(small(tiny_model_dir, out, **settings))
+    assert metrics["steps"] == 6 and not (out / outputs.PREVIOUS).exists()
+    # Continued from its step-3 checkpoint: the log goes on from there, no step twice.
+    assert [r["step"] for r in read_jsonl(out / "log.jsonl") if "loss" in r and "split" not in r] == [2, 4, 6]
+
+
+def test_a_checkpoint_of_another_folder_does_not_open_this_one(tiny_model_dir, earlier_run, tmp_path):
+    """--resume PATH continues a checkpoint from elsewhere: the output folder is checked as for a new run."""
+    out, before = earlier_run
+    other = tmp_path / "other"
+    effitrain.train(small(tiny_model_dir, other, max_steps=4, save_every=2))
+    with pytest.raises(UserError, match="already holds an effitrain run"):
+        effitrain.train(small(tiny_model_dir, out, max_steps=4, save_every=2,
+                              resume=str(other / "checkpoints" / "step-2")))
+    assert snapshot(out) == before
+
+
+def test_config_yaml_does_not_carry_how_its_folder_was_treated(tiny_model_dir, earlier_run):
+    out, _ = earlier_run
+    effitrain.train(small(tiny_model_dir, out, max_steps=1, overwrite=True))
+    written = (out / "config.yaml").read_text()
+    assert "overwrite: false" in written and "resume: null" in written
+
+
+def fake_run(folder, **files):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / outputs.MARKER).write_text('{"kind": "train"}')
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_what_counts_as_written_by_effitrain(tmp_path):
+    run = fake_run(tmp_path / "run", **{"metrics.json": "{}", ".tmp-mynotes": "mine"})
+    (run / "model").mkdir()
+    fake_run(run / "sub", **{"thesis.txt": "mine"})  # a folder with a marker, and the user's file in it
+    (run / "link").symlink_to(tmp_path)
+    assert outputs.foreign_entries(run) == [".tmp-mynotes", "link", "sub/thesis.txt"]
+    with pytest.raises(UserError, match="holds files effitrain did not write"):
+        outputs.RunDir(run, overwrite=True).acquire()
+    assert (run / "sub" / "thesis.txt").exists() and not (run / outputs.LOCK).exists()
+
+
+def test_a_leftover_previous_folder_never_costs_the_run_in_place(tmp_path):
+    finished_ = fake_run(tmp_path / "a", **{"metrics.json": "{}", "config.yaml": "x: 1\n"})
+    (finished_ / "model").mkdir()
+    (finished_ / outputs.PREVIOUS / "checkpoints").mkdir(parents=True)  # killed while deleting the replaced run
+    with pytest.raises(UserError, match="already holds an effitrain run"):
+        outputs.RunDir(finished_).acquire()
+    assert (finished_ / "metrics.json").exists() and (finished_ / "model").is_dir()
+    assert not (finished_ / outputs.PREVIOUS).exists()
+    linked = fake_run(tmp_path / "b", **{"config.yaml": "x: 1\n"})
+    notes = tmp_path / "notes"
+    fake_run(notes, **{"notes.txt": "mine"})
+    (linked / outputs.PREVIOUS).symlink_to(notes)
+    with pytest.raises(UserError, match="is not a folder effitrain wrote"):
+        outputs.RunDir(linked, overwrite=True).acquire()
+    assert (notes / "notes.txt").read_text() == "mine" and (linked / "config.yaml").exists()
+
+
+def test_too_many_bad_steps_keep_the_log_and_best_but_write_no_model(tiny_model_dir, tmp_path, monkeypatch):
+    real = StepRunner.run
+
+    def run(self, group, at):
+        if at <= 2:
+            return real(self, group, at)
+        zeros = torch.zeros(2, dtype=torch.float64)
+        return StepResult(False, None, zeros, zeros)
+
+    monkeypatch.setattr(StepRunner, "run", run)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="2 steps in a row had a non-finite loss or gradient .* no model was saved"):
+        effitrain.train(small(tiny_model_dir, out, max_bad_steps=2, eval_every=2, metric_for_best="accuracy"))
+    assert (out / "best").is_dir() and (out / "log.jsonl").exists() and not (out / "model").exists()
+
+
+def test_a_rank_without_a_world_is_the_main_process(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert outputs.is_main_process()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not outputs.is_main_process()

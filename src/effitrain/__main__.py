@@ -1,5 +1,16 @@
-"""`python -m effitrain` (and `torchrun -m effitrain`) is the CLI."""
+"""`python -m effitrain`, `torchrun -m effitrain` and the `effitrain` command: the CLI."""
 
-from effitrain.cli import main
+import sys
 
-raise SystemExit(main())
+
+def run() -> int:
+    try:
+        from effitrain.cli import main
+    except KeyboardInterrupt:  # Ctrl-C while the CLI is still importing: the same one line as later
+        print("effitrain: stopped by SIGINT", file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

@@ -97,10 +97,11 @@ def run(args: argparse.Namespace) -> int:
     names = select_variants(args.variants)
     for name in names:  # a setting that cannot work fails now, not after the other variants ran
         variant_settings(name, args.batch_size)
-    skipped = {} if explicit else default_skips(names)
-    held = outputs.RunDir(args.output_dir, args.overwrite, kind="bench").acquire()
+    inputs = (args.model, args.data, *(flag for flag in extra if not flag.startswith("-")))
+    held = outputs.RunDir(args.output_dir, args.overwrite, inputs=inputs, kind="bench").acquire()
     bench_dir = held.path
     try:
+        skipped = {} if explicit else default_skips(names)
         held.start()
         results = run_matrix(args, names, skipped, extra, bench_dir)
         add_ratios(results)
@@ -111,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     except BaseException as err:
         held.fail(user_mistake=isinstance(err, UserError))
         raise
+    if not any(r["status"] == "ok" for r in results) and held.replacing:
+        held.fail(user_mistake=False)  # nothing measured: the bench it was to replace comes back
+        print(f"\nno variant ran; {bench_dir} holds the earlier bench again")
+        return 1
     held.succeed()
     print(f"\nwrote {bench_dir / 'bench.json'}" + (f" and {chart}" if chart else ""))
     return 0 if all(r["status"] != "failed" for r in results) else 1

@@ -261,6 +261,9 @@ def validate(config: TrainConfig) -> None:
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
               "local_sgd_steps", "effective_batch_size",
               "max_bad_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience")
+    for name in ("output_dir", "resume", "validation_file", "test_file", "data", "model"):
+        if getattr(config, name) is not None and not str(getattr(config, name)).strip():
+            raise UserError(f"{flag(name)} is empty", f"pass a value to {flag(name)}, or leave the flag out")
     if config.resume and not config.output_dir:
         raise UserError("--resume needs the --output-dir of the run to continue", "pass --output-dir too")
     if config.strategy not in STRATEGIES:

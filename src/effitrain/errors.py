@@ -13,6 +13,11 @@ class UserError(Exception):
         super().__init__(f"{self.problem}; fix: {self.fix}")
 
 
+class Diverged(UserError):
+    """The run's loss or weights stopped being finite: exit 2 like a mistake, but the run's files (its log,
+    checkpoints, best/) are kept to look at; model/ is never written."""
+
+
 class Terminated(BaseException):
     """SIGTERM during a run: unwinds it like Ctrl-C (a BaseException, so no `except Exception` eats it)."""
 

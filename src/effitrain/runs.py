@@ -9,7 +9,7 @@ from pathlib import Path
 
 from effitrain import outputs
 from effitrain.config import TrainConfig
-from effitrain.errors import UserError
+from effitrain.errors import Diverged, UserError
 
 
 def train(config: TrainConfig, config_file: str | None = None) -> dict:
@@ -18,14 +18,14 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
 
     out = Path(config.output_dir) if config.output_dir else None
     if config.resume == "auto" and out is not None:
-        finished = finished_run(config, out)
-        if finished is not None:
-            return finished
-    resume_from = checkpoint.find(out, config.resume) if config.resume else None
+        done = finished_run(config, out)
+        if done is not None:
+            return done
     run_dir = None
     if outputs.is_main_process():  # the other processes write into the folder process 0 holds
         inputs = (config.data, config.validation_file, config.test_file, config.model, config_file, config.resume)
-        run_dir = outputs.RunDir(out, config.overwrite, resume=resume_from is not None, inputs=inputs).acquire()
+        run_dir = outputs.RunDir(out, config.overwrite, inputs=inputs)
+        run_dir.acquire(config.resume, lambda: checkpoint.find(run_dir.path, config.resume) if config.resume else None)
     try:  # the CLI turns SIGINT and SIGTERM into exceptions (cli._signals_unwind): they come here too
         from effitrain import tasks
         from effitrain.engine.run import run
@@ -33,8 +33,8 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
         tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
         result = run(config, run_dir)
     except BaseException as err:
-        if run_dir is not None:
-            run_dir.fail(user_mistake=isinstance(err, UserError))
+        if run_dir is not None:  # a diverged run keeps what it wrote (log, checkpoints, best/): not a mistake to undo
+            run_dir.fail(user_mistake=isinstance(err, UserError) and not isinstance(err, Diverged))
         raise
     if run_dir is not None:
         run_dir.succeed()
@@ -44,9 +44,9 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
 def finished_run(config: TrainConfig, out: Path) -> dict | None:
     """--resume auto on a run that already ended: its metrics, untouched (a retried job finds its work
     done); refused if the settings differ from the run's."""
-    from effitrain.engine.checkpoint import MUST_MATCH
+    from effitrain.engine.checkpoint import MUST_MATCH, same_setting
 
-    if not ((out / "metrics.json").is_file() and (out / "model").is_dir() and (out / "config.yaml").is_file()):
+    if not (outputs.finished(out) and (out / "config.yaml").is_file()):
         return None
     import yaml
 
@@ -57,7 +57,9 @@ def finished_run(config: TrainConfig, out: Path) -> dict | None:
         return None
     now = config.to_dict()
     for key in MUST_MATCH:
-        if key in earlier and earlier[key] != now.get(key):
+        if key in earlier and not same_setting(key, earlier[key], now.get(key)):
+            if config.overwrite:
+                return None  # --overwrite --resume auto with other settings: replace it
             raise UserError(f"--resume auto: the run in {out} has finished, with {key}={earlier[key]!r} (this "
                             f"command has {now.get(key)!r})", "pass its settings to see it finished, --overwrite to "
                             "train it again, or another --output-dir")

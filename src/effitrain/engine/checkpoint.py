@@ -25,6 +25,21 @@ MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file",
               "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration")
 
 
+PATH_SETTINGS = ("model", "data", "validation_file", "test_file")
+
+
+def same_setting(key: str, earlier, now) -> bool:
+    """Equal, or the same file or folder written another way (./data.csv and /home/me/data.csv)."""
+    if earlier == now:
+        return True
+    if key in PATH_SETTINGS and isinstance(earlier, str) and isinstance(now, str):
+        try:
+            return Path(earlier).exists() and Path(now).exists() and Path(earlier).samefile(now)
+        except OSError:
+            return False
+    return False
+
+
 def folder(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
@@ -113,7 +128,7 @@ def check(path: Path, config_values: dict, world_size: int) -> dict:
     """The checkpoint's trainer state, if this run may continue it (checked before anything is written)."""
     state = trainer_state(path)
     for key in MUST_MATCH:
-        if key in state["config"] and state["config"][key] != config_values.get(key):
+        if key in state["config"] and not same_setting(key, state["config"][key], config_values.get(key)):
             raise UserError(f"checkpoint {path} was made with {key}={state['config'][key]!r}, this run has "
                             f"{config_values.get(key)!r}", "resume with the same settings, or start a new "
                             "--output-dir")

@@ -17,7 +17,7 @@ from effitrain.engine.evaluate import Evaluator
 from effitrain.engine.setup import Run, setup
 from effitrain.engine.state import TrainState
 from effitrain.engine.step import StepRunner
-from effitrain.errors import UserError
+from effitrain.errors import Diverged
 
 
 def run(config: TrainConfig, run_dir=None) -> dict:
@@ -48,7 +48,7 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         test = evaluation.evaluate(job.accelerator, job.task, job.model, job.eval_dls["test"], job.data.label_names)
         log_record(job, state, split="test", **test)
         if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
-            raise UserError(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
+            raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
         result = report.metrics(job, state, test, stopped_early)
         saving.save_model(job, job.out_dir / "model")
         result["wall_seconds"] = state.wall_seconds()
@@ -123,12 +123,10 @@ def after_step(job: Run, state: TrainState, result, bar) -> None:
     job.log.write({"step": step, "skipped": "non-finite loss or gradient", "grad_norm": None})
     write(job, bar, f"step {step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
     if state.bad_in_a_row >= job.config.max_bad_steps:
-        trained = state.skipped_steps < step  # some step was good: its weights are worth keeping
-        if trained:
-            saving.save_model(job, job.out_dir / "model")  # the weights of the last good step
-        raise UserError(f"{state.bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step "
-                        f"{step}); " + (f"the last good weights are in {job.out_dir / 'model'}" if trained else
-                                        "no step trained, so no model was saved"), NON_FINITE_FIX)
+        # The weights now are those the last good step made, and they gave these non-finite losses:
+        # not a model to hand out. Checkpoints and best/ (if any) stay, with the log.
+        raise Diverged(f"{state.bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step {step}), "
+                       "so the run stopped; no model was saved", NON_FINITE_FIX)
 
 
 NON_FINITE_FIX = "lower --lr, use --precision fp32, or check the data for extreme values"
@@ -140,12 +138,12 @@ def check_trained(job: Run, state: TrainState) -> None:
     import torch
 
     if state.step and state.skipped_steps >= state.step:
-        raise UserError(f"all {state.step} steps had a non-finite loss or gradient and were skipped, so the model "
+        raise Diverged(f"all {state.step} steps had a non-finite loss or gradient and were skipped, so the model "
                         "did not train; no model was saved", NON_FINITE_FIX)
     model = job.accelerator.unwrap_model(job.model)
     bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
     if job.reduce(torch.tensor([bad], device=job.accelerator.device)).item():  # FSDP: each checks its shard
-        raise UserError("the trained weights are not finite (NaN or infinity), so no model was saved",
+        raise Diverged("the trained weights are not finite (NaN or infinity), so no model was saved",
                         NON_FINITE_FIX)
 
 

@@ -103,11 +103,12 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model, config.allow_pickle)
     source.allow_partial = config.allow_partial_load
-    resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
                                    mixed_precision, broadcast_buffers=config.memory_budget is None)
     cleanup.callback(accelerator.end_training)
+    accelerator.wait_for_everyone()  # process 0 has locked the output folder and settled what was in it
+    resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
     resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes) if resume_from else None
     set_seed(config.seed)
     data = load_data(task, config, source, accelerator)
@@ -220,7 +221,10 @@ def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, run_dir: o
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         run_dir.start()  # an overwritten run is moved aside now, not before the data and model loaded
-        written = {**config.to_dict(), "output_dir": str(out_dir), "plan": plan.to_dict()}
+        # What reproduces the run; not how this command treated the folder (a rerun of this file with
+        # another --output-dir must not replace or resume what is there).
+        written = {**config.to_dict(), "output_dir": str(out_dir), "overwrite": False, "resume": None,
+                   "plan": plan.to_dict()}
         outputs.write_yaml(out_dir / "config.yaml", written)
     accelerator.wait_for_everyone()
     return out_dir
