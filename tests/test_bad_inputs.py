@@ -145,7 +145,7 @@ CASES = [
     (["train", "--early-stopping-threshold", "-1"], "--early-stopping-threshold must be >= 0"),
     (["train", "--eval-every", "0"], "--eval-every must be > 0"),
     (["train", "--early-stopping-threshold", "0.1"], "applies to early stopping, which is off"),
-    (["train", "--early-stopping-patience", "2", "--early-stopping-threshold", "inf"], "must be >= 0 and finite"),
+    (["train", "--early-stopping-patience", "2", "--early-stopping-threshold", "inf"], "--early-stopping-threshold must be a finite number"),
     (["train", "--config", "plan-bad.yaml"], "plan `pieces: 0` is not an integer from 1 to --batch-size"),
     (["train", "--config", "plan-edited.yaml", *TINY, "--output-dir", "new"], "the plan's `optim: 'sgd'` is not what"),
     (["evaluate", "--model", "prev/model", "--output", "prev/metrics.json"], "already exists"),
