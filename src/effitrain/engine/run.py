@@ -150,12 +150,14 @@ def check_trained(job: Run, state: TrainState) -> None:
 def log_window(job: Run, state: TrainState, result, bar) -> None:
     loss_total, item_total = state.take_window(job.reduce if job.world > 1 else None)
     grad_norm = None if result.grad_norm is None or not result.finite else float(result.grad_norm)
-    record = log_record(job, state, loss=loss_total / max(item_total, 1), lr=job.scheduler.get_last_lr()[0],
+    loss = loss_total / item_total if item_total else None  # None: every step of the window was skipped
+    record = log_record(job, state, loss=loss, lr=job.scheduler.get_last_lr()[0],
                         grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3))
-    state.last_loss = record["loss"]
-    bar.set_postfix(loss=f"{record['loss']:.4f}")
-    write(job, bar, f"step {state.step}/{job.total_steps} epoch {record['epoch']:.2f} loss {record['loss']:.4f} "
-                    f"lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f}")
+    state.last_loss = loss
+    shown = "-" if loss is None else f"{loss:.4f}"
+    bar.set_postfix(loss=shown)
+    write(job, bar, f"step {state.step}/{job.total_steps} epoch {record['epoch']:.2f} loss {shown} "
+                    f"lr {record['lr']:.2e} grad_norm " + ("-" if grad_norm is None else f"{grad_norm:.3f}"))
 
 
 def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
