@@ -5,6 +5,7 @@ real tensors, depth extrapolation equal to full depth, `effitrain plan`, and `tr
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -288,7 +289,9 @@ def test_resuming_a_budgeted_run_keeps_what_its_plan_chose(tmp_path):
     assert recomputed < plain
     common = {**COMMON, "model": TINY_GPT2, "task": "causal-lm", "output_dir": str(tmp_path / "run"),
               "save_every": 1, "resume": "auto"}
-    first = effitrain.train({**common, "max_steps": 2, "memory_budget": str((plain + recomputed) // 2)})
+    first = effitrain.train({**common, "max_steps": 3, "memory_budget": str((plain + recomputed) // 2)})
     assert first["gradient_checkpointing"] and first["pieces_per_micro_batch"] == 16
+    for finished in ("metrics.json", "model"):  # as if killed after its step-2 checkpoint
+        shutil.rmtree(tmp_path / "run" / finished) if finished == "model" else (tmp_path / "run" / finished).unlink()
     resumed = effitrain.train({**common, "max_steps": 3, "memory_budget": "64GiB"})
     assert resumed["steps"] == 3 and resumed["gradient_checkpointing"] and resumed["optimizer"] == "adamw"

@@ -155,8 +155,11 @@ def test_a_nan_loss_is_skipped_counted_and_training_ends_normally(tiny_model_dir
     assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "o").values())
 
 
-def test_too_many_bad_steps_in_a_row_stop_with_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch):
+def test_too_many_bad_steps_in_a_row_stop_the_run_without_a_model(tiny_model_dir, tmp_path, monkeypatch):
+    """The weights when it stops are those that gave the non-finite losses: not handed out as model/;
+    the run's log and checkpoints stay to look at."""
     nan_at({3, 4, 5}, monkeypatch)
-    with pytest.raises(UserError, match="3 steps in a row had a non-finite loss"):
-        effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=8, max_bad_steps=3))
-    assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "o").values())
+    with pytest.raises(UserError, match="3 steps in a row had a non-finite loss .* no model was saved"):
+        effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=8, max_bad_steps=3, save_every=2))
+    assert not (tmp_path / "o" / "model").exists() and (tmp_path / "o" / "checkpoints" / "step-2").is_dir()
+    assert sum("skipped" in r for r in read_jsonl(tmp_path / "o" / "log.jsonl")) == 3
