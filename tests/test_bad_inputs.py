@@ -49,7 +49,28 @@ def workdir(tiny_model_dir, tmp_path_factory):
     torch.save({}, root / "pickled" / "pytorch_model.bin")
     write_bad_data(root)
     write_bad_models(root, tiny_model_dir)
+    write_output_cases(root, tiny_model_dir)
     return root
+
+
+def write_output_cases(root, tiny_model_dir):
+    """Folders --overwrite must not empty, and weights that do not fit their config."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from effitrain.outputs import MARKER
+
+    (root / "notes").mkdir()
+    (root / "notes" / "ideas.txt").write_text("mine")
+    for name in ("marked", "marked2"):  # effitrain runs; the first also holds a file of the user's
+        shutil.copytree(root / "prev", root / name)
+        (root / name / MARKER).write_text('{"kind": "train"}')
+    (root / "marked" / "notes.txt").write_text("mine")
+    (root / "nan.yaml").write_text("lr: .nan\n")
+    config = BertConfig.from_pretrained(tiny_model_dir)
+    config.hidden_size, config.intermediate_size = 64, 128
+    BertForSequenceClassification(config).save_pretrained(root / "wrongsize")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, root / "wrongsize" / name)
 
 
 def write_bad_data(root):
@@ -156,6 +177,21 @@ CASES = [
     # outputs
     (["train", *TINY, "--output-dir", "prev"], "already holds files"),
     (["train", *TINY, "--output-dir", "d.csv"], "is a file"),
+    # output folders and honest results
+    (["train", *TINY, "--output-dir", "notes", "--overwrite"], "is not an effitrain run"),
+    (["train", *TINY, "--output-dir", "marked", "--overwrite"], "holds files effitrain did not write (notes.txt)"),
+    (["train", "--model", "marked2/model", "--max-train-samples", "8", "--output-dir", "marked2", "--overwrite"],
+     "holds this run's own input"),
+    (["train", *TINY, "--output-dir", "marked2"], "already holds an effitrain run"),
+    (["train", "--output-dir", ""], "--output-dir is empty"),
+    (["bench", "--output-dir", "notes", "--overwrite", "--variants", "baseline"], "is not an effitrain run"),
+    (["train", "--lr", "inf"], "--lr must be a finite number"),
+    (["train", "--max-grad-norm", "nan"], "--max-grad-norm must be a finite number"),
+    (["train", "--config", "nan.yaml"], "--lr must be a finite number"),
+    (["train", "--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
+     "do not fit its config.json"),
+    (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
     # other commands
     (["predict", "--model", "prev/model"], "nothing to predict"),
     (["predict", "--model", "prev/model", "--input", "missing.jsonl"], "does not exist"),
@@ -210,14 +246,14 @@ CASES = [
 
 @pytest.mark.parametrize("args, needle", CASES)
 def test_bad_input(workdir, args, needle):
-    before = snapshot(workdir / "prev")
+    before = snapshot(workdir)  # every earlier run, model and data file
     result = run_cli(*args, cwd=workdir)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], result.stderr[-2000:]
-    assert snapshot(workdir / "prev") == before
-    assert not (workdir / "new" / "metrics.json").exists()
+    assert snapshot(workdir) == before
+    assert not (workdir / "new").exists()  # nothing half made: the corrected command is not refused
 
 
 def test_the_table_is_long_enough():
-    assert len(CASES) >= 80
+    assert len(CASES) >= 90
