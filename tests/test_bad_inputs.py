@@ -71,6 +71,12 @@ def write_output_cases(root, tiny_model_dir):
     BertForSequenceClassification(config).save_pretrained(root / "wrongsize")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, root / "wrongsize" / name)
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model_dir, root / "nanmodel")  # what a diverged run would have saved, before effitrain refused to
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights["classifier.bias"] = torch.full_like(weights["classifier.bias"], float("nan"))
+    save_file(weights, str(root / "nanmodel" / "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_bad_data(root):
@@ -192,6 +198,8 @@ CASES = [
     (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
+    (["predict", "--model", "nanmodel", "--text", "hi"], "gives non-finite outputs"),
+    (["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs"),
     # other commands
     (["predict", "--model", "prev/model"], "nothing to predict"),
     (["predict", "--model", "prev/model", "--input", "missing.jsonl"], "does not exist"),

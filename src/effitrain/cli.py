@@ -197,8 +197,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     results = predict(args.model, args.text, args.batch_size, text_pairs=args.text_pair, prompts=args.prompt,
                       input_file=args.input, options=options, seed=args.seed, allow_pickle=args.allow_pickle,
                       progress=True)
-    for result in results:
-        print(outputs.json_text(result, ensure_ascii=False))
+    try:
+        for result in results:
+            print(outputs.json_text(result, ensure_ascii=False))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `predict ... | head`: the reader took what it wanted (the Python docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -4,6 +4,8 @@ finished run (same data flags, same seed) gives its metrics.json `test` values a
 
 from __future__ import annotations
 
+import math
+
 from effitrain import inference
 from effitrain.errors import UserError
 
@@ -60,6 +62,9 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     loader = accelerator.prepare(loader)  # even_batches: gather_for_metrics drops the padded-in duplicates
     metrics = engine_evaluate.evaluate(accelerator, task, model, loader, label_names)
     accelerator.end_training()
+    if not math.isfinite(metrics["loss"]):  # NaN logits would still give an argmax, and an accuracy
+        raise UserError(f"model {path} gives non-finite outputs (loss {metrics['loss']}) on --data {config.data}: "
+                        "its weights are broken", "evaluate a model whose training ended without an error")
     return metrics
 
 

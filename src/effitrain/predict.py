@@ -4,6 +4,8 @@ builds the batches and says what the outputs mean; this module batches and keeps
 
 from __future__ import annotations
 
+import math
+
 from effitrain import inference
 from effitrain.errors import UserError
 from effitrain.tasks.base import PredictInputs, PredictOptions
@@ -55,4 +57,7 @@ def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = BA
             batch = {key: value.to(device) for key, value in batch.items()}
             for i, prediction in zip(indices, task.predictions(model, batch, saved.processor, options)):
                 results[i] = {**records[i], **prediction}
+                if not math.isfinite(prediction.get("score", 0.0)):  # NaN logits still give an argmax label
+                    raise UserError(f"model {path} gives non-finite outputs (input {i + 1}): its weights are "
+                                    "broken", "predict with a model whose training ended without an error")
     return results
