@@ -77,6 +77,11 @@ def write_output_cases(root, tiny_model_dir):
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     weights["classifier.bias"] = torch.full_like(weights["classifier.bias"], float("nan"))
     save_file(weights, str(root / "nanmodel" / "model.safetensors"), metadata={"format": "pt"})
+    import json
+
+    labelled = {**json.loads((tiny_model_dir / "config.json").read_text()), "id2label": {"0": "ham", "1": "spam"},
+                "label2id": {"ham": 0, "spam": 1}}  # d.csv's labels, so that evaluate gets to the outputs
+    (root / "nanmodel" / "config.json").write_text(json.dumps(labelled))
 
 
 def write_bad_data(root):

@@ -27,13 +27,31 @@ def resolve(name: str, allow_pickle: bool = False) -> Path:
     pickle weights), for `default`, a path or a cached hub id."""
     if name == "default":
         return _checked_dir(default_model_dir(), allow_pickle)
+    path = _local_path(name)
+    return _checked_dir(path if path is not None else _from_hub_cache(name), allow_pickle)
+
+
+def _local_path(name: str) -> Path | None:
+    """The folder a --model that names a local path points at (None: a hub id); a path that is not a
+    folder is refused."""
     path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        if not path.is_dir():
-            raise UserError(f"model path {name} is not a directory",
-                            "pass a directory holding config.json and model.safetensors (what save_pretrained writes)")
-        return _checked_dir(path, allow_pickle)
-    return _checked_dir(_from_hub_cache(name), allow_pickle)
+    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+        return None
+    if not path.is_dir():
+        raise UserError(f"model path {name} is not a directory",
+                        "pass a directory holding config.json and model.safetensors (what save_pretrained writes)")
+    return path
+
+
+def check_local(name: str, allow_pickle: bool = False) -> None:
+    """What resolve_source refuses about a local model folder that needs no library (missing, no
+    config.json, no weights), so that it answers before torch and transformers are imported."""
+    path = Path(name).expanduser()
+    if name == "default" or name.endswith(".json") and path.is_file() or ":" in name and not path.exists():
+        return
+    local = _local_path(name)
+    if local is not None:
+        _checked_dir(local, allow_pickle, model_type=False)
 
 
 def has_safetensors(path: Path) -> bool:
@@ -208,14 +226,15 @@ def _from_hub_cache(repo_id: str) -> Path:
                         f"{repo_id}` where there is internet")
 
 
-def _checked_dir(path: Path, allow_pickle: bool = False) -> Path:
+def _checked_dir(path: Path, allow_pickle: bool = False, model_type: bool = True) -> Path:
     if not os.access(path, os.R_OK | os.X_OK):  # else every file in it would read as missing
         raise UserError(f"model directory {path} cannot be read (permission denied)",
                         "make it readable (chmod -R u+rX), or run as its owner")
     if not (path / "config.json").is_file():
         raise UserError(f"model directory {path} has no config.json",
                         "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
-    _check_model_type(path)
+    if model_type:  # needs transformers' list of model types
+        _check_model_type(path)
     if has_safetensors(path):
         return path
     pickles = [p for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern)]

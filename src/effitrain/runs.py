@@ -14,8 +14,15 @@ from effitrain.errors import Diverged, UserError
 
 def train(config: TrainConfig, config_file: str | None = None) -> dict:
     """Run one training job; returns the metrics written to metrics.json."""
+    from effitrain import models
+    from effitrain.data import sources
     from effitrain.engine import checkpoint
 
+    models.check_local(config.model, config.allow_pickle)  # paths first: no library needed to refuse them
+    for flag, source in (("--data", config.data), ("--validation-file", config.validation_file),
+                         ("--test-file", config.test_file)):
+        if source is not None:
+            sources.locate(source, flag)
     out = Path(config.output_dir) if config.output_dir else None
     if config.resume == "auto" and out is not None:
         done = finished_run(config, out)

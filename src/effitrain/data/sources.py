@@ -23,11 +23,11 @@ class Loaded:
     skipped_rows: int
 
 
-def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, Path | None, int]:
-    """{split name: Dataset} as the source holds them ("all" when it is not split yet), the folder that
-    relative paths start from, and how many unreadable rows were skipped."""
+def locate(source: str, flag: str = "--data") -> tuple[str, Path | None]:
+    """What kind of source it is (builtin, folder, file, hub), refusing what cannot be read; no library
+    is imported, so that a wrong path answers before anything heavy loads."""
     if source in BUILTINS:
-        return BUILTINS[source](), None, 0
+        return "builtin", None
     path = Path(source).expanduser()
     if path.exists() and not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
         raise UserError(f"{flag} {path} cannot be read (permission denied)",
@@ -35,7 +35,7 @@ def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, 
     if path.is_dir():
         if flag != "--data":
             raise UserError(f"{flag} {path} is a folder", "pass one data file (.csv, .tsv, .json, .jsonl, .parquet)")
-        return _read_saved(path, flag), path, 0
+        return "folder", path
     if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
         raise UserError(f"{flag} {path} is not a regular file (a pipe, socket or device)",
                         "save the data to a file and pass its path")
@@ -43,12 +43,25 @@ def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, 
         if path.suffix.lower() not in FILE_KINDS:
             raise UserError(f"{flag} {path}: unknown file type `{path.suffix}`",
                             f"use one of {', '.join(FILE_KINDS)} or a folder from save_to_disk")
-        data, skipped = _read_file(path, skip_bad_rows)
-        return {"all": data}, path.parent, skipped
+        return "file", path
     if "/" in source and not source.startswith((".", "/", "~")):
-        return _read_hub_cache(source), None, 0
+        return "hub", None
     raise UserError(f"{flag} {source}: no such file, folder or built-in data set",
                     f"pass a file path or one of: {', '.join(BUILTINS)}")
+
+
+def read(source: str, skip_bad_rows: bool, flag: str = "--data") -> tuple[dict, Path | None, int]:
+    """{split name: Dataset} as the source holds them ("all" when it is not split yet), the folder that
+    relative paths start from, and how many unreadable rows were skipped."""
+    kind, path = locate(source, flag)
+    if kind == "builtin":
+        return BUILTINS[source](), None, 0
+    if kind == "folder":
+        return _read_saved(path, flag), path, 0
+    if kind == "file":
+        data, skipped = _read_file(path, skip_bad_rows)
+        return {"all": data}, path.parent, skipped
+    return _read_hub_cache(source), None, 0
 
 
 def _read_file(path: Path, skip_bad_rows: bool):
