@@ -14,6 +14,7 @@ def save_model(run, folder: Path) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()  # no process looks into `tmp` while it is being cleared
     try:
         accelerator.unwrap_model(run.model).save_pretrained(
             tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
