@@ -358,3 +358,23 @@ def test_a_rank_without_a_world_is_the_main_process(monkeypatch):
     assert outputs.is_main_process()
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not outputs.is_main_process()
+
+
+def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_half_model(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    import errno
+
+    from effitrain import cli
+    from effitrain.engine import saving
+
+    def full(run, folder):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "tokenizer.json"))
+
+    monkeypatch.setattr(saving, "save_processor", full)
+    out = tmp_path / "out"
+    code = cli.main(["train", "--model", str(tiny_model_dir), "--max-train-samples", "16", "--max-eval-samples",
+                     "8", "--batch-size", "8", "--max-steps", "2", "--save-every", "1", "--output-dir", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "No space left on device writing" in lines[0] and "fix:" in lines[0]
+    assert not (out / "model").exists() and not (out / ".tmp-model").exists()
+    assert (out / "checkpoints" / "step-1").is_dir()  # what was saved before stays, for --resume auto

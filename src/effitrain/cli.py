@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -382,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             return _ended(err, debug, received)
 
 
+FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
     """The exit code of a command that raised, and its one stderr line: 2 for a user mistake, 128 + the
     signal for Ctrl-C (130) or SIGTERM (143), also when the signal surfaced as another error (a peer
@@ -396,6 +400,11 @@ def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
     if isinstance(err, PermissionError):  # always the user's file or folder, wherever it was met
         err = UserError(f"permission denied: {err.filename or err}", "make it readable (and its folder writable, "
                         "for outputs), or run as its owner")
+    elif isinstance(err, OSError) and err.errno in FULL_OR_READ_ONLY:  # a save found no room: the disk, not a bug
+        where = f" writing {err.filename}" if err.filename else ""
+        err = UserError(f"{err.strerror or err}{where} (a half-written save was removed; earlier checkpoints stay)",
+                        "free space there, or write to another disk; then rerun (train: --resume auto continues from "
+                        "the last checkpoint)")
     if isinstance(err, (UserError, LaunchEnded)):
         code, line = err.exit_code, err.line if isinstance(err, LaunchEnded) else f"effitrain: error: {err}"
         if isinstance(err, UserError):
