@@ -140,7 +140,7 @@ class RunDir:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner = _read_lock(lock)
+                owner = _read_json(lock)
                 os.close(fd)
                 where = (f" (pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('started')})"
                          if owner else "")
@@ -243,8 +243,9 @@ class RunDir:
 
     def _put_back_previous(self) -> None:
         """The run being replaced goes back; what the replacing run wrote goes."""
+        foreign = _foreign_names(self.path)
         for entry in self.path.iterdir():
-            if entry.name not in (LOCK, PREVIOUS) and not foreign_entries_of(entry):
+            if entry.name not in (LOCK, PREVIOUS) and entry.name not in foreign:
                 _remove(entry)
         self._move_back(self.path / PREVIOUS)
 
@@ -259,8 +260,9 @@ class RunDir:
     def release(self, discard: bool = False) -> None:
         """Drop the lock; `discard`: also remove what this run wrote, and the folders it created."""
         if discard and self.started and not self.replacing and not self.resume:
+            foreign = _foreign_names(self.path)
             for entry in self.path.iterdir():
-                if entry.name != LOCK and not foreign_entries_of(entry):
+                if entry.name != LOCK and entry.name not in foreign:
                     _remove(entry)
         if self.fd is not None:
             (self.path / LOCK).unlink(missing_ok=True)  # while still locked: the next run makes a new one
@@ -274,9 +276,9 @@ class RunDir:
             self.created = None
 
 
-def foreign_entries_of(entry: Path) -> list[str]:
-    """foreign_entries for one entry of a run folder: [] when effitrain wrote it."""
-    return [name for name in foreign_entries(entry.parent) if name == entry.name or name.startswith(entry.name + "/")]
+def _foreign_names(folder: Path) -> set[str]:
+    """The entries of `folder` that are, or hold, something effitrain did not write (looked for once)."""
+    return {name.split("/")[0] for name in foreign_entries(folder)}
 
 
 def _delete(folder: Path, via: Path) -> None:
@@ -301,8 +303,6 @@ def _read_json(path: Path) -> dict:
         return {}
     return value if isinstance(value, dict) else {}
 
-
-_read_lock = _read_json
 
 
 def finite(data: Any) -> tuple[Any, list[str]]:
