@@ -247,7 +247,8 @@ def check_plan(plan: dict, batch_size: int) -> None:
                             "rerun with the config.yaml as the run wrote it, or drop the plan block")
 
 
-def validate(config: TrainConfig) -> None:
+def _check_values(config: TrainConfig) -> None:
+    """Each field alone: its type, a finite number, a seed torch takes, no empty path."""
     import math
 
     for f in fields():
@@ -257,13 +258,17 @@ def validate(config: TrainConfig) -> None:
                             f"pass e.g. {flag(f.name)} {f.default if f.default is not None else 1.0}")
     if not 0 <= config.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {config.seed}", "pass e.g. --seed 42")
+    for name in ("output_dir", "resume", "validation_file", "test_file", "data", "model"):
+        if getattr(config, name) is not None and not str(getattr(config, name)).strip():
+            raise UserError(f"{flag(name)} is empty", f"pass a value to {flag(name)}, or leave the flag out")
+
+
+def validate(config: TrainConfig) -> None:
+    _check_values(config)
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
               "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
               "local_sgd_steps", "effective_batch_size",
               "max_bad_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience")
-    for name in ("output_dir", "resume", "validation_file", "test_file", "data", "model"):
-        if getattr(config, name) is not None and not str(getattr(config, name)).strip():
-            raise UserError(f"{flag(name)} is empty", f"pass a value to {flag(name)}, or leave the flag out")
     if config.resume and not config.output_dir:
         raise UserError("--resume needs the --output-dir of the run to continue", "pass --output-dir too")
     if config.strategy not in STRATEGIES:

@@ -304,7 +304,6 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-
 def finite(data: Any) -> tuple[Any, list[str]]:
     """`data` with every NaN or infinite float replaced by None, and the places replaced ("test.loss"):
     strict JSON has no NaN or Infinity, and a reader must not take a missing value for a number."""
