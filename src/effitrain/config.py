@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from effitrain import adapters
 from effitrain.errors import UserError
 from effitrain.tasks import NAMES as TASKS
 
@@ -18,6 +19,7 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 KEEP = ("final", "best")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
+PEFT_METHODS = ("none", "lora", "qlora")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -62,6 +64,15 @@ class TrainConfig:
                           "(GPU, with a gradient scaler)", choices=PRECISIONS)
     optim: str = _opt("adamw", "adamw (fused), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else torchao), "
                       "sgd (momentum = --beta1)", choices=OPTIMIZERS)
+    peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
+                     "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
+                     "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
+                     "the adapter", choices=PEFT_METHODS)
+    lora_r: int = _opt(8, "LoRA rank (the inner size of each update B @ A)")
+    lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r")
+    lora_dropout: float = _opt(0.05, "dropout on the adapters' inputs")
+    lora_target_modules: str = _opt("all-linear", "the layers that get adapters: all-linear (every linear layer "
+                                    "of the body, not the head) or a comma list of module names (e.g. query,value)")
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
@@ -307,6 +318,7 @@ def validate(config: TrainConfig) -> None:
     if config.early_stopping_threshold and config.early_stopping_patience is None:
         raise UserError("--early-stopping-threshold applies to early stopping, which is off",
                         "pass --early-stopping-patience too, or drop the threshold")
+    adapters.check_config(config)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
     if config.task not in TASKS:

@@ -58,7 +58,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
         # The task's preprocessing reads a DatasetDict's columns from its `train` split: ours is alone there.
         encoded = task.preprocess(DatasetDict(train=data), processor, config, loaded.base_dir)["train"]
     loader = DataLoader(encoded, batch_size=config.eval_batch_size, collate_fn=task.collators(processor, config)[1])
-    model = accelerator.prepare_model(task.build_model(source, None, processor), evaluation_mode=True)
+    model = accelerator.prepare_model(inference.build(path, task, processor), evaluation_mode=True)
     loader = accelerator.prepare(loader)  # even_batches: gather_for_metrics drops the padded-in duplicates
     metrics = engine_evaluate.evaluate(accelerator, task, model, loader, label_names)
     accelerator.end_training()

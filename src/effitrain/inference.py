@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from effitrain import models, tasks
+from effitrain import adapters, models, tasks
 
 
 @dataclass
@@ -25,10 +25,16 @@ def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None
 
 
 def load(path: Path, task) -> SavedModel:
-    source = models.ModelSource(path)
-    processor = task.load_processor(source)
-    model = task.build_model(source, None, processor).eval()  # no labels: the saved head as it is
-    return SavedModel(path, task, processor, model)
+    processor = task.load_processor(models.ModelSource(path))
+    return SavedModel(path, task, processor, build(path, task, processor).eval())
+
+
+def build(path: Path, task, processor):
+    """The saved model, head as it is (no labels given); an adapter folder (adapter/, best/ of a --peft
+    run) is applied to its base model and merged."""
+    if adapters.is_adapter_dir(path):
+        return adapters.load_for_inference(path, task, processor)
+    return task.build_model(models.ModelSource(path), None, processor)
 
 
 def text_max_length(processor, model_config) -> int:

@@ -22,7 +22,11 @@ MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file",
               "label_column", "image_column", "audio_column", "max_train_samples", "batch_size", "grad_accum",
               "effective_batch_size", "seed", "max_length", "group_by_length", "packing", "optim", "precision",
               "lr", "weight_decay", "warmup_ratio", "beta1", "beta2", "validation_split", "test_split",
-              "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration")
+              "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration", "peft", "lora_r",
+              "lora_alpha", "lora_dropout", "lora_target_modules")
+# Settings added after checkpoints were first written: what a checkpoint without them was made with.
+EARLIER_DEFAULTS = {"peft": "none", "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.05,
+                    "lora_target_modules": "all-linear"}
 
 
 PATH_SETTINGS = ("model", "data", "validation_file", "test_file")
@@ -127,9 +131,10 @@ class Checkpointer:
 def check(path: Path, config_values: dict, world_size: int) -> dict:
     """The checkpoint's trainer state, if this run may continue it (checked before anything is written)."""
     state = trainer_state(path)
+    made_with = {**EARLIER_DEFAULTS, **state["config"]}
     for key in MUST_MATCH:
-        if key in state["config"] and not same_setting(key, state["config"][key], config_values.get(key)):
-            raise UserError(f"checkpoint {path} was made with {key}={state['config'][key]!r}, this run has "
+        if key in made_with and not same_setting(key, made_with[key], config_values.get(key)):
+            raise UserError(f"checkpoint {path} was made with {key}={made_with[key]!r}, this run has "
                             f"{config_values.get(key)!r}", "resume with the same settings, or start a new "
                             "--output-dir")
     if state["world_size"] != world_size:

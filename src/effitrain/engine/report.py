@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from effitrain import outputs
+from effitrain import adapters, outputs
 from effitrain.devices import peak_memory_bytes
 from effitrain.engine import optim
 
@@ -16,7 +16,9 @@ def metrics(run, state, test: dict, stopped_early: bool) -> dict:
     # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
     state_size = optim.state_bytes(optimizer)
-    trainable = max(1, sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters() if p.requires_grad))
+    model = accelerator.unwrap_model(run.model)
+    parameters = adapters.counts(model)
+    trainable = max(1, parameters["trainable"])
     peak = torch.tensor([peak_memory_bytes(accelerator.device)], device=accelerator.device)
     return {
         "task": run.task.name,
@@ -40,7 +42,12 @@ def metrics(run, state, test: dict, stopped_early: bool) -> dict:
         "precision": {"no": "fp32"}.get(plan.precision, plan.precision),
         "optimizer": plan.optim,
         "optimizer_state_bytes": state_size,
-        "optimizer_state_bytes_per_param": state_size / trainable,
+        "optimizer_state_bytes_per_param": state_size / trainable,  # per trainable parameter
+        "parameters": parameters,  # trainable and total (4-bit weights count as the values they hold)
+        "trainable_share": parameters["trainable"] / max(1, parameters["total"]),
+        "peft": config.peft,
+        # The adapter's weights (LoRA matrices and the trained head), as adapter/ stores them.
+        "adapter_bytes": adapters.adapter_bytes(adapters.adapter_state(model)) if run.adapted else None,
         "gradient_checkpointing": plan.gradient_checkpointing,
         "grad_accum": plan.grad_accum,
         # --memory-budget: each loaded micro-batch ran as this many pieces (1: as loaded).

@@ -51,6 +51,8 @@ def run(config: TrainConfig, run_dir=None) -> dict:
             raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
         result = report.metrics(job, state, test, stopped_early)
         saving.save_model(job, job.out_dir / "model")
+        if job.adapted:
+            saving.save_model(job, job.out_dir / "adapter", adapter=True)
         result["wall_seconds"] = state.wall_seconds()
         report.write(job, result)
         return result
@@ -166,7 +168,7 @@ def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
     log_record(job, state, split="validation", **state.validation)
     write(job, bar, f"step {state.step} validation: {report.short(state.validation)}")
     if improved and job.keeps_best:
-        saving.save_model(job, job.out_dir / "best")
+        saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
     stop = evaluator.should_stop(state)
     if stop:
         write(job, bar, f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "

@@ -1,14 +1,18 @@
-"""Weights as plain transformers loads them: model/ (the final, or best, weights) and best/."""
+"""Weights as plain transformers loads them: model/ (the final, or best, weights) and best/; with
+adapters (--peft), model/ holds them merged into the base, and adapter/ and best/ peft's own folder."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+from effitrain import adapters
 
-def save_model(run, folder: Path) -> None:
+
+def save_model(run, folder: Path, adapter: bool = False) -> None:
     """save_pretrained (safetensors, config with id2label, the processor), written into a temporary
-    folder and renamed over `folder`, so that a kill during a save never leaves half a model."""
+    folder and renamed over `folder`, so that a kill during a save never leaves half a model.
+    `adapter`: an adapted model's adapter alone (peft's files, the plain config and the processor)."""
     accelerator = run.accelerator
     tmp = folder.with_name(f".tmp-{folder.name}")
     accelerator.wait_for_everyone()
@@ -16,9 +20,7 @@ def save_model(run, folder: Path) -> None:
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()  # no process looks into `tmp` while it is being cleared
     try:
-        accelerator.unwrap_model(run.model).save_pretrained(
-            tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-            state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
+        write_weights(run, tmp, adapter)
         accelerator.wait_for_everyone()  # the other processes' save_pretrained also looks into `tmp`
         if accelerator.is_main_process:
             save_processor(run, tmp)
@@ -30,6 +32,23 @@ def save_model(run, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     accelerator.wait_for_everyone()
+
+
+def write_weights(run, folder: Path, adapter: bool) -> None:
+    accelerator = run.accelerator
+    model = accelerator.unwrap_model(run.model)
+    if not adapters.is_adapted(model):
+        model.save_pretrained(folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+                              state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
+        return
+    if adapter:
+        if accelerator.is_main_process:
+            adapters.save_adapter(model, folder)
+            adapters.plain_config(model).save_pretrained(folder)  # the labels and the task, for predict
+        return
+    state = adapters.merged_state_dict(model)  # on every process: FSDP gathers its shards collectively
+    if accelerator.is_main_process:
+        adapters.save_merged(model, run.task, folder, state)
 
 
 def save_processor(run, folder: Path) -> None:
@@ -50,10 +69,13 @@ def load_weights(run, folder: Path) -> None:
     """Put the weights of a save_model folder back into the run's model (--keep best)."""
     from safetensors.torch import load_file
 
+    model = run.accelerator.unwrap_model(run.model)
+    if adapters.is_adapted(model):
+        adapters.load_adapter_weights(model, folder)
+        return
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file), device=str(run.accelerator.device)))
-    model = run.accelerator.unwrap_model(run.model)
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
         raise RuntimeError(f"{folder} holds weights the model does not have: {unexpected[:3]}")

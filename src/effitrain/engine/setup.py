@@ -8,6 +8,7 @@ that rerunning config.yaml pins the same choices and reproduces the run."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import models, outputs, tasks
+from effitrain import adapters, models, outputs, tasks
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
@@ -85,6 +86,11 @@ class Run:
         config = self.config
         return bool(config.metric_for_best or config.early_stopping_patience or config.keep == "best")
 
+    @property
+    def adapted(self) -> bool:
+        """LoRA or QLoRA adapters (--peft): model/ is merged, adapter/ and best/ hold the adapter."""
+        return self.config.peft != "none"
+
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over processes (a collective; the tensor itself on one process)."""
         return self.accelerator.reduce(tensor, "sum") if self.world > 1 else tensor
@@ -117,7 +123,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     sizes = step_sizes(math.ceil(len(data.encoded["train"]) / config.batch_size), accelerator.num_processes,
                        plan.grad_accum)
     check_schedule(config, sizes)
-    model = build_model(task, source, data, plan)
+    model = build_model(task, source, data, plan, config, accelerator.device)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
     log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
@@ -203,10 +209,26 @@ def check_pinned(config: TrainConfig, plan: RunPlan) -> None:
                             "drop the plan block to plan again, or rerun with the settings it was written with")
 
 
-def build_model(task, source, data: Data, plan: RunPlan):
-    model = task.build_model(source, data.label_names, data.processor)
+def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, device):
+    """The task's model; with --peft, wrapped with its adapters (QLoRA: the base loaded in 4 bits, on
+    this process's device, where bitsandbytes quantises it)."""
+    options = {}
+    if config.peft == "qlora":
+        if not source.pretrained:
+            raise UserError("--peft qlora quantises pretrained weights as they load, and this model is built from "
+                            "a config", "pass a saved model (a folder from save_pretrained), or use --peft lora")
+        meta = task.build_on_meta(copy.deepcopy(task.source_config(source)))
+        head = adapters.head_modules(meta) if task.has_labels else []
+        adapters.check_4bit_widths(meta, head, device)
+        options = {"quantization_config": adapters.quantization_config(plan.precision, head),
+                   "device_map": {"": device}}
+    model = task.build_model(source, data.label_names, data.processor, options)
     if plan.gradient_checkpointing:
+        # Non-reentrant: with a frozen body (LoRA) the reentrant kind would train nothing ("element 0 of
+        # tensors does not require grad", peft #137): its recomputed inputs would not require gradients.
         models.enable_gradient_checkpointing(model)
+    if config.peft != "none":
+        model = adapters.apply(model, task, config)
     model.train()
     return model
 

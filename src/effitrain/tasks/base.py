@@ -76,8 +76,10 @@ class Task:
                             f"{models.first_line(err)}", "change the model's settings (e.g. hidden_size a multiple "
                             "of num_attention_heads, sizes > 0)")
 
-    def build_model(self, source: models.ModelSource, labels: list[str] | None, processor):
-        """Pretrained weights with a fresh head sized for `labels`, or random initialisation from a config."""
+    def build_model(self, source: models.ModelSource, labels: list[str] | None, processor,
+                    load_options: dict | None = None):
+        """Pretrained weights with a fresh head sized for `labels`, or random initialisation from a config.
+        `load_options`: more for from_pretrained (QLoRA's quantization_config and device_map)."""
         if labels is not None and len(labels) < 2:  # evaluating on one class is fine; training on one is not
             raise UserError(f"every training label is `{labels[0]}` (one class): a classifier trained on it learns "
                             "a constant (and one output unit would make transformers treat it as regression)",
@@ -94,7 +96,8 @@ class Task:
                 # Mismatched shapes are reported, not raised: check_loaded decides what may differ.
                 model, info = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=True,
                                                    use_safetensors=models.has_safetensors(source.path),
-                                                   local_files_only=True, output_loading_info=True, **head)
+                                                   local_files_only=True, output_loading_info=True, **head,
+                                                   **(load_options or {}))
             models.check_loaded(model, info, source, new_head=bool(head))
         else:
             for key, value in head.items():

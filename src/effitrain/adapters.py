@@ -1,0 +1,329 @@
+"""LoRA and QLoRA through peft: which modules get adapters, the 4-bit frozen base, and what a trained
+adapter becomes (merged weights for model/, peft's own folder for adapter/ and best/).
+
+peft's classes do the work (LoraConfig, get_peft_model, save_pretrained, PeftModel.from_pretrained);
+this module only decides what to pass them. The task's new head (a classifier sized for the labels)
+is trained in full through peft's `modules_to_save`: left frozen, a classifier stays random."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from effitrain.errors import UserError
+
+METHODS = ("none", "lora", "qlora")
+ALL_LINEAR = "all-linear"
+ADAPTER = "default"  # peft's name for the one adapter a run trains
+# What `effitrain train --peft` writes beside peft's files, so that predict knows the task's labels.
+ADAPTER_MARK = "adapter_config.json"
+
+
+# -- settings (no torch: checked with the other flags) ------------------------------------------------
+def check_config(config) -> None:
+    """--peft and the --lora-* flags, alone and together."""
+    from effitrain.config import TrainConfig
+
+    if config.peft not in METHODS:
+        raise UserError(f"unknown --peft `{config.peft}`", f"pass --peft {' or '.join(METHODS)}")
+    if config.peft == "none":
+        defaults = TrainConfig()
+        changed = [name for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+                   if getattr(config, name) != getattr(defaults, name)]
+        if changed:
+            flag = "--" + changed[0].replace("_", "-")
+            raise UserError(f"{flag} applies to adapters, and --peft is none", f"pass --peft lora (or qlora), "
+                            f"or drop {flag}")
+        return
+    if config.lora_r < 1:
+        raise UserError(f"--lora-r must be >= 1, got {config.lora_r}", "pass e.g. --lora-r 8")
+    if config.lora_alpha <= 0:
+        raise UserError(f"--lora-alpha must be > 0, got {config.lora_alpha}", "pass e.g. --lora-alpha 16")
+    if not 0 <= config.lora_dropout < 1:
+        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}", "pass e.g. --lora-dropout 0.05")
+    names = target_names(config.lora_target_modules)
+    bad = [name for name in names if not re.fullmatch(r"[A-Za-z0-9_.]+", name)]
+    if config.lora_target_modules.strip().lower() != ALL_LINEAR and (not names or bad):
+        raise UserError(f"--lora-target-modules `{config.lora_target_modules}` is not {ALL_LINEAR} or a comma list "
+                        "of module names", "pass e.g. --lora-target-modules query,value (or all-linear)")
+    if config.peft == "qlora" and config.strategy == "deepspeed":
+        raise UserError("--peft qlora with --strategy deepspeed is not supported by effitrain",
+                        "use --strategy ddp (or fsdp on GPUs)")
+
+
+def target_names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+# -- the model -----------------------------------------------------------------------------------------
+def head_modules(model) -> list[str]:
+    """The task's head: the top-level modules with weights outside the pretrained body
+    (`base_model_prefix`): BERT's `classifier`, GPT-2's `score`, wav2vec2's `projector` and `classifier`."""
+    body = getattr(model, "base_model_prefix", "")
+    return [name for name, child in model.named_children()
+            if name != body and any(True for _ in child.parameters())]
+
+
+def _linear_modules(model) -> dict[str, object]:
+    """Every module a LoRA adapter can wrap (nn.Linear, bitsandbytes' 4-bit Linear, GPT-2's Conv1D)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))}
+
+
+def targets(model, requested: str, head: list[str]) -> list[str]:
+    """The full names of the modules that get adapters: every linear module of the body (`all-linear`,
+    as peft and QLoRA define it: not the head, not the output embeddings), or those whose name (or
+    last part of it) is in the comma list. An unknown name is refused with the names there are."""
+    linear = _linear_modules(model)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    outside = tuple(f"{name}." for name in head)
+    body = [name for name, module in linear.items()
+            if not (name in head or name.startswith(outside) or module is output)]
+    if requested.strip().lower() == ALL_LINEAR:
+        return body
+    chosen, leaves = [], sorted({name.rsplit(".", 1)[-1] for name in body})
+    for wanted in target_names(requested):
+        found = [name for name in body if name == wanted or name.endswith(f".{wanted}")]
+        if not found:
+            in_head = any(name == wanted or name.endswith(f".{wanted}") for name in linear)
+            raise UserError(f"--lora-target-modules: `{wanted}` is "
+                            + ("the task's head, which is trained in full" if in_head else
+                               f"not a linear module of {type(model).__name__}"),
+                            f"pass some of {', '.join(leaves)} (or all-linear)")
+        chosen += [name for name in found if name not in chosen]
+    return chosen
+
+
+def quantization_config(precision: str, head: list[str]):
+    """QLoRA's frozen base: 4-bit NormalFloat with double quantisation (the QLoRA paper's choice),
+    computing in the training precision; the head stays in full precision (it is trained)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    check_4bit()
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute, llm_int8_skip_modules=head or None)
+
+
+def check_4bit_widths(model, head: list[str], device) -> None:
+    """bitsandbytes (0.50) dequantises 4-bit weights on a CPU row by row, in blocks of 64: a layer whose
+    input width is not a multiple of 64 comes back wrong (measured: 37% relative error at width 32, 9%
+    at 64), and training would go on over a damaged base. Refused there; CUDA kernels are not affected."""
+    if device.type != "cpu":
+        return
+    outside = tuple(f"{name}." for name in head)
+    for name, module in _linear_modules(model).items():
+        width = module.weight.shape[-1] if hasattr(module, "in_features") else module.weight.shape[0]
+        if not (name in head or name.startswith(outside)) and width % 64:
+            raise UserError(f"--peft qlora on a CPU: bitsandbytes' CPU 4-bit kernels dequantise wrongly when a "
+                            f"layer's input width is not a multiple of 64 ({name}: {width})",
+                            "use --peft lora here, or train QLoRA on a GPU")
+
+
+def check_4bit() -> None:
+    """bitsandbytes' 4-bit layers, with a backend for this machine (CUDA, or its CPU kernels)."""
+    try:
+        import bitsandbytes as bnb
+        from bitsandbytes.nn import Linear4bit  # noqa: F401
+    except Exception as err:  # ImportError, or a native library that does not load here
+        raise UserError(f"--peft qlora needs bitsandbytes' 4-bit layers, which do not load here "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})",
+                        "pip install 'bitsandbytes>=0.45', or use --peft lora")
+    if not getattr(bnb, "features", None) and not hasattr(bnb.functional, "quantize_4bit"):
+        raise UserError(f"--peft qlora: bitsandbytes {bnb.__version__} has no 4-bit quantisation",
+                        "pip install 'bitsandbytes>=0.45', or use --peft lora")
+
+
+def peft_task_type(task) -> str | None:
+    """peft's task type where it has one (its model classes know these tasks' heads and generation)."""
+    return {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}.get(task.name)
+
+
+def apply(model, task, config):
+    """The model with LoRA adapters on its target modules, the head trained in full, everything else
+    frozen: a peft PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    head = head_modules(model) if task.has_labels else []
+    keep_4bit_layout(model)
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets(model, config.lora_target_modules, head),
+                      modules_to_save=head or None, task_type=peft_task_type(task))
+    return get_peft_model(model, lora)
+
+
+def keep_4bit_layout(model) -> None:
+    """On CPUs with AVX-512 BF16, bitsandbytes repacks a 4-bit layer's weights in place the first time it
+    runs in eval mode (another layout, bf16 scales): validation would compute something else than
+    training and the merged model/, and layers narrower than 128 break. Kept in the layout trained."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def is_adapted(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def counts(model) -> dict[str, int]:
+    """Trainable and total parameters (4-bit weights counted as the values they hold, as peft does)."""
+    if is_adapted(model):
+        trainable, total = model.get_nb_trainable_parameters()
+        return {"trainable": trainable, "total": total}
+    return {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "total": sum(p.numel() for p in model.parameters())}
+
+
+# -- saving --------------------------------------------------------------------------------------------
+def adapter_state(model) -> dict:
+    """The adapter's weights (LoRA matrices and the head), as peft saves them."""
+    from peft import get_peft_model_state_dict
+
+    return {key: _full(value) for key, value in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+
+
+def save_adapter(model, folder: Path) -> None:
+    """peft's save_pretrained: adapter_config.json and adapter_model.safetensors (peft picks the
+    adapter's weights out of the model itself)."""
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
+def load_adapter_weights(model, folder: Path) -> None:
+    """An adapter folder's weights back into the run's model (--keep best)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    device = next(p.device for p in model.parameters())
+    state = load_file(str(folder / "adapter_model.safetensors"), device=str(device))
+    result = set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+    if getattr(result, "unexpected_keys", None):
+        raise RuntimeError(f"{folder} holds weights the adapter does not have: {result.unexpected_keys[:3]}")
+
+
+def _full(tensor):
+    """A whole tensor: FSDP2's sharded DTensors are gathered."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _dense_weight(module):
+    """A linear layer's weight in full precision: bitsandbytes' 4-bit weights dequantised."""
+    import torch
+
+    weight = module.weight
+    if getattr(weight, "quant_state", None) is not None:  # bnb Params4bit: packed values + absmax + quant state
+        import bitsandbytes.functional as bnb_functional
+
+        return bnb_functional.dequantize_4bit(weight.data, weight.quant_state).to(torch.float32)
+    return _full(weight.detach())
+
+
+def merged_state_dict(model) -> dict:
+    """The weights of the plain model that computes what the adapted one does: each adapted layer's
+    base weight (dequantised for QLoRA) plus its low-rank update, the head as trained, the rest as it
+    is. The training model is left untouched (peft's merge_and_unload would change it in place, and
+    would quantise a QLoRA merge to 4 bits again)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    inner = model.get_base_model()
+    merged, done = {}, ()
+    for name, module in inner.named_modules():
+        if done and name.startswith(done):
+            continue
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            merged[f"{name}.weight"] = _dense_weight(base) + _full(module.get_delta_weight(ADAPTER)).float()
+            if base.bias is not None:
+                merged[f"{name}.bias"] = _full(base.bias.detach())
+        elif isinstance(module, ModulesToSaveWrapper):
+            for key, value in module.modules_to_save[ADAPTER].state_dict().items():
+                merged[f"{name}.{key}"] = _full(value)
+        elif getattr(getattr(module, "weight", None), "quant_state", None) is not None:  # 4-bit, not adapted
+            merged[f"{name}.weight"] = _dense_weight(module)
+            if module.bias is not None:
+                merged[f"{name}.bias"] = _full(module.bias.detach())
+        else:
+            continue
+        done = (*done, f"{name}.")
+    for key, value in inner.state_dict().items():
+        if not key.startswith(done) and key not in merged:
+            merged[key] = _full(value)
+    return merged
+
+
+def plain_config(model):
+    """The adapted model's config as a plain model's: no quantisation settings."""
+    import copy
+
+    config = copy.deepcopy(model.get_base_model().config)
+    for key in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, key):
+            delattr(config, key)
+    return config
+
+
+def save_merged(model, task, folder: Path, state: dict) -> None:
+    """model/: the merged weights through a plain model's save_pretrained (built on the meta device:
+    no second copy of the weights), loadable without peft. GPT-2-style Conv1D weights that bitsandbytes
+    stored transposed are put back in the plain layout."""
+    import torch
+
+    config = plain_config(model)
+    with torch.device("meta"):
+        plain = task.auto_class.from_config(config)
+    expected = {key: tuple(value.shape) for key, value in plain.state_dict().items()}
+    for key, value in state.items():
+        if key in expected and tuple(value.shape) != expected[key] and tuple(value.T.shape) == expected[key]:
+            state[key] = value.T.contiguous()
+    state = {key: value.contiguous() for key, value in state.items() if key in expected}
+    plain.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+
+
+def adapter_bytes(state: dict) -> int:
+    return sum(value.numel() * value.element_size() for value in state.values())
+
+
+# -- loading an adapter folder (predict, evaluate) -----------------------------------------------------
+def is_adapter_dir(path: Path) -> bool:
+    return (Path(path) / ADAPTER_MARK).is_file()
+
+
+def base_of(path: Path) -> Path:
+    """The base model an adapter folder was trained on (peft's base_model_name_or_path)."""
+    import json
+
+    from effitrain import models
+
+    try:
+        base = json.loads((Path(path) / ADAPTER_MARK).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        raise UserError(f"{path / ADAPTER_MARK} is not a valid peft adapter config",
+                        "pass the adapter/ folder `effitrain train --peft` wrote, or its model/ folder")
+    if not base:
+        raise UserError(f"the adapter in {path} was trained on a model built from a config, which has no "
+                        "saved base weights", f"use the merged model: {Path(path).parent / 'model'}")
+    try:
+        return models.resolve(base)
+    except UserError as err:
+        raise UserError(f"the base model of the adapter in {path} ({base}) cannot be loaded: {err.problem}",
+                        f"restore it there, or use the merged model {Path(path).parent / 'model'}")
+
+
+def load_for_inference(path: Path, task, processor):
+    """An adapter folder as a plain model: its config (labels) over the base model's weights, the
+    adapter applied with PeftModel.from_pretrained, then merged (inference needs no separate adapter)."""
+    from peft import PeftModel
+
+    from effitrain import models
+
+    base = base_of(path)
+    config = models.load_config(path)
+    with models.loading(base):
+        model = task.auto_class.from_pretrained(str(base), config=config, local_files_only=True,
+                                                ignore_mismatched_sizes=True, use_safetensors=models.has_safetensors(base))
+    with models.loading(path):
+        adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER)
+    return adapted.merge_and_unload()

@@ -1,0 +1,264 @@
+"""LoRA and QLoRA (--peft): what trains, what is saved, equivalences and resume under adapters."""
+
+import json
+import signal
+import sys
+
+import pytest
+import torch
+from conftest import read_jsonl, read_weights
+from test_distributed import TINY_GPT2, torchrun
+from test_resume import finished, read_log, train
+
+import effitrain
+from effitrain import adapters
+from effitrain.errors import UserError
+from effitrain.evaluate import evaluate
+from effitrain.predict import predict
+
+
+def small(model, out, **overrides):
+    values = dict(model=str(model), output_dir=str(out), max_train_samples=48, max_eval_samples=16, batch_size=8,
+                  max_steps=4, log_every=1, lr=1e-2, warmup_ratio=0.0, precision="fp32", peft="lora",
+                  lora_dropout=0.0)
+    values.update(overrides)
+    return values
+
+
+def adapter_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_lora_trains_the_adapters_and_the_head_only_and_saves_both_forms(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=6))
+    out = tmp_path / "o"
+    counts = metrics["parameters"]
+    head = 32 * 2 + 2  # the tiny BERT's classifier
+    lora = 2 * (4 * 2 * 8 * 32 + 2 * 8 * (32 + 64)) + 8 * 64  # per layer q,k,v,o and the MLP's two; the pooler
+    assert counts["trainable"] == head + lora and counts["total"] > 10 * counts["trainable"]
+    # AdamW's two fp32 moments per trainable parameter (and a step counter per tensor): nothing for the body.
+    assert 8 * counts["trainable"] <= metrics["optimizer_state_bytes"] <= 8 * counts["trainable"] + 4 * 64
+    assert metrics["adapter_bytes"] == sum(t.numel() * 4 for t in adapter_weights(out).values())
+    assert {p.name for p in out.iterdir()} >= {"model", "adapter", "metrics.json"}
+    # The body's weights did not move; the head and every adapter did.
+    before = read_weights_of(tiny_model_dir)
+    merged = read_weights(out)
+    assert torch.equal(merged["bert.embeddings.word_embeddings.weight"], before["bert.embeddings.word_embeddings.weight"])
+    assert not torch.equal(merged["classifier.weight"], before["classifier.weight"])
+    assert all(t.abs().sum() > 0 for name, t in adapter_weights(out).items() if "lora_B" in name)
+
+    # model/ (merged, plain transformers) and PeftModel(base, adapter/) compute the same logits.
+    inputs = {"input_ids": torch.randint(1000, 2000, (3, 12)), "attention_mask": torch.ones(3, 12, dtype=torch.long)}
+    plain = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**inputs).logits, adapted(**inputs).logits, rtol=1e-4, atol=1e-4)
+    texts = [f"message {i} win a prize now" if i % 2 else f"see you at {i}" for i in range(12)]
+    from_model = predict(str(out / "model"), texts)
+    from_adapter = predict(str(out / "adapter"), texts)
+    assert [p["label"] for p in from_model] == [p["label"] for p in from_adapter]
+    for a, b in zip(from_model, from_adapter):
+        assert a["score"] == pytest.approx(b["score"], abs=1e-4)
+
+
+def read_weights_of(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.mark.parametrize("task, train_samples", [("sequence-classification", 18), ("causal-lm", 18)])
+def test_lora_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir, tmp_path, task, train_samples):
+    """(2 processes x 4 x accumulation 2) == (1 x 4 x 4) == (1 x 16) under LoRA, adapter dropout 0."""
+    model = str(tiny_model_dir) if task == "sequence-classification" else TINY_GPT2
+    common = dict(model=model, task=task, max_train_samples=train_samples, max_eval_samples=16, epochs=2, lr=1e-2,
+                  warmup_ratio=0.0, log_every=1, eval_batch_size=16, peft="lora", lora_dropout=0.0, lora_r=4)
+    flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
+    result = torchrun(2, "train", *flags, "--batch-size", 4, "--grad-accum", 2, "--output-dir", tmp_path / "ddp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    effitrain.train({**common, "batch_size": 4, "grad_accum": 4, "output_dir": str(tmp_path / "accum")})
+    effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
+    single, single_adapter = read_weights(tmp_path / "single"), adapter_weights(tmp_path / "single")
+    assert any("lora_B" in name and t.abs().sum() > 0 for name, t in single_adapter.items())
+    for other in ("ddp", "accum"):
+        weights, adapter = read_weights(tmp_path / other), adapter_weights(tmp_path / other)
+        for name in single:
+            torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-6)
+        for name in single_adapter:
+            torch.testing.assert_close(adapter[name], single_adapter[name], rtol=1e-5, atol=1e-6)
+    runs = {d: json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ddp", "single")}
+    assert runs["ddp"]["world_size"] == 2 and runs["ddp"]["parameters"] == runs["single"]["parameters"]
+    assert runs["ddp"]["test"]["loss"] == pytest.approx(runs["single"]["test"]["loss"], rel=1e-5)
+
+
+def test_lora_with_gradient_checkpointing_trains_and_gives_the_same_losses(tiny_model_dir, tmp_path):
+    """The trap of peft #137: with a frozen body, reentrant checkpointing trains nothing. Non-reentrant
+    checkpointing gives the very losses of a run without it, and the adapters move."""
+    effitrain.train(small(tiny_model_dir, tmp_path / "plain"))
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "ckpt", gradient_checkpointing=True))
+    assert metrics["gradient_checkpointing"] is True
+    plain, ckpt = (read_jsonl(tmp_path / d / "log.jsonl") for d in ("plain", "ckpt"))
+    losses = [(a["loss"], b["loss"]) for a, b in zip(plain, ckpt) if "split" not in a]
+    assert len(losses) == 4 and losses[0][0] != losses[-1][0]  # it learned
+    for a, b in losses:
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    first, second = adapter_weights(tmp_path / "plain"), adapter_weights(tmp_path / "ckpt")
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], rtol=1e-5, atol=1e-6)
+    assert all(t.abs().sum() > 0 for name, t in second.items() if "lora_B" in name)
+
+
+def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path):
+    common = ["--model", tiny_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16, "--batch-size", 4,
+              "--epochs", 1, "--lr", 1e-2, "--log-every", 1, "--save-every", 3, "--seed", 7, "--peft", "lora",
+              "--lora-dropout", 0.1]  # adapter dropout on: resuming must restore the RNG
+    finished(train(*common, "--output-dir", tmp_path / "straight"))
+    out = tmp_path / "killed"
+    job = train(*common, "--output-dir", out)
+    import time
+
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 5 for r in read_log(out)):
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
+    for read in (read_weights, adapter_weights):
+        straight, resumed = read(tmp_path / "straight"), read(out)
+        assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+    # The checkpoint is of a LoRA run: resuming it without --peft is refused, nothing changed.
+    (out / "metrics.json").unlink()
+    before = (out / "config.yaml").read_text()
+    no_peft = [a for a in common if a not in ("--peft", "lora", "--lora-dropout", 0.1)]
+    job = train(*no_peft, "--output-dir", out, "--resume", "auto")
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 2 and "was made with peft='lora', this run has 'none'" in stderr, stderr
+    assert (out / "config.yaml").read_text() == before
+
+
+def test_keep_best_under_lora_puts_the_best_adapter_back(tiny_model_dir, tmp_path):
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=6, eval_every=2, keep="best",
+                                    metric_for_best="loss"))
+    best = metrics["best"]
+    assert (tmp_path / "o" / "best" / "adapter_config.json").is_file()
+    assert all(torch.equal(a, b) for a, b in zip(adapter_weights(tmp_path / "o").values(),
+                                                 load_file_values(tmp_path / "o" / "best")))
+    evaluated = evaluate(str(tmp_path / "o" / "model"), {"data": "sms-spam", "max_eval_samples": 16},
+                                   split="validation")
+    assert evaluated["loss"] == pytest.approx(best["value"], rel=1e-4)
+
+
+def load_file_values(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors")).values()
+
+
+def test_qlora_base_is_4bit_and_model_dir_is_the_function_that_was_trained(tiny_model_dir, tmp_path):
+    """QLoRA: the frozen linear layers are bitsandbytes 4-bit NF4 (double quantised), the head is not;
+    model/ (the adapters merged into the dequantised base) gives the test loss the run measured."""
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "q", peft="qlora", max_steps=6))
+    assert metrics["peft"] == "qlora"
+    evaluated = evaluate(str(tmp_path / "q" / "model"), {"data": "sms-spam", "max_eval_samples": 16})
+    assert evaluated["loss"] == pytest.approx(metrics["test"]["loss"], rel=1e-4)
+    config = json.loads((tmp_path / "q" / "model" / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain model
+    merged, full = read_weights(tmp_path / "q"), read_weights_of(tiny_model_dir)
+    query = "bert.encoder.layer.0.attention.self.query"
+    adapter = adapter_weights(tmp_path / "q")
+    update = 16 / 8 * (adapter[f"base_model.model.{query}.lora_B.weight"] @ adapter[f"base_model.model.{query}.lora_A.weight"])
+    # merged = dequantised base + update: it differs from the full-precision merge by the 4-bit rounding
+    # alone (NF4's widest gap between levels is 0.3 of a block's largest value).
+    error = (merged[f"{query}.weight"] - full[f"{query}.weight"] - update).abs().max()
+    assert 0 < error <= 0.16 * full[f"{query}.weight"].abs().max()
+
+
+def test_qlora_loads_linear_layers_in_4bit(tiny_model_dir):
+    from bitsandbytes.nn import Linear4bit
+
+    from effitrain import config as cfg, models, tasks
+    from effitrain.engine import setup
+
+    config = cfg.build(None, {"model": str(tiny_model_dir), "peft": "qlora"})
+    task = tasks.get(config.task)
+    source = models.resolve_source(config.model)
+    processor = task.load_processor(source)
+    data = setup.Data(processor, None, None, ["ham", "spam"])
+    plan = setup.RunPlan(1)
+    model = setup.build_model(task, source, data, plan, config, torch.device("cpu"))
+    inner = model.get_base_model()
+    assert isinstance(inner.bert.encoder.layer[0].attention.self.query.base_layer, Linear4bit)
+    quant = inner.bert.encoder.layer[0].attention.self.query.base_layer.weight.quant_state
+    assert quant.quant_type == "nf4" and quant.nested  # double quantisation
+    assert not isinstance(inner.classifier.modules_to_save["default"], Linear4bit)
+    assert all(p.requires_grad == ("lora_" in n or "modules_to_save" in n) for n, p in model.named_parameters())
+
+
+def test_causal_lm_lora_learns_a_real_text_set(tmp_path):
+    """A GPT-2-shaped model from config, LoRA only (body frozen at its random start): validation
+    perplexity on bbc-news falls by at least half over a short run."""
+    model = "gpt2:n_layer=2,n_embd=64,n_head=2,n_positions=128"
+    metrics = effitrain.train(dict(model=model, task="causal-lm", data="bbc-news", text_column="text",
+                                   max_train_samples=400, max_eval_samples=40, max_length=64, batch_size=8,
+                                   max_steps=60, eval_every=5, lr=5e-3, output_dir=str(tmp_path / "lm"),
+                                   peft="lora", lora_r=16, lora_alpha=32))
+    evaluations = [r for r in read_jsonl(tmp_path / "lm" / "log.jsonl") if r.get("split") == "validation"]
+    assert evaluations[-1]["perplexity"] <= 0.5 * evaluations[0]["perplexity"], evaluations
+    assert metrics["parameters"]["trainable"] < 0.2 * metrics["parameters"]["total"]
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("values, needle", [
+    ({"peft": "lora", "lora_r": 0}, "--lora-r must be >= 1"),
+    ({"lora_r": 4}, "--lora-r applies to adapters, and --peft is none"),
+    ({"lora_target_modules": "query"}, "--lora-target-modules applies to adapters"),
+    ({"peft": "lora", "lora_dropout": 1.0}, "--lora-dropout must be in [0, 1)"),
+    ({"peft": "lora", "lora_alpha": 0}, "--lora-alpha must be > 0"),
+    ({"peft": "dora"}, "unknown --peft `dora`"),
+])
+def test_bad_peft_settings_are_refused_before_anything_loads(values, needle):
+    from effitrain import config as cfg
+
+    with pytest.raises(UserError, match=needle.replace("[", r"\[").replace(")", r"\)")):
+        cfg.build(None, values)
+
+
+def test_an_unknown_target_module_lists_the_linear_modules(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError) as err:
+        effitrain.train(small(tiny_model_dir, tmp_path / "o", lora_target_modules="query,q_proj"))
+    assert "`q_proj` is not a linear module of BertForSequenceClassification" in str(err.value)
+    assert "pass some of dense, key, query, value" in str(err.value)
+    with pytest.raises(UserError, match="`classifier` is the task's head, which is trained in full"):
+        effitrain.train(small(tiny_model_dir, tmp_path / "o2", lora_target_modules="classifier"))
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
+
+
+def test_qlora_without_bitsandbytes_4bit_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails, as where it is not installed
+    with pytest.raises(UserError, match="--peft qlora needs bitsandbytes' 4-bit layers"):
+        effitrain.train(small(tiny_model_dir, tmp_path / "o", peft="qlora"))
+
+
+def test_qlora_on_a_model_built_from_a_config_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--peft qlora quantises pretrained weights"):
+        effitrain.train(small(TINY_GPT2, tmp_path / "o", peft="qlora", task="causal-lm"))
+
+
+def test_target_names_resolve_to_the_body_only(tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    head = adapters.head_modules(model)
+    assert head == ["classifier"]
+    every = adapters.targets(model, "all-linear", head)
+    assert "classifier" not in every and "bert.pooler.dense" in every and len(every) == 2 * 6 + 1
+    assert adapters.targets(model, "query,value", head) == [
+        f"bert.encoder.layer.{i}.attention.self.{n}" for n in ("query", "value") for i in range(2)]
