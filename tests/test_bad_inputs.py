@@ -49,6 +49,7 @@ def workdir(tiny_model_dir, tmp_path_factory):
     torch.save({}, root / "pickled" / "pytorch_model.bin")
     write_bad_data(root)
     write_bad_models(root, tiny_model_dir)
+    write_orphan_adapter(root, tiny_model_dir)
     write_output_cases(root, tiny_model_dir)
     return root
 
@@ -108,6 +109,19 @@ def write_bad_data(root):
     os.mkfifo(root / "pipe.csv")
     (root / "noread.csv").write_text("text,label\nhello,ham\n")
     (root / "noread.csv").chmod(0)
+
+
+def write_orphan_adapter(root, tiny_model_dir):
+    """An adapter folder (as `train --peft` writes it) whose base model is gone."""
+    from safetensors.torch import save_file
+
+    folder = root / "orphan-adapter"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "/nowhere/base", '
+                                                '"r": 8, "lora_alpha": 16, "target_modules": ["query"]}')
+    save_file({}, str(folder / "adapter_model.safetensors"))
 
 
 def write_bad_models(root, tiny_model_dir):
@@ -254,6 +268,16 @@ CASES = [
     (["plan", "--model", "prev/model", "--seq-len", "100000"], "--seq-len 100000 is longer than the 512 positions"),
     pytest.param(["train", *TINY, "--data", "d.csv", "--model", "noread-model", "--output-dir", "new"],
                  "permission denied", marks=NOT_ROOT),
+    # adapters (--peft)
+    (["train", "--peft", "lora", "--lora-r", "0"], "--lora-r must be >= 1"),
+    (["train", "--lora-alpha", "8"], "--lora-alpha applies to adapters, and --peft is none"),
+    (["train", "--peft", "lora", "--lora-target-modules", "query value"], "is not all-linear or a comma list"),
+    (["train", *TINY, "--data", "d.csv", "--peft", "lora", "--lora-target-modules", "query,q_proj", "--output-dir",
+      "new"], "`q_proj` is not a linear module of BertForSequenceClassification"),
+    pytest.param(["train", *TINY, "--data", "d.csv", "--peft", "qlora", "--output-dir", "new"],
+                 "dequantise wrongly when a layer's input width is not a multiple of 64", marks=CPU_ONLY),
+    (["predict", "--model", "orphan-adapter", "--text", "hello"],
+     "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
 ]
 
 

@@ -17,6 +17,23 @@ from effitrain.evaluate import evaluate
 from effitrain.predict import predict
 
 
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    """A tiny BERT 64 wide: bitsandbytes' CPU 4-bit kernels need input widths that are multiples of 64."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from effitrain.models import default_model_dir
+
+    path = tmp_path_factory.mktemp("tiny-bert-64")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def small(model, out, **overrides):
     values = dict(model=str(model), output_dir=str(out), max_train_samples=48, max_eval_samples=16, batch_size=8,
                   max_steps=4, log_every=1, lr=1e-2, warmup_ratio=0.0, precision="fp32", peft="lora",
@@ -162,16 +179,16 @@ def load_file_values(folder):
     return load_file(str(folder / "adapter_model.safetensors")).values()
 
 
-def test_qlora_base_is_4bit_and_model_dir_is_the_function_that_was_trained(tiny_model_dir, tmp_path):
+def test_qlora_base_is_4bit_and_model_dir_is_the_function_that_was_trained(wide_model_dir, tmp_path):
     """QLoRA: the frozen linear layers are bitsandbytes 4-bit NF4 (double quantised), the head is not;
     model/ (the adapters merged into the dequantised base) gives the test loss the run measured."""
-    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "q", peft="qlora", max_steps=6))
+    metrics = effitrain.train(small(wide_model_dir, tmp_path / "q", peft="qlora", max_steps=6))
     assert metrics["peft"] == "qlora"
     evaluated = evaluate(str(tmp_path / "q" / "model"), {"data": "sms-spam", "max_eval_samples": 16})
     assert evaluated["loss"] == pytest.approx(metrics["test"]["loss"], rel=1e-4)
     config = json.loads((tmp_path / "q" / "model" / "config.json").read_text())
     assert "quantization_config" not in config  # a plain model
-    merged, full = read_weights(tmp_path / "q"), read_weights_of(tiny_model_dir)
+    merged, full = read_weights(tmp_path / "q"), read_weights_of(wide_model_dir)
     query = "bert.encoder.layer.0.attention.self.query"
     adapter = adapter_weights(tmp_path / "q")
     update = 16 / 8 * (adapter[f"base_model.model.{query}.lora_B.weight"] @ adapter[f"base_model.model.{query}.lora_A.weight"])
@@ -181,13 +198,13 @@ def test_qlora_base_is_4bit_and_model_dir_is_the_function_that_was_trained(tiny_
     assert 0 < error <= 0.16 * full[f"{query}.weight"].abs().max()
 
 
-def test_qlora_loads_linear_layers_in_4bit(tiny_model_dir):
+def test_qlora_loads_linear_layers_in_4bit(wide_model_dir):
     from bitsandbytes.nn import Linear4bit
 
     from effitrain import config as cfg, models, tasks
     from effitrain.engine import setup
 
-    config = cfg.build(None, {"model": str(tiny_model_dir), "peft": "qlora"})
+    config = cfg.build(None, {"model": str(wide_model_dir), "peft": "qlora"})
     task = tasks.get(config.task)
     source = models.resolve_source(config.model)
     processor = task.load_processor(source)
@@ -241,10 +258,16 @@ def test_an_unknown_target_module_lists_the_linear_modules(tiny_model_dir, tmp_p
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
-def test_qlora_without_bitsandbytes_4bit_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+def test_qlora_without_bitsandbytes_4bit_is_one_line(wide_model_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails, as where it is not installed
     with pytest.raises(UserError, match="--peft qlora needs bitsandbytes' 4-bit layers"):
+        effitrain.train(small(wide_model_dir, tmp_path / "o", peft="qlora"))
+
+
+def test_qlora_on_a_cpu_refuses_widths_its_kernels_get_wrong(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"multiple of 64 \(bert.encoder.layer.0.attention.self.query: 32\)"):
         effitrain.train(small(tiny_model_dir, tmp_path / "o", peft="qlora"))
+    assert not (tmp_path / "o").exists()
 
 
 def test_qlora_on_a_model_built_from_a_config_is_refused(tmp_path):

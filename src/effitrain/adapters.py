@@ -7,48 +7,14 @@ is trained in full through peft's `modules_to_save`: left frozen, a classifier s
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from effitrain.errors import UserError
 
-METHODS = ("none", "lora", "qlora")
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's name for the one adapter a run trains
 # What `effitrain train --peft` writes beside peft's files, so that predict knows the task's labels.
 ADAPTER_MARK = "adapter_config.json"
-
-
-# -- settings (no torch: checked with the other flags) ------------------------------------------------
-def check_config(config) -> None:
-    """--peft and the --lora-* flags, alone and together."""
-    from effitrain.config import TrainConfig
-
-    if config.peft not in METHODS:
-        raise UserError(f"unknown --peft `{config.peft}`", f"pass --peft {' or '.join(METHODS)}")
-    if config.peft == "none":
-        defaults = TrainConfig()
-        changed = [name for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-                   if getattr(config, name) != getattr(defaults, name)]
-        if changed:
-            flag = "--" + changed[0].replace("_", "-")
-            raise UserError(f"{flag} applies to adapters, and --peft is none", f"pass --peft lora (or qlora), "
-                            f"or drop {flag}")
-        return
-    if config.lora_r < 1:
-        raise UserError(f"--lora-r must be >= 1, got {config.lora_r}", "pass e.g. --lora-r 8")
-    if config.lora_alpha <= 0:
-        raise UserError(f"--lora-alpha must be > 0, got {config.lora_alpha}", "pass e.g. --lora-alpha 16")
-    if not 0 <= config.lora_dropout < 1:
-        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}", "pass e.g. --lora-dropout 0.05")
-    names = target_names(config.lora_target_modules)
-    bad = [name for name in names if not re.fullmatch(r"[A-Za-z0-9_.]+", name)]
-    if config.lora_target_modules.strip().lower() != ALL_LINEAR and (not names or bad):
-        raise UserError(f"--lora-target-modules `{config.lora_target_modules}` is not {ALL_LINEAR} or a comma list "
-                        "of module names", "pass e.g. --lora-target-modules query,value (or all-linear)")
-    if config.peft == "qlora" and config.strategy == "deepspeed":
-        raise UserError("--peft qlora with --strategy deepspeed is not supported by effitrain",
-                        "use --strategy ddp (or fsdp on GPUs)")
 
 
 def target_names(value: str) -> list[str]:
@@ -162,6 +128,19 @@ def keep_4bit_layout(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def prepare_fsdp(accelerator, model) -> None:
+    """LoRA under FSDP (GPUs): FSDP1 flattens each wrapped unit into one tensor, which must be all frozen
+    or all trainable, so peft's own policy wraps every trainable leaf apart (peft #1702, accelerate
+    #1620), with use_orig_params. FSDP2 shards parameter by parameter: the transformer-block policy
+    stays. Not verified here: no GPU has been lent (README)."""
+    from peft.utils.other import fsdp_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) == 1:
+        plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
+        plugin.use_orig_params = True
 
 
 def is_adapted(model) -> bool:

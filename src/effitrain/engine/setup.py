@@ -280,6 +280,8 @@ def prepare(config: TrainConfig, task, accelerator, plan: RunPlan, data: Data, m
     # that would train on duplicates that one process with a big batch never sees.
     accelerator.even_batches = False
     train_dl = accelerator.prepare(train_dl)
+    if config.strategy == "fsdp" and config.peft != "none":
+        adapters.prepare_fsdp(accelerator, model)
     accelerator.even_batches = True  # evaluation: gather_for_metrics drops the padded-in duplicates
     model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
         model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
