@@ -9,9 +9,14 @@ and reports its peak:
 
     python benchmarks/memory_plan.py              # the table and each error; exit 1 if one is > 15%
     python benchmarks/memory_plan.py --calibrate  # also refit the CPU overhead constants
+    python benchmarks/memory_plan.py --only peft  # only the LoRA and QLoRA rows
 
 The model is built from its config (random weights, same shapes as the checkpoint): loading the
 checkpoint would add the file's page cache to the resident set, which is not training memory.
+LoRA rows apply effitrain's adapters (adapters.apply) to it. QLoRA rows must load weights, since
+bitsandbytes quantises them as they load: the packaged default model, or the GPT-2 config saved
+with save_pretrained beforehand; the peak RSS is reset after loading (/proc/self/clear_refs), and
+the checkpoint's file pages still mapped are subtracted.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
+# This folder holds scripts named like libraries (peft.py): they must not shadow them.
+sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
 MiB = 2**20
 DEFAULT = "default"
 GPT2 = "gpt2:n_layer=4,n_embd=256,n_head=4"
@@ -45,6 +53,12 @@ CONFIGS = [
     (GPT2, "causal-lm", 4, 512, "fp32", "sgd", False, 1),
     (GPT2, "causal-lm", 8, 256, "fp32", "adamw", False, 2),
     (GPT2, "causal-lm", 8, 256, "bf16", "adamw", False, 1),
+    # with adapters (--peft, default rank 8, dropout 0.05, all-linear): a ninth field
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "adamw", False, 1, "lora"),
+    (DEFAULT, "sequence-classification", 32, 128, "fp32", "adamw", True, 1, "lora"),
+    (DEFAULT, "sequence-classification", 16, 128, "fp32", "adamw", False, 1, "qlora"),
+    (GPT2, "causal-lm", 16, 256, "fp32", "adamw", False, 1, "lora"),
+    (GPT2, "causal-lm", 8, 256, "fp32", "adamw", False, 1, "qlora"),
 ]
 
 
@@ -56,11 +70,13 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def measure(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation) -> dict:
-    """In this (fresh) process: train STEPS steps, return the peak above the pre-model baseline."""
+def measure(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation, peft="none",
+            saved=None) -> dict:
+    """In this (fresh) process: train STEPS steps, return the peak above the pre-model baseline.
+    `saved`: the folder QLoRA loads (a save_pretrained of the model)."""
     import torch
 
-    from effitrain import models, tasks
+    from effitrain import adapters, models, tasks
     from effitrain.engine import optim
     from effitrain.planning import plan, simulate
 
@@ -74,11 +90,28 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
         batch["input_ids"] = torch.randint(0, config.vocab_size, batch["input_ids"].shape, device=device)
         if task == "causal-lm":
             batch["labels"] = batch["input_ids"].clone()
+    if peft != "none":  # libraries are not training memory: imported before the baseline, as torch is
+        import bitsandbytes  # noqa: F401
+        import peft as _peft  # noqa: F401
     baseline = torch.cuda.memory_allocated() if cuda else _status("VmRSS")
-    model = simulate.build(task, config).to(device)
+    file_pages = 0 if cuda else _status("RssFile")
+    if peft == "qlora":
+        with torch.device("meta"):
+            head = adapters.head_modules(simulate.build(task, config)) if tasks.get(task).has_labels else []
+        model = tasks.get(task).auto_class.from_pretrained(
+            saved, config=config, local_files_only=True, ignore_mismatched_sizes=True, device_map={"": device},
+            quantization_config=adapters.quantization_config(precision, head))
+        if not cuda:  # the peak from here on: loading is not training (its file pages even less)
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+    else:
+        model = simulate.build(task, config).to(device)
     model.train()
     if checkpointing:
         models.enable_gradient_checkpointing(model)
+    if peft != "none":
+        model = adapters.apply(model, tasks.get(task), plan.Peft(peft))
+        model.train()
     optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
     dtype = simulate.AUTOCAST_DTYPES.get(precision)
     started = time.perf_counter()
@@ -89,16 +122,17 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
             loss.backward()
         optimizer_.step()
         optimizer_.zero_grad(set_to_none=True)
-    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - baseline
+    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - (_status("RssFile") - file_pages)) - baseline
     return {"measured": peak, "device": device.type, "seconds_per_step": (time.perf_counter() - started) / STEPS}
 
 
-def predict(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation, device, cache):
+def predict(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation, peft, device, cache):
     from effitrain.planning import plan
 
-    key = (model_name, task, length, device)
+    key = (model_name, task, length, device, peft)
     if key not in cache:
-        cache[key] = plan.Planner(plan.model_shapes(task, model_name), length, device)
+        shapes = plan.model_shapes(task, model_name, peft=None if peft == "none" else plan.Peft(peft))
+        cache[key] = plan.Planner(shapes, length, device)
     estimate = cache[key].estimate(plan.Setting(precision, optimizer, checkpointing, micro, accumulation))
     phases = cache[key].phases(precision, checkpointing, micro)
     return estimate, phases.heap_churn
@@ -108,6 +142,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="refit CPU_OVERHEAD from these measurements")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--only", choices=("peft",), help="peft: only the rows with LoRA or QLoRA adapters")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -118,12 +153,16 @@ def main() -> int:
 
     quiet_libraries(debug=False)
     rows, cache = [], {}
-    header = f"{'model':8} {'b x len':>9} {'prec':4} {'optimizer':10} {'ckpt':4} {'acc':>3} " \
+    header = f"{'model':8} {'b x len':>9} {'prec':4} {'optimizer':10} {'ckpt':4} {'acc':>3} {'peft':5} " \
              f"{'predicted':>10} {'measured':>10} {'error':>7}"
     print(header)
-    for config in CONFIGS:
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], capture_output=True,
-                             text=True)
+    configs = [(*c, "none")[:9] for c in CONFIGS]
+    if args.only == "peft":
+        configs = [c for c in configs if c[8] != "none"]
+    saved = tempfile.TemporaryDirectory()
+    for config in configs:
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps([*config, _saved(config, saved.name)])],
+                             capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-2000:], file=sys.stderr)
             return 1
@@ -136,7 +175,7 @@ def main() -> int:
                      "breakdown": estimate.to_dict(), "device": measured["device"]})
         name = "default" if config[0] == DEFAULT else "gpt2-4L"
         print(f"{name:8} {config[2]:>3} x {config[3]:<4} {config[4]:4} {config[5]:10} "
-              f"{'yes' if config[6] else 'no':4} {config[7]:>3} {predicted / MiB:>8.0f}Mi {measured['measured'] / MiB:>8.0f}Mi "
+              f"{'yes' if config[6] else 'no':4} {config[7]:>3} {config[8]:5} {predicted / MiB:>8.0f}Mi {measured['measured'] / MiB:>8.0f}Mi "
               f"{error:>+7.1%}", flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst error {worst:.1%} over {len(rows)} configurations ({rows[0]['device']})")
@@ -146,6 +185,24 @@ def main() -> int:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)
     return 0 if worst <= 0.15 else 1
+
+
+def _saved(config, folder: str) -> str | None:
+    """QLoRA loads weights: the packaged default model, or the config saved once with save_pretrained
+    (here, not in the measured process: building it there would raise the baseline)."""
+    from pathlib import Path
+
+    from effitrain import models
+    from effitrain.planning import plan, simulate
+
+    if config[8] != "qlora":
+        return None
+    if config[0] == DEFAULT:
+        return str(models.default_model_dir())
+    path = Path(folder) / config[0].replace(":", "_").replace(",", "_").replace("=", "-")
+    if not path.exists():
+        simulate.build(config[1], plan.model_config(config[0], config[1])).save_pretrained(str(path))
+    return str(path)
 
 
 def _calibrate(rows) -> None:

@@ -295,3 +295,116 @@ def test_resuming_a_budgeted_run_keeps_what_its_plan_chose(tmp_path):
         shutil.rmtree(tmp_path / "run" / finished) if finished == "model" else (tmp_path / "run" / finished).unlink()
     resumed = effitrain.train({**common, "max_steps": 3, "memory_budget": "64GiB"})
     assert resumed["steps"] == 3 and resumed["gradient_checkpointing"] and resumed["optimizer"] == "adamw"
+
+
+# -- adapters (--peft) ----------------------------------------------------------------------------------
+SMALL_BERT = "bert:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,vocab_size=500"
+
+
+def test_plan_with_lora_counts_states_of_the_adapters_and_head_only():
+    """Gradients and AdamW states cover the LoRA matrices and the head (trained in full), which are
+    what peft itself counts as trainable on the real model."""
+    from transformers import BertForSequenceClassification
+
+    from effitrain import adapters, tasks
+
+    lora = plan.Peft("lora")
+    shapes = plan.model_shapes("sequence-classification", SMALL_BERT, peft=lora)
+    real = adapters.apply(BertForSequenceClassification(plan.model_config(SMALL_BERT, "sequence-classification")),
+                          tasks.get("sequence-classification"), lora)
+    trainable, total = real.get_nb_trainable_parameters()
+    assert (shapes.trainable, shapes.parameters) == (trainable, sum(p.numel() for p in real.parameters()))
+    plain = plan.model_shapes("sequence-classification", SMALL_BERT)
+    assert shapes.trainable < plain.trainable / 5  # rank 8 on 64-wide layers
+    weights, gradients, states = plan.Planner(shapes, 64).model_states("adamw")
+    tensors = sum(1 for p in real.parameters() if p.requires_grad)
+    assert gradients == 4 * trainable and states == 8 * trainable + 4 * tensors
+    assert weights == 4 * shapes.parameters + shapes.buffer_bytes
+
+
+def test_4bit_weight_bytes_are_what_bitsandbytes_stores():
+    """NF4 with double quantisation (QLoRA's settings), counted against bitsandbytes' own tensors; a
+    QLoRA plan's weights: the linear layers at under a quarter of fp32, the rest as they are."""
+    import bitsandbytes.functional as bnb_functional
+
+    for shape in ((128, 64), (1024, 256), (384, 1536)):
+        packed, state = bnb_functional.quantize_4bit(torch.randn(shape), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4")
+        stored = [packed, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
+        assert plan.bnb_4bit_bytes(shape) == sum(t.numel() * t.element_size() for t in stored)
+    lora = plan.model_shapes("causal-lm", SMALL_GPT2, peft=plan.Peft("lora"))
+    qlora = plan.model_shapes("causal-lm", SMALL_GPT2, peft=plan.Peft("qlora"))
+    linear = sum(math.prod(s) for s in qlora.quantized)
+    assert len(qlora.quantized) == 5 * 4 and qlora.trainable == lora.trainable  # c_attn, c_proj, c_fc, mlp.c_proj
+    assert 4 * linear / 8 < lora.weight_bytes - qlora.weight_bytes < 4 * linear * 7 / 8
+    assert qlora.weight_bytes - (lora.weight_bytes - 4 * linear) < 4 * linear / 4
+
+
+def test_fake_simulation_under_lora_equals_the_real_adapted_step():
+    """peft's LoRA applied to the fake model: the timeline is the one the real adapted model makes
+    (the dropout copies and masks of each adapted input, A(x), the head's gradients), and it holds
+    more than the same step without adapters."""
+    from torch.utils.flop_counter import flop_registry
+    from transformers import BertForSequenceClassification
+
+    from effitrain import adapters, tasks
+
+    config, lora = small_bert(layers=2, hidden=128), plan.Peft("lora")
+    fake = simulate._simulate("sequence-classification", config, 8, 64, "fp32", False, split=False, peft=lora)
+    without = simulate._simulate("sequence-classification", config, 8, 64, "fp32", False, split=False)
+    assert fake.forward_held > without.forward_held
+    torch.manual_seed(0)
+    task = tasks.get("sequence-classification")
+    model = adapters.apply(BertForSequenceClassification(config), task, lora)
+    model.train()
+    batch = simulate.example_batch("sequence-classification", config, 8, 64)
+    batch["attention_mask"][0, -5:] = 0
+    timeline = simulate._Timeline(flop_registry)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: timeline.mark_grad(p.grad))
+    with timeline:
+        loss = task.loss_sum(model, batch) / 8
+        forward_end = len(timeline.points)
+        loss.backward()
+        del loss
+    assert max(h for h, _ in timeline.points[:forward_end]) == fake.forward_held
+    assert max(h + g for h, g in timeline.points) == fake.peak(grads_before=0)
+
+
+def test_qlora_simulation_adds_the_dequantised_weight_temporaries():
+    """QLoRA's stand-in for a 4-bit layer makes what bitsandbytes' MatMul4Bit makes: the whole weight
+    dense for the forward matmul and again for the backward's, nothing of the input kept; and a QLoRA
+    step's extrapolation in depth still equals full depth."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import flop_registry
+
+    with FakeTensorMode():
+        layer = torch.nn.Linear(256, 128).requires_grad_(False)
+        x = torch.empty(8, 256, requires_grad=True)
+        timeline = simulate._Timeline(flop_registry)
+        with timeline:
+            out = simulate._Linear4bitStandIn(layer, torch.float32)(x)
+            forward, forward_end = timeline.held, len(timeline.points)
+            out.sum().backward()
+    weight, output = 4 * 256 * 128, 4 * 8 * 128
+    assert max(h for h, _ in timeline.points[:forward_end]) >= weight + output > forward  # the dense weight came and went
+    assert max(h for h, _ in timeline.points[forward_end:]) >= weight + 4 * 8 * 256  # again with the input's gradient
+    config = plan.model_config(SMALL_GPT2, "causal-lm")
+    qlora = simulate.micro_step("causal-lm", config, 4, 64, "fp32", False, plan.Peft("qlora"))
+    full = simulate._simulate("causal-lm", config, 4, 64, "fp32", False, split=False, peft=plan.Peft("qlora"))
+    assert qlora.peak(0) == pytest.approx(full.peak(0), rel=0.005)
+
+
+def test_memory_budget_plans_with_the_runs_adapters(monkeypatch):
+    """train --memory-budget: plan_run passes --peft and the --lora-* settings to the planner."""
+    from effitrain.config import TrainConfig
+
+    seen = []
+    real = plan.model_shapes
+    monkeypatch.setattr(plan, "model_shapes", lambda *a, **k: seen.append(a[4] if len(a) > 4 else k.get("peft"))
+                        or real(*a, **k))
+    config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora",
+                         lora_r=4, lora_target_modules="query,value")
+    pieces, *_ = memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
+    assert pieces == 1 and seen == [plan.Peft("lora", 4, 16.0, 0.05, "query,value")]

@@ -144,6 +144,12 @@ def build_parser() -> Parser:
     plan.add_argument("--optim", action="append", choices=cfg.OPTIMIZERS,
                       help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
     plan.add_argument("--num-labels", type=int, default=2)
+    plan.add_argument("--peft", choices=cfg.PEFT_METHODS, default="none", help="plan LoRA or QLoRA adapters as "
+                      "`train --peft` applies them: only the adapters and the head have gradients and optimizer "
+                      "states; qlora stores the base's linear weights in 4 bits")
+    plan.add_argument("--lora-r", type=int, default=cfg.TrainConfig.lora_r)
+    plan.add_argument("--lora-dropout", type=float, default=cfg.TrainConfig.lora_dropout)
+    plan.add_argument("--lora-target-modules", default=cfg.TrainConfig.lora_target_modules)
     plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
     plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
     plan.add_argument("--debug", action="store_true")
@@ -294,7 +300,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = sizes.parse_size(args.memory) if args.memory else plan.available_bytes(device)
     # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
     # which is what a text model built from a config gets there.
-    shapes = plan.model_shapes(args.task, args.model, args.num_labels)
+    shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))
     planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"],
                                    args.optim or ["adamw", "adamw-8bit", "adafactor", "sgd"],
@@ -302,7 +308,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                    budget, args.all)
     best = plan.recommend(rows)
     if args.json:
-        print(json.dumps({"model": args.model, "task": args.task, "parameters": shapes.parameters,
+        print(json.dumps({"model": args.model, "task": args.task, "peft": args.peft, "parameters": shapes.parameters,
                           "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes,
                           "seq_len": args.seq_len, "batch_size": args.batch_size,
                           "world_size": args.world_size, "strategy": args.strategy, "device": device,
@@ -322,6 +328,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"--grad-accum {s.accumulation}" + (" --gradient-checkpointing" if s.checkpointing else "")
               + f" ({best.total / plan.GiB:.2f} GiB, {best.relative_speed:.2f}x the speed of fp32 AdamW)")
     return 0
+
+
+def _plan_peft(args: argparse.Namespace):
+    """`plan --peft` and the --lora-* flags, checked as `train` checks them."""
+    from effitrain.planning import plan
+
+    config = cfg.TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_dropout=args.lora_dropout,
+                             lora_target_modules=args.lora_target_modules, strategy=args.strategy)
+    cfg.validate(config)
+    return plan.Peft.of(config)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -57,6 +57,33 @@ LIGHTER = {"adamw": ["adamw-8bit", "adafactor"], "adam-8bit": ["adafactor"], "ad
            "sgd": [], "adafactor": []}
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCK = 256  # values per quantisation block (one fp32 absmax each)
+BNB_4BIT_BLOCK = 64  # QLoRA's 4-bit weights: values per block (transformers' default blocksize)
+
+
+@dataclass(frozen=True)
+class Peft:
+    """The adapter settings of `train --peft` (config.py's fields, the same names: adapters.apply takes it)."""
+
+    peft: str = "none"
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    lora_target_modules: str = "all-linear"
+
+    @classmethod
+    def of(cls, config) -> "Peft | None":
+        if config.peft == "none":
+            return None
+        return cls(config.peft, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+
+
+def bnb_4bit_bytes(shape: tuple[int, ...]) -> int:
+    """A weight as bitsandbytes stores it in NF4 with double quantisation (Params4bit + QuantState):
+    two values a byte; per block of 64 an 8-bit absmax; per 256 of those an fp32 absmax and their
+    offset; the 256-value fp32 map of the absmax quantisation and the 16-value NF4 map."""
+    n = math.prod(shape)
+    blocks = math.ceil(n / BNB_4BIT_BLOCK)
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 + 4 * 256 + 4 * 16
 
 
 @dataclass
@@ -69,6 +96,15 @@ class ModelShapes:
     buffer_bytes: int
     largest_layer_params: int
     supports_checkpointing: bool = True
+    peft: Peft | None = None  # LoRA or QLoRA: the adapted model's shapes; the simulation applies them too
+    quantized: list[tuple[int, ...]] | None = None  # QLoRA: the weights stored in 4 bits
+
+    @property
+    def weight_bytes(self) -> int:
+        """fp32 parameters, QLoRA's 4-bit weights as bitsandbytes stores them."""
+        quantized = self.quantized or []
+        return (4 * (self.parameters - sum(math.prod(s) for s in quantized))
+                + sum(bnb_4bit_bytes(s) for s in quantized))
 
     @property
     def parameters(self) -> int:
@@ -79,21 +115,30 @@ class ModelShapes:
         return sum(math.prod(s) for s, t in self.param_shapes if t)
 
 
-def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | None = None) -> ModelShapes:
+def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | None = None,
+                 peft: Peft | None = None) -> ModelShapes:
     """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
     model_type:key=value), built on fake tensors. `vocab_size`: the tokenizer's, which `train` gives
-    a text model built from a config."""
+    a text model built from a config. `peft`: with LoRA or QLoRA, the adapted model (built on the
+    meta device: peft moves modules, which fake tensors refuse), only its adapters and head trainable."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = model_config(model, task, num_labels, vocab_size)
     tasks.get(task).check_supported(config)
-    with FakeTensorMode():
-        built = simulate.build(task, config)
+    quantized = None
+    if peft is not None and peft.peft != "none":
+        built, layers = simulate.adapted_on_meta(task, config, peft)
+        quantized = [tuple(layer.weight.shape) for layer in layers.values()]
+    else:
+        peft = None
+        with FakeTensorMode():
+            built = simulate.build(task, config)
     stack = simulate.layer_stack(built)
     largest = max((sum(p.numel() for p in layer.parameters()) for layer in stack), default=0) if stack else 0
-    return ModelShapes(built.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
+    inner = built.get_base_model() if peft else built
+    return ModelShapes(inner.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
                        sum(b.numel() * b.element_size() for b in built.buffers()), largest,
-                       bool(getattr(built, "supports_gradient_checkpointing", False)))
+                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized)
 
 
 def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
@@ -203,7 +248,7 @@ class Planner:
 
             try:
                 self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch,
-                                                        self.seq_len, precision, checkpointing)
+                                                        self.seq_len, precision, checkpointing, self.shapes.peft)
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                     fake_tensor.UnsupportedOperatorException) as err:
                 raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "
@@ -217,7 +262,7 @@ class Planner:
     def model_states(self, optimizer: str) -> tuple[int, int, int]:
         """(weights, gradients, optimizer states) per device: arithmetic only, no simulation."""
         fsdp, zero = self._fsdp, self._zero
-        weights = self._shard(4 * self.shapes.parameters, fsdp or zero >= 3) + self.shapes.buffer_bytes
+        weights = self._shard(self.shapes.weight_bytes, fsdp or zero >= 3) + self.shapes.buffer_bytes
         gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
         states = self._shard(optimizer_state_bytes(optimizer, self._trainable_shapes), fsdp or zero >= 1)
         if self.strategy == "ddp" and self.world_size > 1:

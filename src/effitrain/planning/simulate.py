@@ -147,15 +147,17 @@ def build(task: str, config):
     return tasks.get(task).auto_class.from_config(config)
 
 
-def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool) -> Phases:
-    """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible."""
+def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
+               peft=None) -> Phases:
+    """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
+    `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None."""
     depth = depth_of(config)
     if depth is not None and depth > 3:
-        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing)
-        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing)
+        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, peft=peft)
+        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, peft=peft)
         if at2 is not None and at3 is not None:
             return Phases.extrapolate(at2, at3, depth)
-    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False)
+    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False, peft=peft)
 
 
 _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model): built once per planning
@@ -166,31 +168,133 @@ _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model
 RANDOM_STRUCTURE = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
 
 
-def _fake_model(task, config, checkpointing):
+def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = copy.deepcopy(config)
     for key_, value in RANDOM_STRUCTURE.items():
         if hasattr(config, key_):
             setattr(config, key_, value)
-    key = (task, config.to_json_string(use_diff=False), checkpointing)
+    adapted = peft is not None and peft.peft != "none"
+    # QLoRA's stand-in layers compute in the training precision (bitsandbytes' compute dtype).
+    key = (task, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
+           precision if adapted and peft.peft == "qlora" else None)
     if key not in _MODELS:
         if len(_MODELS) > 16:
             _MODELS.clear()
         mode = FakeTensorMode(allow_non_fake_inputs=False)
-        with mode:
-            model = build(task, config)
-            model.train()
-            if checkpointing:
-                models.enable_gradient_checkpointing(model)
+        if adapted:
+            model = _fake_adapted(mode, task, config, checkpointing, peft, precision)
+        else:
+            with mode:
+                model = build(task, config)
+                model.train()
+                if checkpointing:
+                    models.enable_gradient_checkpointing(model)
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
 
-def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True) -> Phases | None:
+# -- adapters (--peft) ----------------------------------------------------------------------------------
+def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
+    """The model `train --peft` trains (setup.build_model: checkpointing, then adapters.apply), on the
+    meta device (peft moves modules with .to(), which fake parameters refuse), and the names of the
+    linear layers QLoRA stores in 4 bits: those bitsandbytes converts on load (not the task's head,
+    which is trained, nor what transformers keeps in full precision: tied and output embeddings)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from effitrain import adapters
+
+    with torch.device("meta"):
+        model = build(task, config)
+    head = adapters.head_modules(model) if tasks.get(task).has_labels else []
+    quantized = []
+    if peft.peft == "qlora":
+        keep = set(get_keys_to_not_convert(model)) | set(head)
+        quantized = [name for name in adapters.targets(model, adapters.ALL_LINEAR, head)
+                     if not any(name == k or name.startswith(f"{k}.") for k in keep)]
+    model.train()
+    if checkpointing:
+        models.enable_gradient_checkpointing(model)
+    layers = dict(model.named_modules())
+    quantized = {name: layers[name] for name in quantized}
+    return adapters.apply(model, tasks.get(task), peft), quantized
+
+
+def _fake_adapted(mode, task, config, checkpointing, peft, precision):
+    """The adapted model with fake tensors in place of its meta ones (shared parameters stay shared);
+    QLoRA's 4-bit layers replaced by stand-ins that allocate what bitsandbytes' do."""
+    model, quantized = adapted_on_meta(task, config, peft, checkpointing)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(tensor, parameter):
+        if id(tensor) not in fakes:
+            with mode:
+                empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+            fakes[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if parameter else empty
+        return fakes[id(tensor)]
+
+    for module in model.modules():
+        for name, value in module._parameters.items():
+            if value is not None:
+                module._parameters[name] = fake(value, True)
+        for name, value in module._buffers.items():
+            if value is not None:
+                module._buffers[name] = fake(value, False)
+    compute = AUTOCAST_DTYPES.get(precision, torch.float32)
+    for module in quantized.values():
+        module.forward = _Linear4bitStandIn(module, compute)
+    model.train()
+    return model
+
+
+class _MatMul4bit(torch.autograd.Function):
+    """bitsandbytes' MatMul4Bit (autograd/_functions.py) as memory sees it: the forward dequantises
+    the whole weight to the compute dtype for one matmul (CPU: gemm_4bit's default kernel; the CUDA
+    kernel for large inputs does the same), the backward dequantises it again (to the load dtype,
+    fp32, then to the gradient's dtype) for the input's gradient; nothing of the input is kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed):
+        ctx.weight, ctx.transposed = weight, transposed  # the packed weight: a parameter, not a new tensor
+        return torch.nn.functional.linear(x, _dequantised(weight, x.dtype, transposed), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dense = _dequantised(ctx.weight, torch.float32, ctx.transposed).to(grad.dtype)
+        return grad @ dense, None, None, None
+
+
+def _dequantised(weight, dtype, transposed):
+    """A new dense (out, in) weight, and the double-quantised absmax's two temporaries before it."""
+    out_features, in_features = weight.shape[::-1] if transposed else weight.shape
+    blocks = -(-weight.numel() // 64)
+    absmax = torch.empty(blocks, dtype=torch.float32) + 0.0  # dequantize_blockwise, then + offset
+    del absmax
+    return torch.empty(out_features, in_features, dtype=dtype)
+
+
+class _Linear4bitStandIn:
+    """bitsandbytes' Linear4bit.forward on a plain frozen layer (nn.Linear, or GPT-2's Conv1D, which
+    bitsandbytes stores as a transposed Linear): the input cast to the compute dtype, the 4-bit
+    matmul, the result cast back; then peft's 4-bit LoRA layer's defensive clone of the result."""
+
+    def __init__(self, module, compute):
+        self.module, self.compute = module, compute
+        self.transposed = not isinstance(module, torch.nn.Linear)
+
+    def __call__(self, x):
+        bias = self.module.bias
+        with torch.autocast("cpu", enabled=False):
+            out = _MatMul4bit.apply(x.to(self.compute), self.module.weight,
+                                    None if bias is None else bias.to(self.compute), self.transposed)
+        return out.to(x.dtype).clone()
+
+
+def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
-    mode, model = _fake_model(task, config, checkpointing)
+    mode, model = _fake_model(task, config, checkpointing, peft, precision)
     model.zero_grad(set_to_none=True)
     with mode:
         stack = layer_stack(model) if split else None
@@ -201,6 +305,8 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
         # Which backward point each layer's gradients complete at: cuts the backward into phases.
         done_at: dict[int, int] = {}
         remaining = {i: sum(1 for p in layer.parameters() if p.requires_grad) for i, layer in enumerate(stack or [])}
+        if split and not all(remaining.values()):
+            return None  # a layer trains nothing (adapters on some layers only): no end to cut at
 
         def on_grad(param, layer_index=None):
             timeline.mark_grad(param.grad)
