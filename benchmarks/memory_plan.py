@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-# This folder holds scripts named like libraries (peft.py): they must not shadow them.
+# This folder holds scripts; none may shadow a library (benchmarks/peft.py once shadowed peft, hence peft_vs_full.py).
 sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
 MiB = 2**20
 DEFAULT = "default"

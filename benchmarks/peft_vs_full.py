@@ -21,9 +21,9 @@ started through this script (`--child`), which only observes: it wraps
 the resident set and the CPU use of all processes at the start and the end of training. Everything
 else comes from the run's metrics.json and its output folders.
 
-    .venv/bin/python benchmarks/peft.py                      # sms-spam and bbc-news, 1 epoch each (6 runs)
-    .venv/bin/python benchmarks/peft.py --data sms-spam --quick   # 60 steps, 200 eval examples: a fast check
-    .venv/bin/python benchmarks/peft.py --markdown benchmarks/peft-results.md --json /tmp/peft.json
+    .venv/bin/python benchmarks/peft_vs_full.py                      # sms-spam and bbc-news, 1 epoch each (6 runs)
+    .venv/bin/python benchmarks/peft_vs_full.py --data sms-spam --quick   # 60 steps, 200 eval examples: a fast check
+    .venv/bin/python benchmarks/peft_vs_full.py --markdown benchmarks/peft-results.md --json /tmp/peft.json
 
 What each figure is:
 
@@ -58,11 +58,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path, and this file is named like the `peft`
-# package: effitrain's `import peft` would find it. The folder is taken off the path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE]
 
 METHODS = ("full", "lora", "qlora")
 QUICK = ["--max-steps", "60", "--max-eval-samples", "200"]
@@ -376,7 +371,7 @@ def main(argv=None) -> int:
     header = (f"{when}, default model (all-MiniLM-L6-v2), "
               f"{'--quick (' + ' '.join(QUICK) + ')' if args.quick else '1 epoch'}, micro-batch 16, seed 42, "
               f"effitrain's defaults otherwise ({steps}); {env}")
-    out = [f"`.venv/bin/python benchmarks/peft.py{' --quick' if args.quick else ''}"
+    out = [f"`.venv/bin/python benchmarks/peft_vs_full.py{' --quick' if args.quick else ''}"
            f"{''.join(' --data ' + d for d in args.data) if args.data != ['sms-spam', 'bbc-news'] else ''}`", "",
            header, ""]
     for data in args.data:
