@@ -300,6 +300,19 @@ def test_qlora_on_a_model_built_from_a_config_is_refused(tmp_path):
         effitrain.train(small(TINY_GPT2, tmp_path / "o", peft="qlora", task="causal-lm"))
 
 
+def test_an_adapter_folder_names_the_task_class_not_the_base_class(tiny_model_dir):
+    """A base checkpoint's config names its bare model (all-MiniLM's: BertModel); the adapter folder's
+    config must name the task's class, or predict and evaluate cannot tell the task."""
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain import config as cfg, tasks
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    model.config.architectures = ["BertModel"]
+    adapted = adapters.apply(model, tasks.get("sequence-classification"), cfg.build(None, {"peft": "lora"}))
+    assert adapters.plain_config(adapted).architectures == ["BertForSequenceClassification"]
+
+
 def test_target_names_resolve_to_the_body_only(tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 

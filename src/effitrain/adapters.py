@@ -273,13 +273,17 @@ def merged_state_dict(model) -> dict:
 
 
 def plain_config(model):
-    """The adapted model's config as a plain model's: no quantisation settings."""
+    """The adapted model's config as a plain model's: no quantisation settings, the task's class."""
     import copy
 
-    config = copy.deepcopy(model.get_base_model().config)
+    inner = model.get_base_model()
+    config = copy.deepcopy(inner.config)
     for key in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, key):
             delattr(config, key)
+    # The task's class (a base checkpoint's config names its bare model, e.g. BertModel): what predict
+    # and evaluate read to know the task of an adapter folder.
+    config.architectures = [type(inner).__name__]
     return config
 
 
