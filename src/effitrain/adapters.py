@@ -9,16 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from effitrain.config import ALL_LINEAR, lora_target_names
 from effitrain.errors import UserError
 
-ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's name for the one adapter a run trains
-# What `effitrain train --peft` writes beside peft's files, so that predict knows the task's labels.
-ADAPTER_MARK = "adapter_config.json"
-
-
-def target_names(value: str) -> list[str]:
-    return [name.strip() for name in value.split(",") if name.strip()]
+ADAPTER_MARK = "adapter_config.json"  # peft's file: what makes a folder an adapter folder
 
 
 # -- the model -----------------------------------------------------------------------------------------
@@ -38,19 +33,21 @@ def _linear_modules(model) -> dict[str, object]:
     return {name: module for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))}
 
 
+def _in_head(name: str, head: list[str]) -> bool:
+    return any(name == top or name.startswith(f"{top}.") for top in head)
+
+
 def targets(model, requested: str, head: list[str]) -> list[str]:
     """The full names of the modules that get adapters: every linear module of the body (`all-linear`,
     as peft and QLoRA define it: not the head, not the output embeddings), or those whose name (or
     last part of it) is in the comma list. An unknown name is refused with the names there are."""
     linear = _linear_modules(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    outside = tuple(f"{name}." for name in head)
-    body = [name for name, module in linear.items()
-            if not (name in head or name.startswith(outside) or module is output)]
+    body = [name for name, module in linear.items() if not (_in_head(name, head) or module is output)]
     if requested.strip().lower() == ALL_LINEAR:
         return body
     chosen, leaves = [], sorted({name.rsplit(".", 1)[-1] for name in body})
-    for wanted in target_names(requested):
+    for wanted in lora_target_names(requested):
         found = [name for name in body if name == wanted or name.endswith(f".{wanted}")]
         if not found:
             in_head = any(name == wanted or name.endswith(f".{wanted}") for name in linear)
@@ -80,10 +77,9 @@ def check_4bit_widths(model, head: list[str], device) -> None:
     at 64), and training would go on over a damaged base. Refused there; CUDA kernels are not affected."""
     if device.type != "cpu":
         return
-    outside = tuple(f"{name}." for name in head)
     for name, module in _linear_modules(model).items():
         width = module.weight.shape[-1] if hasattr(module, "in_features") else module.weight.shape[0]
-        if not (name in head or name.startswith(outside)) and width % 64:
+        if not _in_head(name, head) and width % 64:
             raise UserError(f"--peft qlora on a CPU: bitsandbytes' CPU 4-bit kernels dequantise wrongly when a "
                             f"layer's input width is not a multiple of 64 ({name}: {width})",
                             "use --peft lora here, or train QLoRA on a GPU")
@@ -191,8 +187,10 @@ def counts(model) -> dict[str, int]:
     if is_adapted(model):
         trainable, total = model.get_nb_trainable_parameters()
         return {"trainable": trainable, "total": total}
-    return {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "total": sum(p.numel() for p in model.parameters())}
+    from effitrain import models
+
+    every = models.parameter_counts(model)
+    return {"trainable": every["trainable"], "total": every["total"]}
 
 
 # -- saving --------------------------------------------------------------------------------------------
@@ -334,7 +332,7 @@ def base_of(path: Path) -> Path:
                         f"restore it there, or use the merged model {Path(path).parent / 'model'}")
 
 
-def load_for_inference(path: Path, task, processor):
+def load_for_inference(path: Path, task):
     """An adapter folder as a plain model: its config (labels) over the base model's weights, the
     adapter applied with PeftModel.from_pretrained, then merged (inference needs no separate adapter)."""
     from peft import PeftModel
@@ -345,7 +343,8 @@ def load_for_inference(path: Path, task, processor):
     config = models.load_config(path)
     with models.loading(base):
         model = task.auto_class.from_pretrained(str(base), config=config, local_files_only=True,
-                                                ignore_mismatched_sizes=True, use_safetensors=models.has_safetensors(base))
+                                                ignore_mismatched_sizes=True,
+                                                use_safetensors=models.has_safetensors(base))
     with models.loading(path):
         adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER)
     return adapted.merge_and_unload()

@@ -20,6 +20,8 @@ KEEP = ("final", "best")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
 PEFT_METHODS = ("none", "lora", "qlora")
+LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what --peft none leaves alone
+ALL_LINEAR = "all-linear"
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -71,7 +73,7 @@ class TrainConfig:
     lora_r: int = _opt(8, "LoRA rank (the inner size of each update B @ A)")
     lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r")
     lora_dropout: float = _opt(0.05, "dropout on the adapters' inputs")
-    lora_target_modules: str = _opt("all-linear", "the layers that get adapters: all-linear (every linear layer "
+    lora_target_modules: str = _opt(ALL_LINEAR, "the layers that get adapters: all-linear (every linear layer "
                                     "of the body, not the head) or a comma list of module names (e.g. query,value)")
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
@@ -353,8 +355,7 @@ def _check_peft(config: TrainConfig) -> None:
         raise UserError(f"unknown --peft `{config.peft}`", f"pass --peft {' or '.join(PEFT_METHODS)}")
     if config.peft == "none":
         defaults = TrainConfig()
-        changed = [name for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-                   if getattr(config, name) != getattr(defaults, name)]
+        changed = [name for name in LORA_SETTINGS if getattr(config, name) != getattr(defaults, name)]
         if changed:
             raise UserError(f"{flag(changed[0])} applies to adapters, and --peft is none",
                             f"pass --peft lora (or qlora), or drop {flag(changed[0])}")
@@ -366,8 +367,8 @@ def _check_peft(config: TrainConfig) -> None:
     if not 0 <= config.lora_dropout < 1:
         raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}", "pass e.g. --lora-dropout 0.05")
     targets = config.lora_target_modules
-    names = [name.strip() for name in targets.split(",") if name.strip()]
-    if targets.strip().lower() != "all-linear" and (not names or any(not re.fullmatch(r"[\w.]+", n) for n in names)):
+    names = lora_target_names(targets)
+    if targets.strip().lower() != ALL_LINEAR and (not names or any(not re.fullmatch(r"[\w.]+", n) for n in names)):
         raise UserError(f"--lora-target-modules `{targets}` is not all-linear or a comma list of module names",
                         "pass e.g. --lora-target-modules query,value (or all-linear)")
     if config.peft == "qlora" and config.strategy != "ddp":
@@ -375,3 +376,8 @@ def _check_peft(config: TrainConfig) -> None:
         # no GPU has been lent to verify it, and effitrain claims nothing GPU-only untested.
         raise UserError(f"--peft qlora with --strategy {config.strategy} is not supported by effitrain yet "
                         "(unverified without GPUs)", "use --strategy ddp (QLoRA's base is small: 4 bits per weight)")
+
+
+def lora_target_names(value: str) -> list[str]:
+    """--lora-target-modules as a list of names (`query, value` -> [query, value])."""
+    return [name.strip() for name in value.split(",") if name.strip()]

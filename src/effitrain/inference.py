@@ -33,7 +33,7 @@ def build(path: Path, task, processor):
     """The saved model, head as it is (no labels given); an adapter folder (adapter/, best/ of a --peft
     run) is applied to its base model and merged."""
     if adapters.is_adapter_dir(path):
-        return adapters.load_for_inference(path, task, processor)
+        return adapters.load_for_inference(path, task)
     return task.build_model(models.ModelSource(path), None, processor)
 
 

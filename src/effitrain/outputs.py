@@ -25,7 +25,8 @@ DELETING = ".tmp-previous"  # a replaced run being deleted
 # What runs write. --overwrite removes these and nothing else; a folder's contents are the writer's
 # (save_pretrained's, save_state's). Nested runs (bench variants) carry their own marker.
 RUN_FILES = {"config.yaml", "log.jsonl", "metrics.json", "bench.json", "bench.png", MARKER, LOCK}
-RUN_FOLDERS = {"model", "best", "adapter", "checkpoints", PREVIOUS, MOVING, DELETING, ".tmp-model", ".tmp-best", ".tmp-adapter"}
+RUN_FOLDERS = {"model", "best", "adapter", "checkpoints", PREVIOUS, MOVING, DELETING, ".tmp-model", ".tmp-best",
+               ".tmp-adapter"}
 
 
 def default_dir(root: str = "runs") -> Path:

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from effitrain import outputs
+from effitrain.config import LORA_SETTINGS, TrainConfig
 from effitrain.errors import UserError
 
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
@@ -24,9 +25,8 @@ MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file",
               "lr", "weight_decay", "warmup_ratio", "beta1", "beta2", "validation_split", "test_split",
               "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration", "peft", "lora_r",
               "lora_alpha", "lora_dropout", "lora_target_modules")
-# Settings added after checkpoints were first written: what a checkpoint without them was made with.
-EARLIER_DEFAULTS = {"peft": "none", "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.05,
-                    "lora_target_modules": "all-linear"}
+# Settings added after checkpoints were first written: a checkpoint without them was made with their defaults.
+EARLIER_DEFAULTS = {name: getattr(TrainConfig, name) for name in ("peft", *LORA_SETTINGS)}
 
 
 PATH_SETTINGS = ("model", "data", "validation_file", "test_file")

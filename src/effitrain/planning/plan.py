@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from effitrain import models, tasks
+from effitrain.config import TrainConfig
 from effitrain.errors import UserError
 from effitrain.planning import simulate
 
@@ -65,10 +66,10 @@ class Peft:
     """The adapter settings of `train --peft` (config.py's fields, the same names: adapters.apply takes it)."""
 
     peft: str = "none"
-    lora_r: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05
-    lora_target_modules: str = "all-linear"
+    lora_r: int = TrainConfig.lora_r
+    lora_alpha: float = TrainConfig.lora_alpha
+    lora_dropout: float = TrainConfig.lora_dropout
+    lora_target_modules: str = TrainConfig.lora_target_modules
 
     @classmethod
     def of(cls, config) -> "Peft | None":

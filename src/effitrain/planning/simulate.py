@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from effitrain import models, tasks
+from effitrain.config import ALL_LINEAR
 
 # glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
 # keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
@@ -211,7 +212,7 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
     quantized = []
     if peft.peft == "qlora":
         keep = set(get_keys_to_not_convert(model)) | set(head)
-        quantized = [name for name in adapters.targets(model, adapters.ALL_LINEAR, head)
+        quantized = [name for name in adapters.targets(model, ALL_LINEAR, head)
                      if not any(name == k or name.startswith(f"{k}.") for k in keep)]
     model.train()
     if checkpointing:
