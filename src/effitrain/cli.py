@@ -85,6 +85,36 @@ def add_evaluate_flags(evaluate: argparse.ArgumentParser) -> None:
                      {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
 
 
+def add_plan_flags(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--model", default="default", help="what `train --model` takes: default, a directory, a "
+                                                         "cached hub id, a config.json, or model_type:key=value,...")
+    plan.add_argument("--task", default="sequence-classification", choices=cfg.TASKS)
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples)")
+    plan.add_argument("--batch-size", type=int, default=16, help="examples per device per optimizer step; "
+                                                                 "split into micro-batches x accumulation")
+    plan.add_argument("--memory", default=None, help="the budget per device, e.g. 8GiB (default: what is free "
+                                                     "on the device now)")
+    plan.add_argument("--world-size", type=int, default=1, help="processes (devices) training together")
+    plan.add_argument("--strategy", default="ddp", choices=cfg.STRATEGIES)
+    plan.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
+    plan.add_argument("--device", choices=("cpu", "cuda"), default=None, help="plan for this device "
+                                                                              "(default: the one here)")
+    plan.add_argument("--precision", action="append", choices=("fp32", "bf16", "fp16"),
+                      help="only these precisions (repeatable; default fp32 and bf16)")
+    plan.add_argument("--optim", action="append", choices=cfg.OPTIMIZERS,
+                      help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
+    plan.add_argument("--num-labels", type=int, default=2)
+    plan.add_argument("--peft", choices=cfg.PEFT_METHODS, default="none", help="plan LoRA or QLoRA adapters as "
+                      "`train --peft` applies them: only the adapters and the head have gradients and optimizer "
+                      "states; qlora stores the base's linear weights in 4 bits")
+    plan.add_argument("--lora-r", type=int, default=cfg.TrainConfig.lora_r)
+    plan.add_argument("--lora-dropout", type=float, default=cfg.TrainConfig.lora_dropout)
+    plan.add_argument("--lora-target-modules", default=cfg.TrainConfig.lora_target_modules)
+    plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
+    plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
+    plan.add_argument("--debug", action="store_true")
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="effitrain", description="Fine-tune pretrained transformers efficiently.")
     parser.add_argument("--version", action="version", version=f"effitrain {_version()}")
@@ -126,33 +156,7 @@ def build_parser() -> Parser:
                                             "and recommend the fastest that fits",
                                description="Predict the peak memory of training, per device, before loading "
                                            "anything: the model is built on fake tensors.")
-    plan.add_argument("--model", default="default", help="what `train --model` takes: default, a directory, a "
-                                                         "cached hub id, a config.json, or model_type:key=value,...")
-    plan.add_argument("--task", default="sequence-classification", choices=cfg.TASKS)
-    plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples)")
-    plan.add_argument("--batch-size", type=int, default=16, help="examples per device per optimizer step; "
-                                                                 "split into micro-batches x accumulation")
-    plan.add_argument("--memory", default=None, help="the budget per device, e.g. 8GiB (default: what is free "
-                                                     "on the device now)")
-    plan.add_argument("--world-size", type=int, default=1, help="processes (devices) training together")
-    plan.add_argument("--strategy", default="ddp", choices=cfg.STRATEGIES)
-    plan.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
-    plan.add_argument("--device", choices=("cpu", "cuda"), default=None, help="plan for this device "
-                                                                              "(default: the one here)")
-    plan.add_argument("--precision", action="append", choices=("fp32", "bf16", "fp16"),
-                      help="only these precisions (repeatable; default fp32 and bf16)")
-    plan.add_argument("--optim", action="append", choices=cfg.OPTIMIZERS,
-                      help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
-    plan.add_argument("--num-labels", type=int, default=2)
-    plan.add_argument("--peft", choices=cfg.PEFT_METHODS, default="none", help="plan LoRA or QLoRA adapters as "
-                      "`train --peft` applies them: only the adapters and the head have gradients and optimizer "
-                      "states; qlora stores the base's linear weights in 4 bits")
-    plan.add_argument("--lora-r", type=int, default=cfg.TrainConfig.lora_r)
-    plan.add_argument("--lora-dropout", type=float, default=cfg.TrainConfig.lora_dropout)
-    plan.add_argument("--lora-target-modules", default=cfg.TrainConfig.lora_target_modules)
-    plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
-    plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
-    plan.add_argument("--debug", action="store_true")
+    add_plan_flags(plan)
 
     env = commands.add_parser("env", help="show the devices and precisions Accelerator detects")
     env.add_argument("--json", action="store_true")
