@@ -297,13 +297,14 @@ def quiet_libraries(debug: bool) -> None:
 
 
 def quiet_import_warnings() -> None:
-    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree), and
-    peft's use of a name transformers has deprecated."""
+    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree,
+    bitsandbytes looking for its CPU kernel on the Hub through `kernels`), and peft's use of a name
+    transformers has deprecated."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
-    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
