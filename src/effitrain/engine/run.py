@@ -10,6 +10,7 @@ import math
 import time
 
 from effitrain.config import TrainConfig
+from effitrain.devices import peak_memory_bytes
 from effitrain.engine import evaluate as evaluation
 from effitrain.engine import report, saving
 from effitrain.engine.checkpoint import Checkpointer
@@ -150,14 +151,23 @@ def check_trained(job: Run, state: TrainState) -> None:
 
 
 def log_window(job: Run, state: TrainState, result, bar) -> None:
-    loss_total, item_total = state.take_window(job.reduce if job.world > 1 else None)
+    reduce = job.reduce if job.world > 1 else None
+    loss_total, item_total = state.take_window(reduce)
+    examples, tokens, seconds = state.take_throughput(reduce)
     grad_norm = None if result.grad_norm is None or not result.finite else float(result.grad_norm)
     loss = loss_total / item_total if item_total else None  # None: every step of the window was skipped
+    per_second = examples / seconds if seconds > 0 else None
+    memory = peak_memory_bytes(job.accelerator.device)  # process 0's peak so far
     record = log_record(job, state, loss=loss, lr=job.scheduler.get_last_lr()[0],
-                        grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3))
+                        grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3),
+                        samples_per_second=per_second,
+                        tokens_per_second=tokens / seconds if job.task.is_text and seconds > 0 else None,
+                        peak_memory_bytes=memory)
     state.last_loss = loss
     shown = "-" if loss is None else f"{loss:.4f}"
-    bar.set_postfix(loss=shown)
+    # The live view: tqdm shows step, rate and ETA; these follow them.
+    bar.set_postfix_str(f"loss {shown}, " + (f"{per_second:.1f} samples/s, " if per_second else "")
+                        + f"peak {memory / 2**20:.0f} MiB", refresh=False)
     write(job, bar, f"step {state.step}/{job.total_steps} epoch {record['epoch']:.2f} loss {shown} "
                     f"lr {record['lr']:.2e} grad_norm " + ("-" if grad_norm is None else f"{grad_norm:.3f}"))
 

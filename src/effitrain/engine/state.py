@@ -30,6 +30,10 @@ class TrainState:
     totals: torch.Tensor = None  # examples, tokens (this process)
     started: float = field(default_factory=time.perf_counter)  # this invocation's start (perf_counter)
     earlier_wall_seconds: float = 0.0  # what the invocations before a resume ran, up to its checkpoint
+    # Throughput windows: totals over processes and train_seconds at the last log line (not checkpointed:
+    # the first window after a resume spans the whole run so far, still a true average).
+    logged_totals: torch.Tensor = None
+    logged_seconds: float = 0.0
 
     SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
                "evals_without_improvement", "validation")
@@ -39,6 +43,8 @@ class TrainState:
             self.window = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.totals is None:
             self.totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.logged_totals is None:
+            self.logged_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def state_dict(self, reduce=None) -> dict:
         """Plain values for trainer_state.json; `reduce` sums a tensor over the processes (a collective:
@@ -65,3 +71,12 @@ class TrainState:
         loss_total, item_total = (reduce(self.window) if reduce else self.window).tolist()
         self.window.zero_()
         return loss_total, item_total
+
+    def take_throughput(self, reduce=None) -> tuple[float, float, float]:
+        """(examples, tokens, training seconds) since the last call, over all processes (a collective
+        when `reduce` is given)."""
+        totals = reduce(self.totals.clone()) if reduce else self.totals.clone()
+        examples, tokens = (totals - self.logged_totals).tolist()
+        seconds = self.train_seconds - self.logged_seconds
+        self.logged_totals, self.logged_seconds = totals, self.train_seconds
+        return examples, tokens, seconds
