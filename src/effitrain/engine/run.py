@@ -9,8 +9,9 @@ import contextlib
 import math
 import time
 
+from effitrain import model_card
 from effitrain.config import TrainConfig
-from effitrain.devices import peak_memory_bytes
+from effitrain.devices import cpu_name, peak_memory_bytes
 from effitrain.engine import evaluate as evaluation
 from effitrain.engine import report, saving
 from effitrain.engine.checkpoint import Checkpointer
@@ -46,17 +47,33 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         if config.keep == "best" and state.best_step is not None:
             saving.load_weights(job, job.out_dir / "best")
         check_trained(job, state)
-        test = evaluation.evaluate(job.accelerator, job.task, job.model, job.eval_dls["test"], job.data.label_names)
+        gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"])
+        test = job.task.metrics(gathered, job.data.label_names)
         log_record(job, state, split="test", **test)
         if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
             raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
         result = report.metrics(job, state, test, stopped_early)
+        confusion = job.task.confusion_matrix(gathered, job.data.label_names)  # for the report (report.py)
+        if confusion is not None:
+            result["test_confusion_matrix"] = confusion
         saving.save_model(job, job.out_dir / "model")
         if job.adapted:
             saving.save_model(job, job.out_dir / "adapter", adapter=True)
         result["wall_seconds"] = state.wall_seconds()
         report.write(job, result)
+        if job.accelerator.is_main_process:
+            model_card.write(job.out_dir / "model", config.to_dict(), result, card_facts(job))
         return result
+
+
+def card_facts(job: Run) -> dict:
+    """What model/README.md says that only the run knows."""
+    import torch
+
+    device = job.accelerator.device
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {"pipeline_tag": job.task.pipeline_tag, "is_text": job.task.is_text, "hardware": hardware,
+            "examples": {split: len(rows) for split, rows in job.data.encoded.items()}, "plan": job.plan.to_dict()}
 
 
 def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator, checkpointer: Checkpointer,

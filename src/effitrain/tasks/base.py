@@ -19,6 +19,7 @@ class Task:
     is_text: bool = False  # tokenised text: tokens/s, a tokenizer, a vocabulary
     has_labels: bool = True  # a label column, a classification head sized for it
     supports_packing: bool = False
+    pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
     def __init__(self, name: str):
         self.name = name
@@ -169,6 +170,11 @@ class Task:
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
         raise NotImplementedError
+
+    def confusion_matrix(self, outputs: tuple, label_names: list[str] | None) -> dict | None:
+        """{"labels": [...], "counts": [[...]]} (counts[true][predicted]) from the gathered eval outputs;
+        None for tasks without one label per example."""
+        return None
 
     # Metrics whose larger values are better; any other metric (loss, perplexity) is better smaller.
     higher_is_better: tuple[str, ...] = ()

@@ -17,6 +17,7 @@ class CausalLM(Task):
     is_text = True
     has_labels = False
     supports_packing = True
+    pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy",)
 
     # -- models ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class Classification(Task):
         self.modality = modality  # text | image | audio
         self.auto_class_name = _AUTO[modality]
         self.is_text = modality == "text"
+        self.pipeline_tag = f"{modality}-classification"  # the Hub's name for the task (model cards)
 
     # -- models ------------------------------------------------------------------------------------
     def load_processor(self, source: models.ModelSource):
@@ -125,6 +126,15 @@ class Classification(Task):
         result["loss"] = float(losses.mean())
         result["samples"] = int(len(references))
         return result
+
+    def confusion_matrix(self, outputs: tuple, label_names: list[str] | None) -> dict | None:
+        from effitrain.tasks.metrics import confusion_counts
+
+        if not label_names:
+            return None
+        predictions, references, _ = outputs
+        return {"labels": list(label_names),
+                "counts": confusion_counts(predictions.numpy(), references.numpy(), len(label_names))}
 
     def metric_names(self, label_names: list[str] | None) -> list[str]:
         return ["loss", "accuracy", "f1_macro"] + [f"f1_{name}" for name in label_names or []]

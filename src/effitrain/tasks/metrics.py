@@ -15,3 +15,13 @@ def classification_metrics(predictions, references, label_names: list[str]) -> d
     }
     metrics.update({f"f1_{name}": float(score) for name, score in zip(label_names, per_class)})
     return metrics
+
+
+def confusion_counts(predictions, references, num_labels: int) -> list[list[int]]:
+    """counts[true][predicted] over the examples (labels outside 0..num_labels-1, e.g. -100, left out)."""
+    import numpy as np
+
+    predictions, references = np.asarray(predictions), np.asarray(references)
+    kept = (references >= 0) & (references < num_labels) & (predictions >= 0) & (predictions < num_labels)
+    flat = np.bincount(references[kept] * num_labels + predictions[kept], minlength=num_labels * num_labels)
+    return flat.reshape(num_labels, num_labels).tolist()

@@ -1,0 +1,136 @@
+"""model/README.md: a model card in the Hub's format (YAML metadata through huggingface_hub's
+ModelCardData, so that the Hub reads `base_model`, `pipeline_tag`, `datasets` and the `model-index`
+results), then how the model was trained and what it scored, so that a saved model explains itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from effitrain import __version__
+
+# metric name in metrics.json -> (model-index metric type, display name)
+METRIC_TYPES = {"accuracy": ("accuracy", "Accuracy"), "f1_macro": ("f1", "F1 (macro)"), "loss": ("loss", "Loss"),
+                "perplexity": ("perplexity", "Perplexity"), "token_accuracy": ("accuracy", "Token accuracy")}
+COUNTS = ("samples", "tokens")  # evaluation counts, not metrics
+
+
+def base_model(model: str) -> str | None:
+    """The Hub id the run started from, when there is one: the default model's, or a --model that names
+    a cached Hub id. A local folder or a model built from a config has none."""
+    from effitrain.models import DEFAULT_MODEL_HUB_ID
+
+    if model == "default":
+        return DEFAULT_MODEL_HUB_ID
+    # As models.resolve tells a Hub id from a path; `type:key=value` and a .json file are configs.
+    local = model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).expanduser().exists()
+    return None if local or ":" in model or model.endswith(".json") else model
+
+
+def dataset_id(data: str) -> str | None:
+    from effitrain.data.builtins import HUB_IDS
+
+    return HUB_IDS.get(data)
+
+
+def metric_label(name: str) -> tuple[str, str]:
+    if name in METRIC_TYPES:
+        return METRIC_TYPES[name]
+    if name.startswith("f1_"):
+        return "f1", f"F1 ({name[3:]})"
+    return name, name.replace("_", " ").capitalize()
+
+
+def card_data(config: dict, result: dict, pipeline_tag: str, model_name: str):
+    from huggingface_hub import EvalResult, ModelCardData
+
+    data = config["data"]
+    dataset = dataset_id(data)
+    results = [EvalResult(task_type=pipeline_tag, dataset_type=dataset or Path(data).name, dataset_name=data,
+                          dataset_split="test", metric_type=metric_label(name)[0],
+                          metric_name=metric_label(name)[1], metric_value=round(float(value), 6))
+               for name, value in result["test"].items() if name not in COUNTS]
+    return ModelCardData(library_name="transformers", base_model=base_model(config["model"]),
+                         pipeline_tag=pipeline_tag, datasets=[dataset] if dataset else None, model_name=model_name,
+                         tags=["effitrain"] + ([config["peft"]] if config.get("peft") not in (None, "none") else []),
+                         eval_results=results or None)
+
+
+def procedure(config: dict, result: dict, facts: dict) -> list[str]:
+    """The settings that matter for reproducing the run, as Markdown list items."""
+    plan = facts.get("plan") or {}
+    grad_accum, world = result["grad_accum"], result["world_size"]
+    examples = facts["examples"]
+    techniques = [name for name, on in (
+        ("gradient checkpointing", result["gradient_checkpointing"]),
+        (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
+        (f"{config['strategy']} sharding", config["strategy"] != "ddp" and world > 1),
+        (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "
+         f"targets {config['lora_target_modules']})", config["peft"] != "none"),
+        ("packing", config.get("packing")),
+        (f"micro-batches run in {plan.get('pieces')} pieces (--memory-budget)", (plan.get("pieces") or 1) > 1),
+    ) if on]
+    return [
+        f"- base model: `{config['model']}`" + (f" ({base_model(config['model'])})"
+                                                  if base_model(config["model"]) not in (None, config["model"]) else ""),
+        f"- task: {config['task']}",
+        f"- data: `{config['data']}`: {examples.get('train', 0)} train / {examples.get('validation', 0)} validation / "
+        f"{examples.get('test', 0)} test examples" + (f", labels {', '.join(map(str, result['labels']))}"
+                                                      if result.get("labels") else ""),
+        f"- steps: {result['steps']} ({result['epochs']} epochs) of {config['batch_size']} x {grad_accum} x "
+        f"{world} process(es) = {config['batch_size'] * grad_accum * world} examples per step",
+        f"- learning rate {config['lr']} (warm-up {config['warmup_ratio']} of the steps, then linear decay), "
+        f"weight decay {config['weight_decay']}, gradient clipping {config['max_grad_norm']}",
+        f"- optimizer: {result['optimizer']}; precision: {result['precision']}"
+        + (f"; max length {config['max_length']}" if facts["is_text"] else ""),
+        f"- techniques: {', '.join(techniques) if techniques else 'none'}",
+        f"- parameters: {result['parameters']['trainable']:,} trained of {result['parameters']['total']:,} "
+        f"({100 * result['trainable_share']:.2f}%)",
+        f"- hardware: {world} x {facts['hardware']} ({result['device']})",
+        f"- time: {result['wall_seconds']:.1f} s in all, {result['train_seconds']:.1f} s training, "
+        f"{result['train_samples_per_second']:.1f} samples/s, peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"- seed {config['seed']}",
+    ]
+
+
+def adapter_note(config: dict, result: dict) -> str:
+    if config.get("peft", "none") == "none":
+        return ""
+    base = ("the 4-bit NF4 base the adapter was trained over, dequantised to fp32 (so it differs from the original "
+            "full-precision base by NF4's rounding)" if config["peft"] == "qlora" else "the base")
+    return (f"These weights are the {config['peft']} adapter merged into {base}; the adapter alone is in "
+            "../adapter (peft's `PeftModel.from_pretrained` over the base model).\n\n")
+
+
+def results_table(result: dict) -> list[str]:
+    splits = [name for name in ("validation", "test") if result.get(name)]
+    names = [name for name in result["test"] if name not in COUNTS]
+    lines = ["| metric | " + " | ".join(splits) + " |", "| --- |" + " --- |" * len(splits)]
+    for name in names:
+        cells = [f"{result[split][name]:.4f}" if name in result[split] else "" for split in splits]
+        lines.append(f"| {metric_label(name)[1]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(config: dict, result: dict, facts: dict) -> str:
+    """The card's text. `facts`: what only the run knows (pipeline_tag, examples per split, hardware,
+    is_text, the resolved plan)."""
+    name = Path(config["output_dir"]).name
+    best = result.get("best") or {}
+    kept = (f"The weights are those of the best validation {best['metric']} ({best['value']:.4f}, step "
+            f"{best['step']}).\n\n" if best.get("kept_in_model") and best.get("step") else "")
+    body = "\n".join([
+        f"# {name}", "",
+        f"A {config['task']} model fine-tuned with effitrain {__version__}.", "",
+        "```python",
+        "from transformers import pipeline",
+        f"pipe = pipeline(\"{facts['pipeline_tag']}\", model=\"path/to/this/folder\")",
+        "```", "",
+        "## Training procedure", "", *procedure(config, result, facts), "",
+        "## Results", "", kept + adapter_note(config, result) + "\n".join(results_table(result)), "",
+        "Made by `effitrain train`; the run's own files (config.yaml, log.jsonl, metrics.json) are in the folder "
+        "above this one.", ""])
+    return f"---\n{card_data(config, result, facts['pipeline_tag'], name).to_yaml()}\n---\n{body}"
+
+
+def write(folder: Path, config: dict, result: dict, facts: dict) -> None:
+    (folder / "README.md").write_text(render(config, result, facts), encoding="utf-8")
