@@ -7,8 +7,13 @@ import torch
 
 
 def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, float]:
-    """The task's metrics over the whole split; gather_for_metrics drops the samples padded in to even
-    out shards, so every process gets the same metrics whatever their number."""
+    """The task's metrics over the whole split, the same on every process whatever their number."""
+    return task.metrics(gather_outputs(accelerator, task, model, dataloader), label_names)
+
+
+def gather_outputs(accelerator, task, model, dataloader) -> tuple:
+    """The task's per-example eval outputs over the whole split, on the CPU of every process;
+    gather_for_metrics drops the samples padded in to even out shards."""
     was_training = model.training
     model.eval()
     gathered = []
@@ -17,7 +22,7 @@ def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, flo
             outputs = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
             gathered.append([t.cpu() for t in outputs])
     model.train(was_training)
-    return task.metrics(tuple(torch.cat(column) for column in zip(*gathered)), label_names)
+    return tuple(torch.cat(column) for column in zip(*gathered))
 
 
 class Evaluator:

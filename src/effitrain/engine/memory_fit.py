@@ -62,11 +62,13 @@ def budget_bytes(config: TrainConfig, device: torch.device) -> int:
 
 
 def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-             num_labels: int, processor, fixed: tuple[str, bool] | None = None) -> tuple[int, str, bool, str]:
+             num_labels: int, processor, fixed: tuple[str, bool] | None = None
+             ) -> tuple[int, str, bool, str, int, int]:
     """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer; `fixed`:
     the (optimizer, checkpointing) a resumed run's checkpoint was trained with, kept. `mixed_precision`
     as the run chose it (accelerate's no | bf16 | fp16). Returns (pieces, optimizer, checkpointing,
-    what was decided in words); the config is left as it is."""
+    what was decided in words, the budget in bytes, the predicted peak in bytes); the config is left
+    as it is."""
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
@@ -74,7 +76,7 @@ def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation
 
 
 def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-              num_labels: int, processor, fixed: tuple[str, bool] | None) -> tuple[int, str, bool, str]:
+              num_labels: int, processor, fixed: tuple[str, bool] | None) -> tuple[int, str, bool, str, int, int]:
     import torch.distributed as dist
 
     from effitrain import tasks
@@ -96,8 +98,10 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
                                  budget, accumulation=accumulation, techniques_fixed=fixed is not None)
     pieces = config.batch_size // estimate.setting.micro_batch
     said = ", ".join(changes) if changes else "no change needed"
-    return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak "
-                   f"{estimate.total / plan.GiB:.2f} GiB with micro-batch {estimate.setting.micro_batch}; {said}")
+    note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB "
+            f"with micro-batch {estimate.setting.micro_batch}; {said}")
+    return (pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, int(budget),
+            int(estimate.total))
 
 
 def halve(split: int, batch_size: int, strategy: str) -> int:

@@ -9,8 +9,9 @@ from effitrain.devices import peak_memory_bytes
 from effitrain.engine import optim
 
 
-def metrics(run, state, test: dict, stopped_early: bool) -> dict:
-    """What metrics.json holds (DESIGN.md's contract, and more)."""
+def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None = None) -> dict:
+    """What metrics.json holds (DESIGN.md's contract, and more). `confusion`: the test split's
+    confusion matrix (classification), kept out of `test`, whose values are all numbers."""
     samples, tokens = run.reduce(state.totals).tolist()
     config, plan, accelerator = run.config, run.plan, run.accelerator
     # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
@@ -24,6 +25,8 @@ def metrics(run, state, test: dict, stopped_early: bool) -> dict:
         "task": run.task.name,
         "validation": state.validation,
         "test": test,
+        **({"test_confusion_matrix": confusion} if confusion is not None else {}),
+        "examples": {split: len(rows) for split, rows in run.data.encoded.items()},  # after any skipped rows
         "best": {"metric": config.metric_for_best or "loss", "value": state.best_value, "step": state.best_step,
                  "kept_in_model": config.keep == "best"},
         "stopped_early": stopped_early,
@@ -52,6 +55,9 @@ def metrics(run, state, test: dict, stopped_early: bool) -> dict:
         "grad_accum": plan.grad_accum,
         # --memory-budget: each loaded micro-batch ran as this many pieces (1: as loaded).
         "pieces_per_micro_batch": plan.pieces,
+        # --memory-budget: what the planner predicted before the run, to set against peak_memory_bytes.
+        "memory_plan": ({"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
+                         "note": plan.note} if plan.predicted_peak_bytes is not None else None),
         # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
         "sync_allreduce_calls": run.wire.calls,
         "sync_allreduce_bytes": run.wire.bytes,

@@ -52,10 +52,8 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         log_record(job, state, split="test", **test)
         if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
             raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
-        result = report.metrics(job, state, test, stopped_early)
-        confusion = job.task.confusion_matrix(gathered, job.data.label_names)  # for the report (report.py)
-        if confusion is not None:
-            result["test_confusion_matrix"] = confusion
+        result = report.metrics(job, state, test, stopped_early,
+                                confusion=job.task.confusion_matrix(gathered, job.data.label_names))
         saving.save_model(job, job.out_dir / "model")
         if job.adapted:
             saving.save_model(job, job.out_dir / "adapter", adapter=True)
@@ -228,7 +226,8 @@ def announce(job: Run) -> None:
     encoded, skipped = data.encoded, data.loaded.skipped_rows
     if plan.note:
         job.main_print(plan.note)
-        job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces})
+        job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, "budget_bytes": plan.budget_bytes,
+                       "predicted_peak_bytes": plan.predicted_peak_bytes})
     job.main_print(f"training {config.model} ({job.task.name}) on {config.data}: {len(encoded['train'])} train / "
                    f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"
                    + (f", {skipped} bad rows skipped" if skipped else "")
