@@ -202,6 +202,11 @@ def test_bench_runs_two_variants_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert baseline["metrics"]["steps"] == accum["metrics"]["steps"] == 2
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "grad-accum" / "metrics.json").is_file()
+    # report.html compares the variants (report.py), with the curves as a PNG beside it; each variant's own too
+    page = (out / "report.html").read_text()
+    assert "What differs" in page and "grad-accum" in page and "baseline" in page
+    assert (out / "report-curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "baseline" / "report.html").is_file()
 
 
 def test_machine_memory_is_the_ram_on_cpu_and_a_gpu_size_or_none_on_cuda():

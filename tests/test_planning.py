@@ -210,6 +210,10 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     assert fitted["steps"] == plain["steps"] == 3 and fitted["grad_accum"] == plain["grad_accum"] == 1
     note = read_jsonl(tmp_path / "fitted" / "log.jsonl")[0]
     assert "micro-batch 16 -> 4" in note["memory_plan"]
+    # What was predicted, for `effitrain report` to set against the measured peak.
+    assert note["budget_bytes"] == budget and note["predicted_peak_bytes"] == peak[4]
+    assert fitted["memory_plan"] == {"budget_bytes": budget, "predicted_peak_bytes": peak[4],
+                                     "note": note["memory_plan"]} and plain["memory_plan"] is None
     same_weights(tmp_path / "plain", tmp_path / "fitted")
 
     # config.yaml records the plan beside the config, which the run left unchanged; rerunning it pins
@@ -222,7 +226,7 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     assert written["memory_budget"] == str(budget) and written["optim"] == "adamw"
     rerun = {**written, "memory_budget": "1KiB", "output_dir": str(tmp_path / "rerun")}
     again = effitrain.train(rerun)
-    assert again["pieces_per_micro_batch"] == 4
+    assert again["pieces_per_micro_batch"] == 4 and again["memory_plan"] is None  # pinned, not planned
     fitted_weights, rerun_weights = read_weights(tmp_path / "fitted"), read_weights(tmp_path / "rerun")
     assert all(torch.equal(fitted_weights[name], rerun_weights[name]) for name in fitted_weights)
 

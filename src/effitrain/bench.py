@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(results))
         outputs.write_json(bench_dir / "bench.json", report(args, extra, results))
         chart = write_chart(bench_dir / "bench.png", results)
+        from effitrain import report as page  # not bench.report, which makes bench.json
+
+        if any(r["status"] == "ok" for r in results):  # report.html: the variants compared; never raises
+            page.write_for_run(bench_dir, pngs=True)
     except BaseException as err:
         held.fail(user_mistake=isinstance(err, UserError))
         raise
@@ -117,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nno variant ran; {bench_dir} holds the earlier bench again")
         return 1
     held.succeed()
-    print(f"\nwrote {bench_dir / 'bench.json'}" + (f" and {chart}" if chart else ""))
+    print(f"\nwrote {bench_dir / 'bench.json'}" + (f", {chart}" if chart else "")
+          + (f" and {bench_dir / page.PAGE}" if (bench_dir / page.PAGE).is_file() else ""))
     return 0 if all(r["status"] != "failed" for r in results) else 1
 
 

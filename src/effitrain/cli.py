@@ -158,6 +158,14 @@ def build_parser() -> Parser:
                                            "anything: the model is built on fake tensors.")
     add_plan_flags(plan)
 
+    report = commands.add_parser("report", help="an HTML page of one run or several (curves, evaluations, confusion "
+                                               "matrix, memory; several: overlaid and compared), with PNGs")
+    report.add_argument("runs", nargs="+", metavar="RUN", help="the --output-dir of a train run (or of a bench: "
+                                                               "its variants)")
+    report.add_argument("--out", default=None, help="the page (default: RUN/report.html for one run, report.html "
+                                                    "here for several); its PNGs go beside it")
+    report.add_argument("--debug", action="store_true")
+
     env = commands.add_parser("env", help="show the devices and precisions Accelerator detects")
     env.add_argument("--json", action="store_true")
     env.add_argument("--debug", action="store_true")
@@ -350,6 +358,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from effitrain import report
+
+    page, pngs = report.write(args.runs, args.out)
+    print(f"wrote {page}" + (f" and {', '.join(str(p) for p in pngs)}" if pngs else ""))
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from effitrain import devices
 
@@ -381,7 +397,7 @@ def _launcher_speaks() -> bool:
 
 
 COMMANDS = {"train": cmd_train, "predict": cmd_predict, "evaluate": cmd_evaluate, "inspect": cmd_inspect, "env": cmd_env,
-            "launch": cmd_launch, "bench": cmd_bench, "plan": cmd_plan}
+            "launch": cmd_launch, "bench": cmd_bench, "plan": cmd_plan, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,12 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
             run_dir.fail(user_mistake=isinstance(err, UserError) and not isinstance(err, Diverged))
         raise
     if run_dir is not None:
-        run_dir.succeed()
+        try:
+            from effitrain import report
+
+            report.write_for_run(run_dir.path)  # report.html: never fails the run
+        finally:
+            run_dir.succeed()
     return result
 
 
