@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,trackers]'
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -29,7 +29,12 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 $(FASHION_MNIST):
 	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
 
-test: $(VENV)/.installed-dev $(FASHION_MNIST)
+# The report's browser test (tests/test_report.py) drives Debian's headless Chromium through its driver.
+CHROMEDRIVER := /usr/bin/chromedriver
+$(CHROMEDRIVER):
+	apt-get update -qq && apt-get install -y -qq chromium chromium-driver
+
+test: $(VENV)/.installed-dev $(FASHION_MNIST) $(CHROMEDRIVER)
 	$(BIN)/python -m pytest
 
 .PHONY: demo test

@@ -12,6 +12,33 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+OFFLINE_HOOK = Path(__file__).parent / "hooks" / "offline"  # sitecustomize.py: no network
+
+
+@pytest.fixture(autouse=True, scope="session")
+def offline(tmp_path_factory):
+    """No network access at any point: sockets to other machines (and look-ups of their names) fail, in
+    this process and, through PYTHONPATH, in every Python subprocess the tests start. Yields the file
+    where blocked attempts are written (the `network_attempts` fixture reads it)."""
+    from hooks.offline import sitecustomize as guard
+
+    log = tmp_path_factory.mktemp("offline") / "attempts.log"
+    log.touch()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EFFITRAIN_TEST_NETWORK_LOG", str(log))
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(OFFLINE_HOOK), os.environ.get("PYTHONPATH")])))
+        undo = guard.block()
+        try:
+            yield log
+        finally:
+            undo()
+
+
+@pytest.fixture
+def network_attempts(offline):
+    """A function returning the blocked network attempts made since the test started (any process)."""
+    start = offline.stat().st_size
+    return lambda: offline.read_bytes()[start:].decode().splitlines()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
 PEFT_METHODS = ("none", "lora", "qlora")
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what --peft none leaves alone
 ALL_LINEAR = "all-linear"
+TRACKERS = ("tensorboard", "trackio", "mlflow")  # --report-to: local, file-based stores only
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -128,6 +129,11 @@ class TrainConfig:
                                            "improvement")
     keep: str = _opt("final", "which weights model/ holds: final (the last step's) or best (the best "
                      "evaluation's, also in best/)", choices=KEEP)
+    report_to: str = _opt("none", "experiment trackers that also get the run's log, a comma list of tensorboard "
+                          "(event files in OUTPUT_DIR/tb), trackio (OUTPUT_DIR/trackio), mlflow (OUTPUT_DIR/mlflow.db), "
+                          "or none: local files written by the main process, never a server (pip install "
+                          "'effitrain[trackers]')")
+    run_name: str | None = _opt(None, "the run's name in the trackers (default: the output folder's name)")
     plan: dict | None = _opt(None, "what an earlier run resolved (accumulation, pieces, optimizer, "
                              "checkpointing), as its config.yaml records it: pinned instead of planned again, so "
                              "that rerunning config.yaml reproduces the run", yaml_only=True)
@@ -284,7 +290,7 @@ def _check_values(config: TrainConfig) -> None:
                             f"pass e.g. {flag(f.name)} {f.default if f.default is not None else 1.0}")
     if not 0 <= config.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {config.seed}", "pass e.g. --seed 42")
-    for name in ("output_dir", "resume", "validation_file", "test_file", "data", "model"):
+    for name in ("output_dir", "resume", "validation_file", "test_file", "data", "model", "run_name"):
         if getattr(config, name) is not None and not str(getattr(config, name)).strip():
             raise UserError(f"{flag(name)} is empty", f"pass a value to {flag(name)}, or leave the flag out")
 
@@ -334,6 +340,7 @@ def validate(config: TrainConfig) -> None:
         raise UserError("--early-stopping-threshold applies to early stopping, which is off",
                         "pass --early-stopping-patience too, or drop the threshold")
     _check_peft(config)
+    report_to_names(config.report_to)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
     if config.task not in TASKS:
@@ -381,3 +388,22 @@ def _check_peft(config: TrainConfig) -> None:
 def lora_target_names(value: str) -> list[str]:
     """--lora-target-modules as a list of names (`query, value` -> [query, value])."""
     return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def report_to_names(value: str) -> list[str]:
+    """--report-to as a list of trackers (`tensorboard, mlflow` -> [tensorboard, mlflow]; none -> []),
+    checked: known names, each once, none alone."""
+    names = [name.strip() for name in value.split(",")]
+    fix = f"pass --report-to as a comma list of {', '.join(TRACKERS)}, or none"
+    if "" in names:
+        raise UserError(f"--report-to `{value}` has an empty name", fix)
+    for name in names:
+        if name != "none" and name not in TRACKERS:
+            close = difflib.get_close_matches(name.lower(), [*TRACKERS, "none"], n=1)
+            raise UserError(f"--report-to: unknown tracker `{name}` (effitrain writes to local stores only: "
+                            f"{', '.join(TRACKERS)})", f"did you mean {close[0]}?" if close else fix)
+        if names.count(name) > 1:
+            raise UserError(f"--report-to names {name} twice", "name each tracker once")
+    if "none" in names and len(names) > 1:
+        raise UserError(f"--report-to `{value}` mixes none with trackers", "pass none alone, or only trackers")
+    return [] if names == ["none"] else names

@@ -29,10 +29,12 @@ def has_accelerator() -> bool:
 
 
 def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", zero_stage: int = 2,
-                     max_grad_norm: float = 1.0, mixed_precision: str = "no", broadcast_buffers: bool = True):
+                     max_grad_norm: float = 1.0, mixed_precision: str = "no", broadcast_buffers: bool = True,
+                     log_with: list | None = None):
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
     multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
-    `ddp_timeout` bounds how long a collective waits for a dead or stuck peer."""
+    `ddp_timeout` bounds how long a collective waits for a dead or stuck peer; `log_with`: experiment
+    trackers (tracking.py)."""
     from datetime import timedelta
 
     from accelerate import Accelerator
@@ -48,7 +50,7 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
         handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
     fresh_accelerator_state()
     return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
-                       **strategy_plugins(strategy, zero_stage, max_grad_norm))
+                       log_with=log_with or None, **strategy_plugins(strategy, zero_stage, max_grad_norm))
 
 
 @contextlib.contextmanager

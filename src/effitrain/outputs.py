@@ -25,9 +25,10 @@ DELETING = ".tmp-previous"  # a replaced run being deleted
 # What runs write. --overwrite removes these and nothing else; a folder's contents are the writer's
 # (save_pretrained's, save_state's). Nested runs (bench variants) carry their own marker.
 RUN_FILES = {"config.yaml", "log.jsonl", "metrics.json", "bench.json", "bench.png", MARKER, LOCK,
-             "report.html", "report-curves.png", "report-confusion.png"}  # report.py's page and PNGs
+             "report.html", "report-curves.png", "report-confusion.png",  # report.py's page and PNGs
+             "mlflow.db"}  # tracking.py's stores: mlflow.db, tb/, trackio/, mlartifacts/
 RUN_FOLDERS = {"model", "best", "adapter", "checkpoints", PREVIOUS, MOVING, DELETING, ".tmp-model", ".tmp-best",
-               ".tmp-adapter"}
+               ".tmp-adapter", "tb", "trackio", "mlartifacts"}
 
 
 def default_dir(root: str = "runs") -> Path:
@@ -340,6 +341,21 @@ def write_yaml(path: Path, data: dict) -> None:
     import yaml
 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+class RunLog:
+    """The run's log: each record goes to every sink (log.jsonl's JsonlLog, tracking.TrackerLog)."""
+
+    def __init__(self, *sinks):
+        self.sinks = [sink for sink in sinks if sink is not None]
+
+    def write(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 class JsonlLog:

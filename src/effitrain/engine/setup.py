@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import adapters, models, outputs, tasks
+from effitrain import adapters, models, outputs, tasks, tracking
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
@@ -66,7 +66,7 @@ class Run:
     stand_in: dict  # a one-example micro-batch for processes that lack one at the end of an epoch
     sizes: list[int]  # micro-batches per process in each step of an epoch
     out_dir: Path
-    log: outputs.JsonlLog
+    log: outputs.RunLog  # log.jsonl, and the trackers of --report-to
     resume_from: Path | None = None
     resume_state: dict | None = None
     wire: communication.Counter = field(default_factory=communication.Counter)
@@ -113,10 +113,12 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     # Fail on the cheap checks before loading anything heavy.
     source = models.resolve_source(config.model, config.allow_pickle)
     source.allow_partial = config.allow_partial_load
+    tracking.check_installed(config)
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
-                                   mixed_precision, broadcast_buffers=config.memory_budget is None)
-    cleanup.callback(accelerator.end_training)
+                                   mixed_precision, broadcast_buffers=config.memory_budget is None,
+                                   log_with=trackers(config, run_dir))
+    cleanup.callback(accelerator.end_training)  # also finishes the trackers
     accelerator.wait_for_everyone()  # process 0 has locked the output folder and settled what was in it
     resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
     resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes) if resume_from else None
@@ -130,11 +132,21 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     model = build_model(task, source, data, plan, config, accelerator.device)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
-    log = outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None)
+    log = outputs.RunLog(outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
+                         tracking.start(accelerator, config, out_dir, plan.to_dict()))
     cleanup.callback(log.close)
     run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
     run.resume_from, run.resume_state = resume_from, resume_state
     return run
+
+
+def trackers(config: TrainConfig, run_dir: outputs.RunDir | None) -> list:
+    """--report-to's trackers, on the main process only (the others log nothing); they start once the
+    output folder is claimed. Resuming, they continue from the checkpoint's step."""
+    if run_dir is None:
+        return []
+    resumed_step = checkpoint.trainer_state(run_dir.resume_from)["step"] if run_dir.resume_from else None
+    return tracking.trackers(config, run_dir.path, resumed_step)
 
 
 def accumulation(config: TrainConfig, world: int) -> int:
