@@ -51,7 +51,21 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_bad_models(root, tiny_model_dir)
     write_orphan_adapter(root, tiny_model_dir)
     write_output_cases(root, tiny_model_dir)
+    write_report_cases(root)
     return root
+
+
+def write_report_cases(root):
+    """Runs of two tasks for `effitrain report`, and a page of the user's that --out must not replace."""
+    from effitrain.outputs import MARKER
+
+    for name, task in (("cls-run", "sequence-classification"), ("lm-run", "causal-lm")):
+        (root / name).mkdir()
+        (root / name / "config.yaml").write_text(f"task: {task}\n")
+        (root / name / MARKER).write_text('{"kind": "train"}')
+    (root / "page.html").write_text("<p>mine</p>\n")
+    (root / "ro").mkdir()
+    (root / "ro").chmod(0o555)
 
 
 def write_output_cases(root, tiny_model_dir):
@@ -278,6 +292,18 @@ CASES = [
                  "dequantise wrongly when a layer's input width is not a multiple of 64", marks=CPU_ONLY),
     (["predict", "--model", "orphan-adapter", "--text", "hello"],
      "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
+    # effitrain report
+    (["report", "missing-run"], "RUN missing-run does not exist"),
+    (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
+    (["report", "notes"], "RUN notes is not an effitrain run"),
+    (["report", "prev/model"], "fix: pass the run's folder: effitrain report prev"),
+    (["report", "cls-run", "lm-run"], "the runs are of different tasks"),
+    (["report", "prev", "--out", "nowhere/r.html"], "no folder nowhere"),
+    (["report", "prev", "--out", "notes"], "--out notes is a folder"),
+    (["report", "prev", "--out", "notes/ideas.txt"], "does not end in .html"),
+    (["report", "prev", "--out", "marked/report.html"], "is inside the effitrain run marked"),
+    (["report", "prev", "--out", "page.html"], "page.html already exists and is not an effitrain report"),
+    pytest.param(["report", "prev", "--out", "ro/r.html"], "the folder ro is not writable", marks=NOT_ROOT),
 ]
 
 
