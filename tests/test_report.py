@@ -281,8 +281,21 @@ def test_a_report_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("lo, hi, ticks", [(0, 1, [0, 0.2, 0.4, 0.6, 0.8, 1.0]), (3, 3, [2.6, 2.8, 3.0, 3.2, 3.4]),
                                            (0.682, 0.695, [0.68, 0.685, 0.69, 0.695]),
-                                           (0, 0.012, [0, 0.0025, 0.005, 0.0075, 0.01, 0.0125])])
+                                           (0, 0.012, [0, 0.0025, 0.005, 0.0075, 0.01, 0.0125]),
+                                           (1e-6, 5e-6, [1e-6, 2e-6, 3e-6, 4e-6, 5e-6]),
+                                           (0.6926, 0.6931, [0.6926, 0.6927, 0.6928, 0.6929, 0.693, 0.6931])])
 def test_ticks_are_round_and_cover_the_values(lo, hi, ticks):
     assert report.nice_ticks(lo, hi) == pytest.approx(ticks)
     step = ticks[1] - ticks[0]
     assert len({report.tick_text(t, step) for t in ticks}) == len(ticks)  # no two labels alike
+
+
+def test_long_logs_are_thinned_and_a_broken_matrix_is_left_out(tmp_path):
+    records = [{"step": i, "loss": 1 / i, "lr": 1e-3} for i in range(1, 5002)]
+    points = report.curve(records, "loss")
+    assert len(points) <= report.MAX_POINTS + 1 and points[0][0] == 1 and points[-1][0] == 5001
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    (tmp_path / "metrics.json").write_text(json.dumps({"labels": ["a", "b"], "test": {"accuracy": 1.0},
+                                                       "test_confusion_matrix": {"labels": ["a", "b"], "counts": [[1]]}}))
+    run = report.read_run(tmp_path)
+    assert any("no confusion matrix" in note for note in run.notes) and 'data-chart="confusion"' not in report.render([run])

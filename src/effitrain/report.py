@@ -77,7 +77,7 @@ class ReportedRun:
         """What --memory-budget predicted: metrics.json's, else the log's (a run not finished)."""
         if self.metrics.get("memory_plan"):
             return self.metrics["memory_plan"]
-        logged = next((e for e in self.events if "memory_plan" in e), None)
+        logged = next((e for e in reversed(self.events) if "memory_plan" in e), None)  # resumed: the last
         return None if logged is None else {"budget_bytes": logged.get("budget_bytes"), "note": logged["memory_plan"],
                                             "predicted_peak_bytes": logged.get("predicted_peak_bytes")}
 
@@ -124,14 +124,17 @@ def run_folders(path: Path) -> list[Path]:
         return variants
     if not is_run(path):
         inside = next((p for p in path.parents if is_run(p)), None)
-        fix = f"pass the run's folder: effitrain report {inside}" if inside else RUN_HINT
+        held = [p for p in sorted(path.iterdir()) if p.is_dir() and (is_run(p) or is_bench(p))]
+        fix = (f"pass the run's folder: effitrain report {inside}" if inside else
+               f"pass the runs in it: effitrain report {' '.join(str(p) for p in held[:3])}"
+               + (" ..." if len(held) > 3 else "") if held else RUN_HINT)
         raise UserError(f"RUN {path} is not an effitrain run (no config.yaml, log.jsonl or metrics.json)", fix)
     return [path]
 
 
 def is_run(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("config.yaml", "log.jsonl", "metrics.json", outputs.MARKER)) \
-        and not is_bench(path)
+    written = ("config.yaml", "log.jsonl", "metrics.json", outputs.MARKER, outputs.LOCK)  # a lock: a run starting
+    return any((path / name).is_file() for name in written) and not is_bench(path)
 
 
 def is_bench(path: Path) -> bool:
@@ -243,11 +246,10 @@ def say_missing(run: ReportedRun) -> None:
         run.notes.append("no training step logged (log.jsonl holds none)")
     if not run.evals and not run.metrics.get("test"):
         run.notes.append("no evaluation logged yet (validation runs every --eval-every steps, or at each epoch's "
-                         "end)")
-    if run.status == "finished" and "labels" in run.metrics and run.metrics.get("labels") \
-            and "test_confusion_matrix" not in run.metrics:
-        run.notes.append("no confusion matrix: metrics.json has no test_confusion_matrix (a run of an earlier "
-                         "effitrain)")
+                         "end)" if run.status == "training" else "no evaluation was logged")
+    if run.metrics.get("labels") and not confusion_matrix(run.metrics):
+        run.notes.append("no confusion matrix: metrics.json has no test_confusion_matrix of its labels (a run of "
+                         "an earlier effitrain?)")
 
 
 def short_names(paths: list[Path]) -> list[str]:
@@ -282,13 +284,16 @@ def mib(value: Any) -> str:
 
 
 def tick_text(value: float, step: float) -> str:
+    """A tick label with as many digits as the ticks' spacing needs (tiny values, as learning rates, in
+    scientific notation)."""
+    power = math.floor(math.log10(step) + 1e-9)  # the step is a difference of two ticks: 9.99...e-05
     if value == 0:
         return "0"
-    if abs(value) >= 1e4 or abs(step) < 1e-3:
-        return f"{value:.2g}" if abs(step) < 1e-3 else f"{value / 1000:g}k"
-    power = math.floor(math.log10(step))
-    decimals = max(0, -power + (1 if math.isclose(step / 10**power, 2.5) else 0))
-    return f"{value:.{decimals}f}"
+    if abs(value) < 1e-3:
+        return f"{value:.{max(0, math.floor(math.log10(abs(value))) - power)}e}"
+    if abs(value) >= 1e4:
+        return f"{value / 1000:g}k"
+    return f"{value:.{max(0, -power + (1 if math.isclose(step / 10**power, 2.5) else 0))}f}"
 
 
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
@@ -392,41 +397,57 @@ def finite(value: Any) -> bool:
 def svg_confusion(matrix: dict) -> str:
     """Counts by true label (rows) and predicted label (columns); each cell shaded by its share of the row."""
     labels, counts = [str(label) for label in matrix["labels"]], matrix["counts"]
-    n = len(labels)
-    cell = max(12, min(64, 360 // max(n, 1)))
-    left = min(150, 12 + 7 * max(len(label) for label in labels)) + 18
-    top, size = 24, cell * n
-    height = top + size + min(110, 12 + 6 * max(len(label) for label in labels)) + 18
-    out = [f'<svg class="confusion" viewBox="0 0 {left + size + 10} {height}" width="{left + size + 10}" '
-           f'height="{height}" role="img" aria-label="confusion matrix">',
-           f'<text x="{left + size / 2:.0f}" y="14" text-anchor="middle">predicted</text>',
-           f'<text x="10" y="{top + size / 2:.0f}" text-anchor="middle" transform="rotate(-90 10 '
-           f'{top + size / 2:.0f})">true</text>']
+    cell = max(12, min(64, 360 // max(len(labels), 1)))
+    longest = max(len(label) for label in labels)
+    left, top, size = min(150, 12 + 7 * longest) + 18, 24, cell * len(labels)
+    width, height = left + size + 10, top + size + min(110, 12 + 6 * longest) + 18
+    out = [f'<svg class="confusion" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+           f'aria-label="confusion matrix"><text x="{left + size / 2:.0f}" y="14" text-anchor="middle">predicted</text>'
+           f'<text x="10" y="{top + size / 2:.0f}" text-anchor="middle" transform="rotate(-90 10 {top + size / 2:.0f})">'
+           "true</text>"]
     for i, row in enumerate(counts):
-        total = sum(row) or 1
-        for j, count in enumerate(row):
-            share = count / total
-            shade = tuple(round(255 - share * (255 - c)) for c in (31, 119, 180))
-            out.append(f'<rect x="{left + j * cell}" y="{top + i * cell}" width="{cell}" height="{cell}" '
-                       f'fill="rgb{shade}" stroke="#fff"><title>true {esc(labels[i])}, predicted {esc(labels[j])}: '
-                       f'{count} ({share:.1%} of {esc(labels[i])})</title></rect>')
-            if cell >= 22:
-                out.append(f'<text x="{left + j * cell + cell / 2:.1f}" y="{top + i * cell + cell / 2 + 4:.1f}" '
-                           f'text-anchor="middle" fill="{"#fff" if share > 0.6 else "#222"}">{count}</text>')
+        out += [confusion_cell(labels[i], labels[j], count, sum(row), left + j * cell, top + i * cell, cell)
+                for j, count in enumerate(row)]
         out.append(f'<text x="{left - 4}" y="{top + i * cell + cell / 2 + 4:.1f}" text-anchor="end">'
                    f'{esc(labels[i][:20])}</text>')
     for j, label in enumerate(labels):
         x, y = left + j * cell + cell / 2 + 4, top + size + 8
         out.append(f'<text x="{x:.1f}" y="{y}" text-anchor="end" transform="rotate(-45 {x:.1f} {y})">'
                    f'{esc(label[:20])}</text>')
-    out.append("</svg>")
-    return "".join(out)
+    return "".join(out) + "</svg>"
+
+
+def confusion_cell(true: str, predicted: str, count: int, row_total: int, x: int, y: int, cell: int) -> str:
+    share = count / (row_total or 1)
+    shade = tuple(round(255 - share * (255 - c)) for c in (31, 119, 180))  # white to matplotlib's blue
+    drawn = (f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" fill="rgb{shade}" stroke="#fff"><title>true '
+             f"{esc(true)}, predicted {esc(predicted)}: {count} ({share:.1%} of {esc(true)})</title></rect>")
+    if cell >= 22:  # room for the count
+        drawn += (f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" text-anchor="middle" '
+                  f'fill="{"#fff" if share > 0.6 else "#222"}">{count}</text>')
+    return drawn
+
+
+def confusion_matrix(metrics: dict) -> dict | None:
+    """metrics.json's test_confusion_matrix if it is one: n labels, n rows of n counts."""
+    matrix = metrics.get("test_confusion_matrix")
+    if not isinstance(matrix, dict) or not isinstance(matrix.get("labels"), list) or not matrix["labels"]:
+        return None
+    n, counts = len(matrix["labels"]), matrix.get("counts")
+    square = isinstance(counts, list) and len(counts) == n and all(
+        isinstance(row, list) and len(row) == n and all(isinstance(c, int) and c >= 0 for c in row) for row in counts)
+    return matrix if square else None
 
 
 # --- what the charts show -------------------------------------------------------------------------
 
+MAX_POINTS = 1000  # per series: a long run logged every step would make a page of megabytes
+
+
 def curve(records: list[dict], key: str, scale: float = 1.0) -> list[tuple[float, float | None]]:
-    return [(r["step"], r[key] / scale if finite(r.get(key)) else None) for r in records if key in r]
+    points = [(r["step"], r[key] / scale if finite(r.get(key)) else None) for r in records if key in r]
+    stride = max(1, -(-len(points) // MAX_POINTS))
+    return points if stride == 1 else points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
 
 
 def eval_metric_names(runs: list[ReportedRun]) -> list[str]:
@@ -484,28 +505,22 @@ def plan_lines(run: ReportedRun, label, color: str) -> list[tuple[str, float, st
 
 def summary_rows(run: ReportedRun) -> list[tuple[str, str]]:
     """What trained on what: the data and model summary of one run."""
-    c, m, mc = run.config, run.metrics, run.model_config
-    examples = m.get("examples") or {}
-    params = m.get("parameters") or {}
-    arch = (mc.get("architectures") or [None])[0]
-    layers = mc.get("num_hidden_layers", mc.get("n_layer"))
-    hidden = mc.get("hidden_size", mc.get("n_embd"))
-    world = m.get("world_size")
-    batch = c.get("batch_size")
+    c, m = run.config, run.metrics
+    examples, params = m.get("examples") or {}, m.get("parameters") or {}
     accum = (c.get("plan") or {}).get("grad_accum", c.get("grad_accum"))
     rows = [
         ("status", run.status), ("task", run.task), ("model", c.get("model")),
-        ("architecture", ", ".join(str(v) for v in (arch, f"{layers} layers" if layers else None,
-                                                     f"hidden {hidden}" if hidden else None) if v) or None),
+        ("architecture", architecture(run.model_config)),
         ("parameters", f"{number(params.get('total'))} ({number(params.get('trainable'))} trainable)"
          if params else None),
         ("data", c.get("data")),
         ("examples", " / ".join(f"{number(examples.get(s))} {s}" for s in ("train", "validation", "test"))
          if examples else None),
         ("labels", ", ".join(map(str, m["labels"])) if m.get("labels") else None),
-        ("batch", f"{batch} per device x {accum} accumulated x {world or '?'} process(es)" if batch else None),
-        ("precision, optimizer", ", ".join(str(v) for v in (m.get("precision"), m.get("optimizer")) if v) or None),
-        ("steps", f"{number(run.final('steps'))} ({number(m.get('epochs'))} epochs)" if m else number(run.final("steps"))),
+        ("batch", f"{c['batch_size']} per device x {accum} accumulated"
+         + (f" x {m['world_size']} process(es)" if "world_size" in m else "") if c.get("batch_size") else None),
+        ("precision, optimizer", ", ".join(str(v) for v in (m.get("precision"), m.get("optimizer")) if v)),
+        ("steps", number(run.final("steps")) + (f" ({number(m['epochs'])} epochs)" if "epochs" in m else "")),
         ("device", m.get("device")), ("train seconds", number(m.get("train_seconds"), 3)),
         ("wall seconds", number(m.get("wall_seconds"), 3)),
         ("samples/s", number(run.final("train_samples_per_second"))),
@@ -514,6 +529,15 @@ def summary_rows(run: ReportedRun) -> list[tuple[str, str]]:
         ("skipped", f"{m.get('skipped_rows', 0)} rows, {m.get('skipped_steps', 0)} steps" if m else None),
     ]
     return [(key, str(value)) for key, value in rows if value not in (None, "", "-", "None")]
+
+
+def architecture(model_config: dict) -> str | None:
+    """model/config.json in a few words: BertForSequenceClassification, 6 layers, hidden 384."""
+    arch = (model_config.get("architectures") or [None])[0]
+    layers = model_config.get("num_hidden_layers", model_config.get("n_layer"))
+    hidden = model_config.get("hidden_size", model_config.get("n_embd"))
+    words = (arch, f"{layers} layers" if layers else None, f"hidden {hidden}" if hidden else None)
+    return ", ".join(str(word) for word in words if word) or None
 
 
 def settings_rows(config: dict) -> list[tuple[str, str]]:
@@ -643,9 +667,9 @@ def run_section(run: ReportedRun, with_curves: bool) -> str:
     cards = [f"<div><h3>Summary</h3>{table(None, summary_rows(run), 'kv')}</div>"]
     if run.evals or run.metrics.get("test"):
         cards.append(f"<div><h3>Evaluations</h3>{table(*eval_table(run))}</div>")
-    if run.metrics.get("test_confusion_matrix"):
+    if confusion_matrix(run.metrics):
         cards.append('<div><h3>Confusion matrix (test split)</h3><figure data-chart="confusion">'
-                     + svg_confusion(run.metrics["test_confusion_matrix"]) + "</figure></div>")
+                     + svg_confusion(confusion_matrix(run.metrics)) + "</figure></div>")
     cards.append(memory_plan_html(run))
     parts.append('<div class="cards">' + "".join(cards) + "</div>")
     if with_curves:
@@ -700,7 +724,7 @@ def write_pngs(runs: list[ReportedRun], page: Path) -> list[Path]:
 
     written = []
     made = {chart.key: chart for chart in charts(runs) if chart.key in PNG_PANELS}
-    confusion = runs[0].metrics.get("test_confusion_matrix") if len(runs) == 1 else None
+    confusion = confusion_matrix(runs[0].metrics) if len(runs) == 1 else None
     for name, draw, wanted in (("curves", draw_curves, made), ("confusion", draw_confusion, confusion)):
         path = page.with_name(f"{page.stem}-{name}.png")
         if not wanted:
@@ -757,16 +781,23 @@ def draw_confusion(fig, matrix: dict) -> None:
 
 # --- writing --------------------------------------------------------------------------------------
 
+def home(given: list[str]) -> Path | None:
+    """The one folder given (a run or a bench, perhaps named twice), whose own report.html the page is."""
+    return Path(given[0]) if len({Path(g).resolve() for g in given}) == 1 else None
+
+
 def default_page(given: list[str]) -> Path:
     """RUN/report.html for one run or bench folder; report.html here for several."""
-    return Path(given[0]) / PAGE if len(given) == 1 else Path(PAGE)
+    return home(given) / PAGE if home(given) else Path(PAGE)
 
 
 def check_page(page: Path, given: list[str]) -> None:
     """--out: an .html file in an existing, writable folder, not another run's folder, replacing only
     a report effitrain wrote (the page and its PNGs)."""
     if page.is_dir():
-        raise UserError(f"--out {page} is a folder", f"pass a file path, e.g. --out {page / PAGE}")
+        example = f", e.g. --out {page / PAGE}" if not any((p / outputs.MARKER).is_file() for p in
+                                                            (page, *page.parents)) else ""
+        raise UserError(f"--out {page} is a folder", "pass a file path ending in .html" + example)
     if page.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"--out {page} does not end in .html", "pass a file path ending in .html")
     folder = page.parent
@@ -776,10 +807,11 @@ def check_page(page: Path, given: list[str]) -> None:
         raise UserError(f"--out {page}: the folder {folder} is not writable", "pass a file path in a folder you "
                         "can write")
     holder = next((p for p in (folder, *folder.parents) if (p / outputs.MARKER).is_file()), None)
-    own = len(given) == 1 and holder is not None and holder.resolve() == Path(given[0]).resolve()
+    own = home(given) is not None and holder is not None and holder.resolve() == home(given).resolve()
     if holder is not None and not (own and folder.resolve() == holder.resolve() and page.name == PAGE):
         raise UserError(f"--out {page} is inside the effitrain run {holder}, whose files effitrain manages",
-                        f"pass a path outside it (or leave --out out to write {Path(given[0]) / PAGE})")
+                        "pass a path outside it" + (f" (or leave --out out to write {default_page(given)})"
+                                                    if home(given) else ""))
     for path in [page, *(page.with_name(name) for name in sorted(png_names(page.name)))]:
         if (path.exists() or path.is_symlink()) and not written_by_report(path):
             raise UserError(f"--out: {path} already exists and is not an effitrain report", "pass another --out "
