@@ -304,6 +304,13 @@ CASES = [
     (["report", "prev", "--out", "marked/report.html"], "is inside the effitrain run marked"),
     (["report", "prev", "--out", "page.html"], "page.html already exists and is not an effitrain report"),
     pytest.param(["report", "prev", "--out", "ro/r.html"], "the folder ro is not writable", marks=NOT_ROOT),
+    # experiment trackers (--report-to)
+    (["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`"),
+    (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),
+    (["train", "--report-to", "tensorboard,tensorboard"], "--report-to names tensorboard twice"),
+    (["train", "--report-to", "none,mlflow"], "mixes none with trackers"),
+    (["train", "--report-to", "tensorboard,"], "has an empty name"),
+    (["train", "--report-to", "tensorboard", "--run-name", " "], "--run-name is empty"),
 ]
 
 

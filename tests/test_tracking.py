@@ -56,7 +56,7 @@ def mlflow_runs(run_dir) -> list[tuple]:
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     import mlflow
 
-    client = mlflow.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    client = mlflow.MlflowClient(f"sqlite:///{run_dir / 'mlruns' / tracking.MLFLOW_DB}")
     experiment = client.get_experiment_by_name(tracking.PROJECT)
     return [(run, {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
                                                             key=lambda m: m.timestamp)]
@@ -117,10 +117,9 @@ def test_records_become_scalars_and_the_config_flat_hyperparameters(tmp_path):
     assert all(isinstance(value, (bool, int, float, str)) for value in values.values())
 
 
-def test_stores_are_run_files():
+def test_stores_are_run_folders():
     """--overwrite replaces a run with trackers (and refuses a folder with other files)."""
-    assert {tracking.MLFLOW_DB} <= outputs.RUN_FILES
-    assert {tracking.TENSORBOARD_DIR, tracking.TRACKIO_DIR, tracking.MLFLOW_ARTIFACTS} <= outputs.RUN_FOLDERS
+    assert set(tracking.STORES.values()) <= outputs.RUN_FOLDERS
 
 
 def test_every_tracker_holds_the_log_then_overwrite_replaces_them(tiny_model_dir, tmp_path, network_attempts):
@@ -147,6 +146,7 @@ def test_every_tracker_holds_the_log_then_overwrite_replaces_them(tiny_model_dir
     # A second run into the folder: the earlier run's stores go with it (MLflow's at the same path).
     effitrain.train(settings(tiny_model_dir, out, overwrite=True, report_to="mlflow", max_steps=2,
                              run_name="second"))
+    assert sorted(p.name for p in (out / "mlruns").iterdir()) == ["mlflow.db"]  # no artifacts logged
     assert not (out / "tb").exists() and not (out / "trackio").exists()
     [(run, metrics)] = mlflow_runs(out)
     assert run.info.run_name == "second" and [step for step, _ in metrics["train/loss"]] == [2]

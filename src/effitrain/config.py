@@ -130,7 +130,7 @@ class TrainConfig:
     keep: str = _opt("final", "which weights model/ holds: final (the last step's) or best (the best "
                      "evaluation's, also in best/)", choices=KEEP)
     report_to: str = _opt("none", "experiment trackers that also get the run's log, a comma list of tensorboard "
-                          "(event files in OUTPUT_DIR/tb), trackio (OUTPUT_DIR/trackio), mlflow (OUTPUT_DIR/mlflow.db), "
+                          "(event files in OUTPUT_DIR/tb), trackio (OUTPUT_DIR/trackio), mlflow (OUTPUT_DIR/mlruns), "
                           "or none: local files written by the main process, never a server (pip install "
                           "'effitrain[trackers]')")
     run_name: str | None = _opt(None, "the run's name in the trackers (default: the output folder's name)")

@@ -25,10 +25,9 @@ DELETING = ".tmp-previous"  # a replaced run being deleted
 # What runs write. --overwrite removes these and nothing else; a folder's contents are the writer's
 # (save_pretrained's, save_state's). Nested runs (bench variants) carry their own marker.
 RUN_FILES = {"config.yaml", "log.jsonl", "metrics.json", "bench.json", "bench.png", MARKER, LOCK,
-             "report.html", "report-curves.png", "report-confusion.png",  # report.py's page and PNGs
-             "mlflow.db"}  # tracking.py's stores: mlflow.db, tb/, trackio/, mlartifacts/
+             "report.html", "report-curves.png", "report-confusion.png"}  # report.py's page and PNGs
 RUN_FOLDERS = {"model", "best", "adapter", "checkpoints", PREVIOUS, MOVING, DELETING, ".tmp-model", ".tmp-best",
-               ".tmp-adapter", "tb", "trackio", "mlartifacts"}
+               ".tmp-adapter", "tb", "trackio", "mlruns"}  # the last three: tracking.STORES
 
 
 def default_dir(root: str = "runs") -> Path:

@@ -6,8 +6,10 @@ A sink of the run's log: every record the engine writes to log.jsonl also goes t
 
 Only the main process has trackers (one tracker run per job, not one per process), and they write
 into the run's folder, to local files: TensorBoard's event files in tb/, trackio's SQLite store in
-trackio/, MLflow's SQLite store in mlflow.db (artifact root mlartifacts/). No server is started and
-no connection opened: trackio is told its folder and to stay local, MLflow's telemetry is off."""
+trackio/, MLflow's SQLite store in mlruns/mlflow.db (artifact root mlruns/artifacts/); each in a
+folder of its own, so that what a killed run leaves (an SQLite journal) is inside it. No server is
+started and no connection opened: trackio is told its folder and to stay local, MLflow's telemetry
+is off."""
 
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from effitrain.config import TrainConfig, report_to_names
 from effitrain.errors import UserError
 
 PROJECT = "effitrain"  # trackio's project and MLflow's experiment (each run folder has its own store)
-# What the trackers write in the run folder (outputs.RUN_FILES and RUN_FOLDERS list them too).
-TENSORBOARD_DIR, TRACKIO_DIR, MLFLOW_DB, MLFLOW_ARTIFACTS = "tb", "trackio", "mlflow.db", "mlartifacts"
-STORES = {"tensorboard": TENSORBOARD_DIR, "trackio": TRACKIO_DIR, "mlflow": MLFLOW_DB}
+# The folders the trackers write in the run folder (outputs.RUN_FOLDERS lists them too).
+STORES = {"tensorboard": "tb", "trackio": "trackio", "mlflow": "mlruns"}
+MLFLOW_DB = "mlflow.db"  # in mlruns/, beside artifacts/
 PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "mlflow": "mlflow"}
 # Variables that would send trackio's or MLflow's records elsewhere than the run folder.
 REMOTE_VARIABLES = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID", "TRACKIO_DATASET_ID",
@@ -52,11 +54,11 @@ def trackers(config: TrainConfig, out_dir: Path, resumed_step: int | None) -> li
         if kind == "tensorboard":
             # purge_step: TensorBoard hides what a killed run logged after its checkpoint, as log.jsonl drops it.
             purge = {} if resumed_step is None else {"purge_step": resumed_step + 1}
-            made.append(TensorBoardTracker(TENSORBOARD_DIR, str(out_dir), **purge))  # out_dir/tb
+            made.append(TensorBoardTracker(STORES[kind], str(out_dir), **purge))  # out_dir/tb
         elif kind == "trackio":
-            made.append(_local_trackio()(out_dir / TRACKIO_DIR, name))
+            made.append(_local_trackio()(out_dir / STORES[kind], name))
         else:
-            made.append(_local_mlflow()(out_dir, name))
+            made.append(_local_mlflow()(out_dir / STORES[kind], name))
     return made
 
 
@@ -170,14 +172,15 @@ def _local_mlflow():
     from accelerate.tracking import MLflowTracker, on_main_process
 
     class LocalMLflow(MLflowTracker):
-        """MLflow's SQLite store out_dir/mlflow.db (its file store is refused since MLflow 3.7), telemetry
-        off; resuming the run of the same name when the store has it (--resume)."""
+        """MLflow's SQLite store folder/mlflow.db (MLflow 3.17 refuses its file store), artifacts in
+        folder/artifacts, telemetry off; resuming the run of the same name when the store has it."""
 
-        def __init__(self, out_dir: Path, name: str):
-            super().__init__(experiment_name=PROJECT, logging_dir=str((out_dir / MLFLOW_ARTIFACTS).resolve()),
+        def __init__(self, folder: Path, name: str):
+            super().__init__(experiment_name=PROJECT, logging_dir=str((folder / "artifacts").resolve()),
                              run_name=name)
             self.experiment_name, self.run_id = PROJECT, None  # not MLFLOW_* variables: this store is the run's
-            self.uri = f"sqlite:///{(out_dir / MLFLOW_DB).resolve()}"
+            self.folder = folder
+            self.uri = f"sqlite:///{(folder / MLFLOW_DB).resolve()}"
 
         @on_main_process
         def start(self):
@@ -188,6 +191,7 @@ def _local_mlflow():
 
             logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
             _forget_store(self.uri)
+            self.folder.mkdir(exist_ok=True)
             mlflow.set_tracking_uri(self.uri)
             experiment = mlflow.get_experiment_by_name(PROJECT)
             found = [run for run in mlflow.search_runs([experiment.experiment_id], output_format="list")
