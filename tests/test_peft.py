@@ -323,3 +323,39 @@ def test_target_names_resolve_to_the_body_only(tiny_model_dir):
     assert "classifier" not in every and "bert.pooler.dense" in every and len(every) == 2 * 6 + 1
     assert adapters.targets(model, "query,value", head) == [
         f"bert.encoder.layer.{i}.attention.self.{n}" for n in ("query", "value") for i in range(2)]
+
+
+def test_an_untied_lm_head_can_take_an_adapter_and_merges_into_model(tmp_path):
+    """A causal LM's output layer is left out of all-linear (peft's rule) but may be named when it is
+    not tied to the input embeddings; model/ then holds the merged output layer: the same logits as
+    the base with the adapter through peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from effitrain.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    effitrain.train(small(base_dir, tmp_path / "o", task="causal-lm", lora_target_modules="q_proj,lm_head",
+                          max_length=32))
+    out = tmp_path / "o"
+    assert any(".lm_head.lora_A" in key for key in adapter_weights(out))
+    ids = torch.randint(5, 1000, (2, 12))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "model").eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter").eval()
+        through_peft = adapted(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base_dir).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, through_peft, rtol=0, atol=1e-4)
+    assert (merged - plain).abs().max() > 1e-3  # the adapters changed the function
+
+
+def test_a_tied_lm_head_is_refused_as_a_target(tmp_path):
+    with pytest.raises(UserError, match="`lm_head` shares its weight with the input embeddings"):
+        effitrain.train(small(TINY_GPT2, tmp_path / "o", task="causal-lm", lora_target_modules="c_attn,lm_head"))
+    assert not (tmp_path / "o").exists()

@@ -40,15 +40,20 @@ def _in_head(name: str, head: list[str]) -> bool:
 def targets(model, requested: str, head: list[str]) -> list[str]:
     """The full names of the modules that get adapters: every linear module of the body (`all-linear`,
     as peft and QLoRA define it: not the head, not the output embeddings), or those whose name (or
-    last part of it) is in the comma list. An unknown name is refused with the names there are."""
+    last part of it) is in the comma list, the output embeddings (a causal LM's lm_head) included when
+    they are not tied to the input embeddings. An unknown name is refused with the names there are."""
     linear = _linear_modules(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    body = [name for name, module in linear.items() if not (_in_head(name, head) or module is output)]
+    allowed = [name for name in linear if not _in_head(name, head)]
     if requested.strip().lower() == ALL_LINEAR:
-        return body
-    chosen, leaves = [], sorted({name.rsplit(".", 1)[-1] for name in body})
+        return [name for name in allowed if linear[name] is not output]
+    chosen, leaves = [], sorted({name.rsplit(".", 1)[-1] for name in allowed})
     for wanted in lora_target_names(requested):
-        found = [name for name in body if name == wanted or name.endswith(f".{wanted}")]
+        found = [name for name in allowed if name == wanted or name.endswith(f".{wanted}")]
+        if any(linear[name] is output for name in found) and _tied(model, output):
+            raise UserError(f"--lora-target-modules: `{wanted}` shares its weight with the input embeddings "
+                            "(tie_word_embeddings), so its adapter could not be merged into model/",
+                            "leave it out, or train a model with untied embeddings")
         if not found:
             in_head = any(name == wanted or name.endswith(f".{wanted}") for name in linear)
             raise UserError(f"--lora-target-modules: `{wanted}` is "
@@ -57,6 +62,11 @@ def targets(model, requested: str, head: list[str]) -> list[str]:
                             f"pass some of {', '.join(leaves)} (or all-linear)")
         chosen += [name for name in found if name not in chosen]
     return chosen
+
+
+def _tied(model, output) -> bool:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return embeddings is not None and getattr(output, "weight", None) is getattr(embeddings, "weight", False)
 
 
 def quantization_config(precision: str, head: list[str]):
@@ -198,13 +208,16 @@ def adapter_state(model) -> dict:
     """The adapter's weights (LoRA matrices and the head), as peft saves them."""
     from peft import get_peft_model_state_dict
 
-    return {key: _full(value) for key, value in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)  # as save_adapter
+    return {key: _full(value) for key, value in state.items()}
 
 
 def save_adapter(model, folder: Path) -> None:
     """peft's save_pretrained: adapter_config.json and adapter_model.safetensors (peft picks the
-    adapter's weights out of the model itself)."""
-    model.save_pretrained(str(folder), safe_serialization=True)
+    adapter's weights out of the model itself). Never the embedding layers: peft would save the whole
+    output layer when lm_head has an adapter, for vocabularies resized in training, which effitrain
+    never does."""
+    model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False)
 
 
 def load_adapter_weights(model, folder: Path) -> None:
