@@ -170,7 +170,7 @@ LAYERS = [
     {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics"},
     {"planning"},
     {"engine"},
-    {"predict", "evaluate", "evaluation", "inference", "bench", "launch", "runs"},
+    {"predict", "evaluate", "evaluation", "inference", "bench", "launch", "runs", "report"},
     {"cli", "__init__", "__main__"},
 ]
 

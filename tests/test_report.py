@@ -219,9 +219,12 @@ def test_find_runs_expands_a_bench_and_reports_a_run_once(runs, tmp_path, capsys
     bench = tmp_path / "bench"
     bench.mkdir()
     (bench / outputs.MARKER).write_text('{"kind": "bench"}')
-    for name in ("grad-accum", "baseline"):
+    for when, name in enumerate(("grad-accum", "baseline")):
         copy_run(runs / "a", bench / name)
-    assert [r.name for r in report.find_runs([str(bench)])] == ["baseline", "grad-accum"]  # the matrix order
+        os.utime(bench / name / outputs.MARKER, (1e9 + when, 1e9 + when))
+    assert [r.name for r in report.find_runs([str(bench)])] == ["grad-accum", "baseline"]  # the order they ran in
+    (bench / "bench.json").write_text(json.dumps({"variants": [{"name": "baseline"}, {"name": "grad-accum"}]}))
+    assert [r.name for r in report.find_runs([str(bench)])] == ["baseline", "grad-accum"]  # bench.json's
     assert len(report.find_runs([str(runs / "a"), str(runs / "a") + "/"])) == 1
     assert "given more than once" in capsys.readouterr().out
 

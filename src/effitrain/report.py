@@ -142,13 +142,11 @@ def is_bench(path: Path) -> bool:
 
 
 def bench_variants(path: Path) -> list[Path]:
-    """A bench's variant folders in its own order (bench.json's, else the matrix order)."""
-    from effitrain.bench import VARIANTS
-
+    """A bench's variant folders in its own order: bench.json's, else the order they started in."""
     listed = [v.get("name") for v in read_json(path / "bench.json").get("variants", []) if isinstance(v, dict)]
-    order = [name for name in listed if isinstance(name, str)] or list(VARIANTS)
-    found = [p for p in sorted(path.iterdir()) if p.is_dir() and (p / outputs.MARKER).is_file() and is_run(p)]
-    return sorted(found, key=lambda p: order.index(p.name) if p.name in order else len(order))
+    found = [p for p in path.iterdir() if p.is_dir() and (p / outputs.MARKER).is_file() and is_run(p)]
+    return sorted(found, key=lambda p: (listed.index(p.name) if p.name in listed else len(listed),
+                                        (p / outputs.MARKER).stat().st_mtime, p.name))
 
 
 def read_run(path: Path) -> ReportedRun:
