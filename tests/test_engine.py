@@ -165,7 +165,7 @@ def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, bes
 # Lower layers first; a module may import its own layer and those below it, never one above.
 LAYERS = [
     {"errors", "tasks"},  # tasks: the registry of names only (tasks/__init__.py imports nothing of ours)
-    {"config", "devices", "outputs", "planning.sizes"},  # planning.sizes: parsing "8GiB", no imports
+    {"config", "devices", "outputs", "planning.sizes", "tracking"},  # planning.sizes: parsing "8GiB", no imports
     {"models", "data", "adapters"},
     {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics"},
     {"planning"},

@@ -96,7 +96,7 @@ def test_report_to_names():
     assert cfg.report_to_names(" mlflow , trackio") == ["mlflow", "trackio"]
     for bad, needle in [("wandb", "unknown tracker `wandb`"), ("tensorbord", "did you mean tensorboard?"),
                         ("tensorboard,", "has an empty name"), ("tensorboard,tensorboard", "names tensorboard twice"),
-                        ("none,mlflow", "mixes none with trackers"), ("", "has an empty name")]:
+                        ("none,mlflow", "mixes none with trackers"), ("", "--report-to is empty")]:
         with pytest.raises(UserError, match=needle):
             cfg.report_to_names(bad)
 

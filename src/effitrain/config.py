@@ -132,7 +132,7 @@ class TrainConfig:
     report_to: str = _opt("none", "experiment trackers that also get the run's log, a comma list of tensorboard "
                           "(event files in OUTPUT_DIR/tb), trackio (OUTPUT_DIR/trackio), mlflow (OUTPUT_DIR/mlruns), "
                           "or none: local files written by the main process, never a server (pip install "
-                          "'effitrain[trackers]')")
+                          "'effitrain[trackers]')", example="tensorboard,mlflow")
     run_name: str | None = _opt(None, "the run's name in the trackers (default: the output folder's name)")
     plan: dict | None = _opt(None, "what an earlier run resolved (accumulation, pieces, optimizer, "
                              "checkpointing), as its config.yaml records it: pinned instead of planned again, so "
@@ -177,8 +177,9 @@ def coerce(key: str, value: Any, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
-        choices = next(f.metadata.get("choices") for f in fields() if f.name == key)
-        example = f"one of {', '.join(map(str, choices))}" if choices else f"e.g. `{key}: {_example(kind)}`"
+        meta = next(f.metadata for f in fields() if f.name == key)
+        choices, shown = meta.get("choices"), meta.get("example") or _example(kind)
+        example = f"one of {', '.join(map(str, choices))}" if choices else f"e.g. `{key}: {shown}`"
         raise UserError(f"{where}: `{key}` must be {kind.__name__}{' or null' if nullable else ''}, "
                         f"got {type(value).__name__} {value!r}", f"write {example}")
     return value
@@ -395,6 +396,8 @@ def report_to_names(value: str) -> list[str]:
     checked: known names, each once, none alone."""
     names = [name.strip() for name in value.split(",")]
     fix = f"pass --report-to as a comma list of {', '.join(TRACKERS)}, or none"
+    if not value.strip():
+        raise UserError("--report-to is empty", fix)
     if "" in names:
         raise UserError(f"--report-to `{value}` has an empty name", fix)
     for name in names:
