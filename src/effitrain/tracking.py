@@ -162,6 +162,8 @@ def _local_trackio():
         def finish(self):
             import trackio
 
+            if getattr(self, "run", None) is None:  # another tracker failed to start before this one
+                return
             with _quiet_stdout():
                 trackio.finish()  # also forgets the run: trackio's exit hook would finish it again
 

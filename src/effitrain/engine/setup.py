@@ -143,7 +143,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
 def trackers(config: TrainConfig, run_dir: outputs.RunDir | None) -> list:
     """--report-to's trackers, on the main process only (the others log nothing); they start once the
     output folder is claimed. Resuming, they continue from the checkpoint's step."""
-    if run_dir is None:
+    if run_dir is None or config.report_to == "none":
         return []
     resumed_step = checkpoint.trainer_state(run_dir.resume_from)["step"] if run_dir.resume_from else None
     return tracking.trackers(config, run_dir.path, resumed_step)
