@@ -4,6 +4,9 @@ and --overwrite; the missing-package error; and no network call (conftest's guar
 
 import importlib.util
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -217,3 +220,18 @@ def test_a_missing_tracker_package_is_one_line_before_anything_loads(tmp_path, m
     assert lines == ["effitrain: error: --report-to trackio needs the trackio package, which is not installed; "
                      "fix: pip install 'effitrain[trackers]', or drop it from --report-to"]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_tests_run_offline(network_attempts):
+    """conftest's guard, here and in a subprocess: other machines are neither reached nor looked up."""
+    with pytest.raises(OSError, match="the tests run offline"):
+        socket.create_connection(("192.0.2.1", 80), timeout=1)  # TEST-NET-1
+    with pytest.raises(OSError, match="not looked up"):
+        socket.getaddrinfo("huggingface.co", 443)
+    child = subprocess.run([sys.executable, "-c", "import socket; socket.create_connection(('192.0.2.1', 80), 1)"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 1 and "the tests run offline" in child.stderr
+    with socket.create_server(("127.0.0.1", 0)) as server:  # this machine stays reachable
+        socket.create_connection(server.getsockname(), timeout=5).close()
+    assert [line.split(": ", 1)[1] for line in network_attempts()] == [
+        "connection to ('192.0.2.1', 80)", "look-up of 'huggingface.co'", "connection to ('192.0.2.1', 80)"]

@@ -10,6 +10,7 @@ still leaves a line there for a test to see."""
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -17,17 +18,31 @@ import socket
 INET = (socket.AF_INET, socket.AF_INET6)
 
 
+@functools.lru_cache(maxsize=1)
+def own_names() -> set[str]:
+    """This machine's names (torch's elastic agent looks its own name up); asked once, when needed."""
+    return {"localhost", socket.gethostname(), socket.getfqdn()}
+
+
 def is_local_name(host) -> bool:
-    """This machine: no host (a passive socket), localhost, its own name, a loopback or unspecified
+    """This machine: no host (a passive socket), localhost, its own names, a loopback or unspecified
     (0.0.0.0, ::) address."""
     host = "" if host is None else (host.decode() if isinstance(host, bytes) else str(host)).split("%")[0]
-    if host in ("", "localhost", socket.gethostname()):
+    if host in ("", "localhost"):
         return True
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        return host in own_names()
     return ip.is_loopback or ip.is_unspecified
+
+
+def is_address(host) -> bool:
+    try:
+        ipaddress.ip_address((host.decode() if isinstance(host, bytes) else str(host)).split("%")[0])
+    except ValueError:
+        return False
+    return True
 
 
 def is_local(address, resolve) -> bool:
@@ -62,7 +77,7 @@ def block():
         return OSError(errno.ENETUNREACH, f"{os.strerror(errno.ENETUNREACH)}: {address!r} (the tests run offline)")
 
     def getaddrinfo(host, *args, **kwargs):
-        if not is_local_name(host):
+        if not is_local_name(host) and not is_address(host):  # an address is not looked up (connect checks it)
             record(f"look-up of {host!r}")
             raise socket.gaierror(socket.EAI_NONAME, f"{host!r} not looked up (the tests run offline)")
         return real_getaddrinfo(host, *args, **kwargs)
