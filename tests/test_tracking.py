@@ -113,6 +113,9 @@ def test_records_become_scalars_and_the_config_flat_hyperparameters(tmp_path):
     evaluation = {"step": 6, "epoch": 1.0, "split": "validation", "accuracy": 0.9, "loss": float("nan"), "samples": 16}
     assert tracking.scalars(evaluation) == {"validation/accuracy": 0.9, "validation/samples": 16}
     assert tracking.scalars({"step": 3, "skipped": "non-finite loss or gradient", "grad_norm": None}) == {}
+    assert tracking.scalars({"step": 0, "memory_plan": "fits", "pieces": 2, "budget_bytes": 2**33}) == {}
+    assert tracking.scalars({**step, "loss": None}) == {k: v for k, v in tracking.scalars(step).items()
+                                                         if k != "train/loss"}  # every step of it skipped
     values = tracking.hyperparameters(cfg.build({"report_to": "tensorboard"}), tmp_path / "run",
                                       {"grad_accum": 2, "optim": "adamw"})
     assert values["lr"] == 1e-4 and values["max_steps"] == "None" and values["report_to"] == "tensorboard"

@@ -90,8 +90,11 @@ def hyperparameters(config: TrainConfig, out_dir: Path, plan: dict) -> dict[str,
 
 def scalars(record: dict) -> dict[str, float]:
     """A log record's numbers under the trackers' names: an evaluation's (`split`) as validation/<metric>
-    or test/<metric>, a training step's as train/<name>; None, text and non-finite values left out."""
+    or test/<metric>, a log step's (it has `loss`) as train/<name>; None, text and non-finite values
+    left out, and so are the other records (a skipped step, an out-of-memory retry, the memory plan)."""
     split = record.get("split")
+    if not split and "loss" not in record:
+        return {}
     prefix, skip = (f"{split}/", {"step", "epoch", "split"}) if split else ("train/", {"step"})
     return {prefix + key: value for key, value in record.items()
             if key not in skip and isinstance(value, (int, float)) and not isinstance(value, bool)
