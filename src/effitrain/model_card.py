@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from effitrain import __version__
 
 # metric name in metrics.json -> (model-index metric type, display name)
 METRIC_TYPES = {"accuracy": ("accuracy", "Accuracy"), "f1_macro": ("f1", "F1 (macro)"), "loss": ("loss", "Loss"),
@@ -114,13 +113,15 @@ def results_table(result: dict) -> list[str]:
 def render(config: dict, result: dict, facts: dict) -> str:
     """The card's text. `facts`: what only the run knows (pipeline_tag, examples per split, hardware,
     is_text, the resolved plan)."""
+    from effitrain.devices import versions
+
     name = Path(config["output_dir"]).name
     best = result.get("best") or {}
     kept = (f"The weights are those of the best validation {best['metric']} ({best['value']:.4f}, step "
             f"{best['step']}).\n\n" if best.get("kept_in_model") and best.get("step") else "")
     body = "\n".join([
         f"# {name}", "",
-        f"A {config['task']} model fine-tuned with effitrain {__version__}.", "",
+        f"A {config['task']} model fine-tuned with effitrain {versions()['effitrain']}.", "",
         "```python",
         "from transformers import pipeline",
         f"pipe = pipeline(\"{facts['pipeline_tag']}\", model=\"path/to/this/folder\")",
