@@ -210,10 +210,12 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     assert fitted["steps"] == plain["steps"] == 3 and fitted["grad_accum"] == plain["grad_accum"] == 1
     note = read_jsonl(tmp_path / "fitted" / "log.jsonl")[0]
     assert "micro-batch 16 -> 4" in note["memory_plan"]
-    # What was predicted, for `effitrain report` to set against the measured peak.
+    # What was predicted, for `effitrain report` to set against the measured peak (which also holds what
+    # the process held before the model: on a CPU, its resident set then).
     assert note["budget_bytes"] == budget and note["predicted_peak_bytes"] == peak[4]
-    assert fitted["memory_plan"] == {"budget_bytes": budget, "predicted_peak_bytes": peak[4],
-                                     "note": note["memory_plan"]} and plain["memory_plan"] is None
+    assert 0 < note["in_use_bytes"] < fitted["peak_memory_bytes"] and plain["memory_plan"] is None
+    assert fitted["memory_plan"] == {**{k: note[k] for k in ("budget_bytes", "predicted_peak_bytes", "in_use_bytes")},
+                                     "note": note["memory_plan"]}
     same_weights(tmp_path / "plain", tmp_path / "fitted")
 
     # config.yaml records the plan beside the config, which the run left unchanged; rerunning it pins

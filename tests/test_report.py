@@ -54,7 +54,8 @@ def test_a_memory_plan_is_shown_against_the_measured_peak(runs, tmp_path):
     planned = copy_run(runs / "a", tmp_path / "planned")
     metrics = json.loads((planned / "metrics.json").read_text())
     metrics["memory_plan"] = {"budget_bytes": 4 * 2**30, "note": "memory budget 4.00 GiB per device: predicted "
-                              "peak 0.50 GiB", "predicted_peak_bytes": metrics["peak_memory_bytes"] // 2}
+                              "peak 0.50 GiB", "predicted_peak_bytes": metrics["peak_memory_bytes"] // 4,
+                              "in_use_bytes": metrics["peak_memory_bytes"] // 4}  # the peak: 2x the prediction
     (planned / "metrics.json").write_text(json.dumps(metrics))
     page = report.render(report.find_runs([str(planned)]))
     assert "Memory plan (--memory-budget)" in page and "predicted peak (memory plan)" in page

@@ -362,7 +362,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from effitrain import report
 
     page, pngs = report.write(args.runs, args.out)
-    print(f"wrote {page}" + (f" and {', '.join(str(p) for p in pngs)}" if pngs else ""))
+    written = [str(path) for path in (page, *pngs)]
+    print("wrote " + (f"{', '.join(written[:-1])} and {written[-1]}" if len(written) > 1 else written[0]))
     return 0
 
 

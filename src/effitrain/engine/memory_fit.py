@@ -62,13 +62,12 @@ def budget_bytes(config: TrainConfig, device: torch.device) -> int:
 
 
 def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-             num_labels: int, processor, fixed: tuple[str, bool] | None = None
-             ) -> tuple[int, str, bool, str, int, int]:
+             num_labels: int, processor, fixed: tuple[str, bool] | None = None) -> tuple[int, str, bool, str, dict]:
     """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer; `fixed`:
     the (optimizer, checkpointing) a resumed run's checkpoint was trained with, kept. `mixed_precision`
     as the run chose it (accelerate's no | bf16 | fp16). Returns (pieces, optimizer, checkpointing,
-    what was decided in words, the budget in bytes, the predicted peak in bytes); the config is left
-    as it is."""
+    what was decided in words, the numbers: budget_bytes, predicted_peak_bytes and in_use_bytes); the
+    config is left as it is."""
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
@@ -76,12 +75,13 @@ def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation
 
 
 def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-              num_labels: int, processor, fixed: tuple[str, bool] | None) -> tuple[int, str, bool, str, int, int]:
+              num_labels: int, processor, fixed: tuple[str, bool] | None) -> tuple[int, str, bool, str, dict]:
     import torch.distributed as dist
 
     from effitrain import tasks
     from effitrain.planning import plan
 
+    in_use = in_use_bytes(device)
     budget = budget_bytes(config, device)
     if world > 1 and dist.is_initialized():  # every process must choose the same: plan for the tightest
         smallest = torch.tensor([budget], dtype=torch.float64, device=device)
@@ -100,8 +100,19 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     said = ", ".join(changes) if changes else "no change needed"
     note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB "
             f"with micro-batch {estimate.setting.micro_batch}; {said}")
-    return (pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, int(budget),
-            int(estimate.total))
+    numbers = {"budget_bytes": int(budget), "predicted_peak_bytes": int(estimate.total), "in_use_bytes": in_use}
+    return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, numbers
+
+
+def in_use_bytes(device: torch.device) -> int:
+    """What this process holds before the model is built, which the planner's peak does not count: the
+    bytes allocated on a GPU; on a CPU the resident set (benchmarks/memory_plan.py measures the CPU
+    predictions from there), so that the run's measured peak compares with this plus the prediction."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    import psutil  # accelerate's dependency
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def halve(split: int, batch_size: int, strategy: str) -> int:

@@ -55,9 +55,9 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "grad_accum": plan.grad_accum,
         # --memory-budget: each loaded micro-batch ran as this many pieces (1: as loaded).
         "pieces_per_micro_batch": plan.pieces,
-        # --memory-budget: what the planner predicted before the run, to set against peak_memory_bytes.
-        "memory_plan": ({"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
-                         "note": plan.note} if plan.predicted_peak_bytes is not None else None),
+        # --memory-budget: what the planner predicted before the run (budget_bytes, predicted_peak_bytes
+        # and in_use_bytes, the memory held before the model), to set against peak_memory_bytes.
+        "memory_plan": {**plan.memory, "note": plan.note} if plan.memory else None,
         # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
         "sync_allreduce_calls": run.wire.calls,
         "sync_allreduce_bytes": run.wire.bytes,

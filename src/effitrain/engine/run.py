@@ -226,8 +226,7 @@ def announce(job: Run) -> None:
     encoded, skipped = data.encoded, data.loaded.skipped_rows
     if plan.note:
         job.main_print(plan.note)
-        job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, "budget_bytes": plan.budget_bytes,
-                       "predicted_peak_bytes": plan.predicted_peak_bytes})
+        job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, **(plan.memory or {})})
     job.main_print(f"training {config.model} ({job.task.name}) on {config.data}: {len(encoded['train'])} train / "
                    f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"
                    + (f", {skipped} bad rows skipped" if skipped else "")

@@ -34,13 +34,13 @@ class RunPlan:
     precision: str = "no"  # accelerate's mixed_precision: no | bf16 | fp16
     precision_reason: str = ""
     note: str | None = None  # what --memory-budget decided, in words
-    budget_bytes: int | None = None  # --memory-budget: the budget per device it planned for
-    predicted_peak_bytes: int | None = None  # and the peak it predicted for the setting chosen
+    # --memory-budget: the budget, the predicted peak of the setting chosen and what was in use before
+    # the model (memory_fit.plan_run's numbers, for metrics.json)
+    memory: dict | None = None
 
     def to_dict(self) -> dict:
         """What config.yaml pins (not what the planner said about it)."""
-        said = ("precision_reason", "note", "budget_bytes", "predicted_peak_bytes")
-        return {key: value for key, value in asdict(self).items() if key not in said}
+        return {key: value for key, value in asdict(self).items() if key not in ("precision_reason", "note", "memory")}
 
 
 @dataclass
@@ -197,10 +197,9 @@ def resolve_plan(config: TrainConfig, accelerator, mixed_precision: str, reason:
     # would choose with the memory free now; only the pieces are planned again.
     earlier = (resume_state or {}).get("plan")
     fixed = (earlier["optim"], earlier["gradient_checkpointing"]) if earlier else None
-    (plan.pieces, plan.optim, plan.gradient_checkpointing, plan.note, plan.budget_bytes,
-     plan.predicted_peak_bytes) = memory_fit.plan_run(config, accelerator.device, world, plan.grad_accum,
-                                                      mixed_precision, len(data.label_names or []),
-                                                      data.processor, fixed=fixed)
+    plan.pieces, plan.optim, plan.gradient_checkpointing, plan.note, plan.memory = memory_fit.plan_run(
+        config, accelerator.device, world, plan.grad_accum, mixed_precision, len(data.label_names or []),
+        data.processor, fixed=fixed)
     return plan
 
 
