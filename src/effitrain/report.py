@@ -289,7 +289,14 @@ def number(value: Any, digits: int = 4) -> str:
 
 
 def mib(value: Any) -> str:
-    return "-" if not isinstance(value, (int, float)) else f"{value / MiB:,.0f} MiB"
+    if not finite(value):
+        return "-"
+    return f"{value / MiB:,.0f} MiB" if value >= 10 * MiB or value == 0 else f"{value / MiB:.2g} MiB"
+
+
+def times(ratio: float) -> str:
+    """A ratio to the first run: 0.92x; small ones with two significant digits (adafactor's state)."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
 
 
 def tick_text(value: float, step: float) -> str:
@@ -589,7 +596,7 @@ def differences(runs: list[ReportedRun]) -> tuple[list[str], list[list[str]]]:
         values = [run.final(key) for run in runs]
         if any(v is not None for v in values):
             first = values[0]
-            rows.append([label, *[fmt(v) + (f" ({v / first:.2f}x)" if ratio and finite(v) and finite(first)
+            rows.append([label, *[fmt(v) + (f" ({times(v / first)})" if ratio and finite(v) and finite(first)
                                              and first and i else "") for i, v in enumerate(values)]])
     return header, rows
 
@@ -622,8 +629,9 @@ h3{font-size:15px;margin:18px 0 6px}.meta{color:#666;margin:0 0 8px}
 .notes{background:#fff7e0;border:1px solid #f0d48a;padding:6px 12px;margin:8px 0}.notes li{margin:2px 0}
 table{border-collapse:collapse;background:#fff;margin:4px 0 8px}td,th{border:1px solid #ddd;padding:3px 8px;
 text-align:right;font-variant-numeric:tabular-nums}td:first-child,th:first-child{text-align:left}
-th{background:#f0f0f0}table.kv td:last-child{text-align:left;max-width:520px}
-.charts,.cards{display:flex;flex-wrap:wrap;gap:12px}.cards{gap:8px 28px;align-items:flex-start}figure{margin:0;background:#fff;border:1px solid #ddd;padding:8px;width:fit-content}
+th{background:#f0f0f0}table.kv td:last-child{text-align:left;max-width:420px}
+.charts,.cards{display:flex;flex-wrap:wrap;gap:12px}.cards{gap:8px 28px;align-items:flex-start}
+.curves{flex:1 1 860px}figure{margin:0;background:#fff;border:1px solid #ddd;padding:8px;width:fit-content}
 figcaption{font-weight:600;margin-bottom:2px}.legend{font-size:12px;color:#444;max-width:400px}
 .legend span{display:inline-block;margin-right:10px}.legend i{display:inline-block;width:18px;height:0;
 border-top:2px solid;vertical-align:middle;margin-right:4px}.legend i.dashed{border-top-style:dashed}
@@ -692,9 +700,9 @@ def memory_plan_html(run: ReportedRun) -> str:
         return ""
     measured, predicted = run.final("peak_memory_bytes"), run.predicted_peak()
     error = f"{(measured - predicted) / predicted:+.1%}" if finite(measured) and predicted else "-"
-    rows = [("budget per device (for the model and its training)", mib(plan.get("budget_bytes"))),
+    rows = [("budget (model and training)", mib(plan.get("budget_bytes"))),
             ("in use before the model", mib(plan.get("in_use_bytes"))),
-            ("predicted for the model and its training", mib(plan.get("predicted_peak_bytes"))),
+            ("predicted (model and training)", mib(plan.get("predicted_peak_bytes"))),
             ("predicted peak", mib(predicted)), ("measured peak", mib(measured)),
             ("measured vs predicted", error), ("the plan", plan.get("note") or "-")]
     return "<h3>Memory plan (--memory-budget)</h3>" + table(None, rows, "kv")
@@ -707,8 +715,9 @@ def render(runs: list[ReportedRun], pngs_hint: bool = False) -> str:
     body = [f"<h1>{esc(title)}</h1><p class=\"meta\">made {time.strftime('%Y-%m-%d %H:%M:%S')} from "
             + ", ".join(esc(run.path) for run in runs) + "</p>"]
     if several:
-        body.append("<section><h2>Compared</h2><h3>What differs</h3>" + table(*differences(runs))
-                    + "<h3>Curves</h3>" + charts_html(runs) + "</section>")
+        body.append('<section><h2>Compared</h2><div class="cards"><div><h3>What differs</h3>'
+                    + table(*differences(runs)) + '</div><div class="curves"><h3>Curves</h3>' + charts_html(runs)
+                    + "</div></div></section>")
     body += [run_section(run, with_curves=not several) for run in runs]
     if pngs_hint:
         body.append(f'<p class="meta">PNGs of the main charts: <code>effitrain report {esc(runs[0].path)}</code></p>')
