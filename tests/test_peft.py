@@ -325,22 +325,30 @@ def test_target_names_resolve_to_the_body_only(tiny_model_dir):
         f"bert.encoder.layer.{i}.attention.self.{n}" for n in ("query", "value") for i in range(2)]
 
 
-def test_an_untied_lm_head_can_take_an_adapter_and_merges_into_model(tmp_path):
-    """A causal LM's output layer is left out of all-linear (peft's rule) but may be named when it is
-    not tied to the input embeddings; model/ then holds the merged output layer: the same logits as
-    the base with the adapter through peft."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def random_llama_dir(path, hidden: int):
+    """A Llama-shaped causal LM with random weights and an untied output layer, saved with the default
+    model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from effitrain.models import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     torch.manual_seed(0)
-    base_dir = tmp_path / "base"
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                 tie_word_embeddings=False)).save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                 max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_an_untied_lm_head_can_take_an_adapter_and_merges_into_model(tmp_path):
+    """A causal LM's output layer is left out of all-linear (peft's rule) but may be named when it is
+    not tied to the input embeddings; model/ then holds the merged output layer: the same logits as
+    the base with the adapter through peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir = random_llama_dir(tmp_path / "base", hidden=32)
     effitrain.train(small(base_dir, tmp_path / "o", task="causal-lm", lora_target_modules="q_proj,lm_head",
                           max_length=32))
     out = tmp_path / "o"
@@ -365,17 +373,7 @@ def test_a_causal_lm_from_a_config_learns_under_lora(tmp_path):
     """Issue 13's bar: LoRA alone (the output layer's adapter included) halves a random Llama-shaped
     model's validation perplexity on a real text set in a short run. Over all-linear only it cannot:
     the frozen random output layer bounds the logits (benchmarks/peft_causal_lm.py)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from effitrain.models import default_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    torch.manual_seed(0)
-    base_dir = tmp_path / "base"
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                 tie_word_embeddings=False)).save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
+    base_dir = random_llama_dir(tmp_path / "base", hidden=64)
     data = {"data": "bbc-news", "max_eval_samples": 32, "max_length": 32}
     before = evaluate(base_dir, data, split="validation")["perplexity"]
     after = effitrain.train(small(base_dir, tmp_path / "o", task="causal-lm", data="bbc-news", max_length=32,
