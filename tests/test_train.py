@@ -154,3 +154,36 @@ def test_model_card_holds_the_metrics_and_the_procedure(finished_run):
     assert all(result.dataset_split == "test" for result in card.data.eval_results)
     assert "- steps: 6 (" in card.text and "of 8 x 1 x 1 process(es) = 8 examples per step" in card.text
     assert "64 train / 40 validation / 40 test examples, labels ham, spam" in card.text
+
+
+def test_the_live_view_on_a_terminal_shows_loss_speed_and_memory(tiny_model_dir, tmp_path):
+    """On a terminal the bar carries step, rate, ETA, loss, samples/s and peak memory, and closes before the
+    summary; off a terminal (every other test) there is no bar, only the log lines."""
+    import fcntl
+    import os
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a pty has no size of its own
+    process = subprocess.Popen([sys.executable, "-m", "effitrain", "train", "--model", str(tiny_model_dir),
+                                "--max-steps", "4", "--log-every", "2", "--max-train-samples", "64",
+                                "--max-eval-samples", "16", "--output-dir", str(tmp_path / "o")],
+                               stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    assert process.wait(timeout=300) == 0
+    lines = screen.decode(errors="replace").replace("\r", "\n").splitlines()
+    bar = [line for line in lines if line.startswith("train: 100%")][-1]
+    assert "4/4 [" in bar and "step/s, loss " in bar and " samples/s, peak " in bar and bar.endswith(" MiB]")
+    assert any(line.startswith("test: accuracy") for line in lines)  # on a line of its own

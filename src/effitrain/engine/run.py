@@ -44,6 +44,7 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         # Local SGD: no gradient sync inside; leaving it averages the parameters of every process.
         with job.local_sgd or contextlib.nullcontext():
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, bar)
+        bar.close()  # before the test and the summary, which would print on the bar's line
         if config.keep == "best" and state.best_step is not None:
             saving.load_weights(job, job.out_dir / "best")
         check_trained(job, state)
