@@ -37,12 +37,26 @@ def finished(job: subprocess.Popen) -> str:
     return stdout
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run that is never stopped, once per setting (kill points of the same setting share it)."""
+    runs = {}
+
+    def run(common: list):
+        key = tuple(map(str, common))
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("straight")
+            finished(train(*common, "--output-dir", runs[key]))
+        return runs[key]
+    return run
+
+
 @pytest.mark.parametrize("kill_after, accum", [(4, 1), (11, 1), (7, 2)])
-def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, kill_after, accum):
+def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, uninterrupted, kill_after, accum):
     common = ["--model", dropout_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16,
               "--batch-size", 4 // accum, "--grad-accum", accum, "--epochs", 2, "--lr", 1e-3, "--log-every", 1,
               "--save-every", 3, "--seed", 7]
-    finished(train(*common, "--output-dir", tmp_path / "straight"))
+    straight_dir = uninterrupted(common)
 
     out = tmp_path / "killed"
     job = train(*common, "--output-dir", out)
@@ -56,7 +70,7 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, k
     (out / "checkpoints" / ".tmp-step-99").mkdir(parents=True, exist_ok=True)  # as a kill during a save leaves it
     assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
 
-    straight, resumed = read_weights(tmp_path / "straight"), read_weights(out)
+    straight, resumed = read_weights(straight_dir), read_weights(out)
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
     steps = [r["step"] for r in read_jsonl(out / "log.jsonl") if "split" not in r and "skipped" not in r]
     assert steps == sorted(set(steps)) == list(range(1, 21))  # logs continue, no step twice
@@ -67,7 +81,7 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, k
     assert 0 < metrics["train_seconds"] <= metrics["wall_seconds"]
     # The resumed run read its data from the cache: its saved tokenizer is still the same, byte for byte.
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (out / "model" / name).read_bytes() == (tmp_path / "straight" / "model" / name).read_bytes()
+        assert (out / "model" / name).read_bytes() == (straight_dir / "model" / name).read_bytes()
 
 
 def read_log(out):
