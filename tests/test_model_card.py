@@ -14,13 +14,13 @@ def result(**overrides) -> dict:
               "world_size": 2, "steps": 20, "epochs": 1.5, "labels": None, "optimizer": "adamw", "precision": "bf16",
               "gradient_checkpointing": True, "parameters": {"trainable": 1000, "total": 100000},
               "trainable_share": 0.01, "device": "cpu", "wall_seconds": 12.5, "train_seconds": 9.0,
-              "train_samples_per_second": 35.5, "peak_memory_bytes": 2**30}
+              "train_samples_per_second": 35.5, "peak_memory_bytes": 2**30, "pieces_per_micro_batch": 2,
+              "examples": {"train": 300, "validation": 40, "test": 40}}
     return {**values, **overrides}
 
 
 def facts() -> dict:
-    return {"pipeline_tag": "text-generation", "is_text": True, "hardware": "Some CPU", "plan": {"pieces": 2},
-            "examples": {"train": 300, "validation": 40, "test": 40}}
+    return {"pipeline_tag": "text-generation", "is_text": True, "hardware": "Some CPU"}
 
 
 @pytest.mark.parametrize("model, expected", [("default", "sentence-transformers/all-MiniLM-L6-v2"),

@@ -56,9 +56,9 @@ def card_data(config: dict, result: dict, pipeline_tag: str, model_name: str):
 
 def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     """The settings that matter for reproducing the run, as Markdown list items."""
-    plan = facts.get("plan") or {}
     grad_accum, world = result["grad_accum"], result["world_size"]
-    examples = facts["examples"]
+    examples, pieces = result["examples"], result["pieces_per_micro_batch"]
+    base = base_model(config["model"])
     techniques = [name for name, on in (
         ("gradient checkpointing", result["gradient_checkpointing"]),
         (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
@@ -66,11 +66,10 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "
          f"targets {config['lora_target_modules']})", config["peft"] != "none"),
         ("packing", config.get("packing")),
-        (f"micro-batches run in {plan.get('pieces')} pieces (--memory-budget)", (plan.get("pieces") or 1) > 1),
+        (f"micro-batches run in {pieces} pieces (--memory-budget)", pieces > 1),
     ) if on]
     return [
-        f"- base model: `{config['model']}`" + (f" ({base_model(config['model'])})"
-                                                  if base_model(config["model"]) not in (None, config["model"]) else ""),
+        f"- base model: `{config['model']}`" + (f" ({base})" if base not in (None, config["model"]) else ""),
         f"- task: {config['task']}",
         f"- data: `{config['data']}`: {examples.get('train', 0)} train / {examples.get('validation', 0)} validation / "
         f"{examples.get('test', 0)} test examples" + (f", labels {', '.join(map(str, result['labels']))}"
@@ -111,8 +110,7 @@ def results_table(result: dict) -> list[str]:
 
 
 def render(config: dict, result: dict, facts: dict) -> str:
-    """The card's text. `facts`: what only the run knows (pipeline_tag, examples per split, hardware,
-    is_text, the resolved plan)."""
+    """The card's text. `facts`: what metrics.json does not say (pipeline_tag, hardware, is_text)."""
     from effitrain.devices import versions
 
     name = Path(config["output_dir"]).name

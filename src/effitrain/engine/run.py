@@ -66,13 +66,12 @@ def run(config: TrainConfig, run_dir=None) -> dict:
 
 
 def card_facts(job: Run) -> dict:
-    """What model/README.md says that only the run knows."""
+    """What model/README.md says that metrics.json does not."""
     import torch
 
     device = job.accelerator.device
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {"pipeline_tag": job.task.pipeline_tag, "is_text": job.task.is_text, "hardware": hardware,
-            "examples": {split: len(rows) for split, rows in job.data.encoded.items()}, "plan": job.plan.to_dict()}
+    return {"pipeline_tag": job.task.pipeline_tag, "is_text": job.task.is_text, "hardware": hardware}
 
 
 def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator, checkpointer: Checkpointer,
