@@ -17,11 +17,9 @@ def classification_metrics(predictions, references, label_names: list[str]) -> d
     return metrics
 
 
+
 def confusion_counts(predictions, references, num_labels: int) -> list[list[int]]:
     """counts[true][predicted] over the examples (labels outside 0..num_labels-1, e.g. -100, left out)."""
-    import numpy as np
+    from sklearn.metrics import confusion_matrix
 
-    predictions, references = np.asarray(predictions), np.asarray(references)
-    kept = (references >= 0) & (references < num_labels) & (predictions >= 0) & (predictions < num_labels)
-    flat = np.bincount(references[kept] * num_labels + predictions[kept], minlength=num_labels * num_labels)
-    return flat.reshape(num_labels, num_labels).tolist()
+    return confusion_matrix(references, predictions, labels=list(range(num_labels))).tolist()
