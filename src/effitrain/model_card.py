@@ -85,7 +85,8 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         f"({100 * result['trainable_share']:.2f}%)",
         f"- hardware: {world} x {facts['hardware']} ({result['device']})",
         f"- time: {result['wall_seconds']:.1f} s in all, {result['train_seconds']:.1f} s training, "
-        f"{result['train_samples_per_second']:.1f} samples/s, peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"{result['train_samples_per_second']:.1f} samples/s, "
+        f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"- seed {config['seed']}",
     ]
 

@@ -142,7 +142,7 @@ class RunDir:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner = _read_json(lock)
+                owner = read_json(lock)
                 os.close(fd)
                 where = (f" (pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('started')})"
                          if owner else "")
@@ -185,7 +185,7 @@ class RunDir:
         entries = [e for e in self.path.iterdir() if e.name != LOCK]
         if not entries or self.resume:
             return
-        marker = _read_json(self.path / MARKER) if (self.path / MARKER).is_file() else None
+        marker = read_json(self.path / MARKER) if (self.path / MARKER).is_file() else None
         what = ("files" if marker is None else "an effitrain bench" if marker.get("kind") == "bench"
                 else "an effitrain run")
         # --resume auto with no checkpoint yet: a run killed before its first one starts again in its folder.
@@ -298,11 +298,16 @@ def _remove(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path, notes: list[str] | None = None) -> dict:
+    """A JSON object file, or {} (missing, unreadable, not an object); `notes` gets why one could not be read."""
+    if not path.is_file():
+        return {}
     try:
         value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    except (OSError, ValueError) as err:
+        value = None
+        if notes is not None:
+            notes.append(f"{path.name} cannot be read ({str(err).splitlines()[0]})")
     return value if isinstance(value, dict) else {}
 
 

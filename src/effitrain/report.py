@@ -149,12 +149,13 @@ def is_run(path: Path) -> bool:
 
 
 def is_bench(path: Path) -> bool:
-    return (path / "bench.json").is_file() or read_json(path / outputs.MARKER).get("kind") == "bench"
+    return (path / "bench.json").is_file() or outputs.read_json(path / outputs.MARKER).get("kind") == "bench"
 
 
 def bench_variants(path: Path) -> list[Path]:
     """A bench's variant folders in its own order: bench.json's, else the order they started in."""
-    listed = [v.get("name") for v in read_json(path / "bench.json").get("variants", []) if isinstance(v, dict)]
+    variants = outputs.read_json(path / "bench.json").get("variants", [])
+    listed = [v.get("name") for v in variants if isinstance(v, dict)]
     found = [p for p in path.iterdir() if p.is_dir() and (p / outputs.MARKER).is_file() and is_run(p)]
     return sorted(found, key=lambda p: (listed.index(p.name) if p.name in listed else len(listed),
                                         (p / outputs.MARKER).stat().st_mtime, p.name))
@@ -163,24 +164,12 @@ def bench_variants(path: Path) -> list[Path]:
 def read_run(path: Path) -> ReportedRun:
     run = ReportedRun(path)
     run.config = read_yaml(path / "config.yaml", run.notes)
-    run.metrics = read_json(path / "metrics.json", run.notes)
-    run.model_config = read_json(path / "model" / "config.json")
+    run.metrics = outputs.read_json(path / "metrics.json", run.notes)
+    run.model_config = outputs.read_json(path / "model" / "config.json")
     read_log(path / "log.jsonl", run)
     run.status = run_status(path, run.metrics)
     say_missing(run)
     return run
-
-
-def read_json(path: Path, notes: list[str] | None = None) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        value = None
-        if notes is not None:
-            notes.append(f"{path.name} cannot be read ({str(err).splitlines()[0]})")
-    return value if isinstance(value, dict) else {}
 
 
 def read_yaml(path: Path, notes: list[str]) -> dict:
@@ -228,7 +217,7 @@ def run_status(path: Path, metrics: dict) -> str:
     """finished (metrics.json), training (its lock is held by a live process), or stopped."""
     if metrics:
         return "finished"
-    owner = read_json(path / outputs.LOCK)
+    owner = outputs.read_json(path / outputs.LOCK)
     pid = owner.get("pid")
     if not isinstance(pid, int):
         return "stopped"
