@@ -138,19 +138,6 @@ def keep_4bit_layout(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def prepare_fsdp(accelerator, model) -> None:
-    """LoRA under FSDP (GPUs): FSDP1 flattens each wrapped unit into one tensor, which must be all frozen
-    or all trainable, so peft's own policy wraps every trainable leaf apart (peft #1702, accelerate
-    #1620), with use_orig_params. FSDP2 shards parameter by parameter: the transformer-block policy
-    stays. Not verified here: no GPU has been lent (README)."""
-    from peft.utils.other import fsdp_auto_wrap_policy
-
-    plugin = accelerator.state.fsdp_plugin
-    if plugin is not None and getattr(plugin, "fsdp_version", 1) == 1:
-        plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
-        plugin.use_orig_params = True
-
-
 def lean_dropout(model) -> None:
     """peft gives every adapted layer its own dropout: each keeps a dropped copy of its input (and a
     mask) for the backward, and q, k and v each keep one of the same input (measured on the default

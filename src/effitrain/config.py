@@ -102,9 +102,12 @@ class TrainConfig:
     test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)")
     max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)")
     max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples")
-    strategy: str = _opt("ddp", "data parallelism: ddp (replicas), fsdp (sharded weights, gradients and optimizer "
-                         "states, FSDP2 where torch has it; GPUs), deepspeed (ZeRO; the deepspeed extra; GPUs)",
-                         choices=STRATEGIES)
+    strategy: str = _opt("ddp", "data parallelism: ddp (replicas), fsdp (weights, gradients and optimizer states "
+                         "sharded per transformer block: PyTorch's FSDP2, CPUs and GPUs), deepspeed (ZeRO; the "
+                         "deepspeed extra; GPUs, not verified by effitrain's tests)", choices=STRATEGIES)
+    fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free each block's gathered weights after its forward and "
+                                            "gather them again for the backward (less memory, more communication); "
+                                            "--no-fsdp-reshard-after-forward keeps them until the backward")
     zero_stage: int = _opt(2, "deepspeed: ZeRO stage 1, 2 or 3", choices=(1, 2, 3))
     local_sgd_steps: int | None = _opt(None, "local SGD: no gradient all-reduce; each process steps on its own "
                                        "data and parameters are averaged every K optimizer steps")

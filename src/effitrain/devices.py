@@ -196,26 +196,16 @@ def fresh_accelerator_state() -> None:
 
 
 def strategy_plugins(strategy: str, zero_stage: int, max_grad_norm: float = 1.0) -> dict:
-    """accelerate's plugin for a sharded strategy. accelerate runs FSDP and DeepSpeed on accelerators
-    only: on a CPU it ignores the FSDP plugin and trains plain DDP without a word, so that is refused."""
+    """accelerate's plugin for DeepSpeed. FSDP has none: effitrain applies FSDP2 itself (engine/sharding.py),
+    on CPUs too, where accelerate would ignore its FSDP plugin and train plain DDP without a word.
+    accelerate runs DeepSpeed on accelerators only, so on a CPU that is refused."""
     from effitrain.errors import UserError
 
-    if strategy == "ddp":
+    if strategy in ("ddp", "fsdp"):
         return {}
     if not has_accelerator():
-        raise UserError(f"--strategy {strategy} needs GPUs (accelerate shards on accelerators only, and on a CPU "
-                        "would silently fall back to DDP)", "use --strategy ddp on CPUs")
-    if strategy == "fsdp":
-        import torch
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        fsdp2 = hasattr(torch.distributed, "fsdp") and hasattr(torch.distributed.fsdp, "fully_shard")
-        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
-            fsdp_version=2 if fsdp2 else 1,
-            # model/ must hold the whole model, as plain transformers expects it.
-            state_dict_type="FULL_STATE_DICT",
-            auto_wrap_policy="transformer_based_wrap",  # one shard unit per transformer block (_no_split_modules)
-        )}
+        raise UserError(f"--strategy {strategy} needs GPUs (accelerate runs DeepSpeed on accelerators only, and on a "
+                        "CPU would silently fall back to DDP)", "use --strategy fsdp (sharded) or ddp on CPUs")
     try:
         import deepspeed  # noqa: F401
     except ImportError:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from effitrain import outputs
 from effitrain.config import LORA_SETTINGS, TrainConfig
+from effitrain.engine import sharding
 from effitrain.errors import UserError
 
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
 # depends on the number of steps): resuming with others would not continue the run.
 MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column", "text_pair_column",
-              "label_column", "image_column", "audio_column", "max_train_samples", "batch_size", "grad_accum",
-              "effective_batch_size", "seed", "max_length", "group_by_length", "packing", "optim", "precision",
+              "label_column", "image_column", "audio_column", "max_train_samples", "seed", "max_length", "group_by_length", "packing", "optim", "precision",
               "lr", "weight_decay", "warmup_ratio", "beta1", "beta2", "validation_split", "test_split",
               "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration", "peft", "lora_r",
               "lora_alpha", "lora_dropout", "lora_target_modules")
@@ -62,7 +62,9 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | None) -> None:
+def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | None, sharded=None) -> None:
+    """`sharded`: (model, optimizer) of --strategy fsdp, saved as torch.distributed.checkpoint shards
+    beside what accelerate saves (the schedule, RNG states)."""
     base = folder(out_dir)
     tmp, final = base / f".tmp-step-{step}", base / f"step-{step}"
     if accelerator.is_main_process:
@@ -72,6 +74,8 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
+        if sharded is not None:
+            sharding.save(tmp / sharding.SHARDED_FOLDER, *sharded)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "trainer_state.json").write_text(outputs.json_text({**state, "step": step}, indent=1))
@@ -109,27 +113,33 @@ def trainer_state(path: Path) -> dict:
 class Checkpointer:
     """When to save (every `every` steps, not at the last one: model/ is written then) and where."""
 
-    def __init__(self, accelerator, out_dir: Path, every: int | None, keep_last: int | None, total_steps: int):
+    def __init__(self, accelerator, out_dir: Path, every: int | None, keep_last: int | None, total_steps: int,
+                 sharded=None):
         self.accelerator, self.out_dir, self.every = accelerator, out_dir, every
-        self.keep_last, self.total_steps = keep_last, total_steps
+        self.keep_last, self.total_steps, self.sharded = keep_last, total_steps, sharded
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step < self.total_steps
 
     def save(self, step: int, trainer_state: dict) -> None:
-        save(self.accelerator, self.out_dir, step, trainer_state, self.keep_last)
+        save(self.accelerator, self.out_dir, step, trainer_state, self.keep_last, self.sharded)
 
     def restore(self, path: Path, state, world: int, trainer_state: dict) -> None:
         """Weights, optimizer, scheduler, scaler and RNG from `path`; counters into `state`; the log
         cut back to the checkpoint's step (what a killed run logged after it runs again)."""
         self.accelerator.load_state(str(path))
+        if self.sharded is not None:
+            sharding.load(path / sharding.SHARDED_FOLDER, *self.sharded)
         state.load_state_dict(trainer_state, world)
         if self.accelerator.is_main_process:
             trim_log(self.out_dir / "log.jsonl", state.step)
 
 
-def check(path: Path, config_values: dict, world_size: int) -> dict:
-    """The checkpoint's trainer state, if this run may continue it (checked before anything is written)."""
+def check(path: Path, config_values: dict, world_size: int, grad_accum: int) -> dict:
+    """The checkpoint's trainer state, if this run may continue it (checked before anything is written).
+    The processes, micro-batch and accumulation may change if the examples of a step stay as many: the
+    order of the data depends on the seed, the epoch and that number only, so every later step trains
+    on the same examples (to rounding: sums are taken in another order)."""
     state = trainer_state(path)
     made_with = {**EARLIER_DEFAULTS, **state["config"]}
     for key in MUST_MATCH:
@@ -137,9 +147,19 @@ def check(path: Path, config_values: dict, world_size: int) -> dict:
             raise UserError(f"checkpoint {path} was made with {key}={made_with[key]!r}, this run has "
                             f"{config_values.get(key)!r}", "resume with the same settings, or start a new "
                             "--output-dir")
-    if state["world_size"] != world_size:
-        raise UserError(f"checkpoint {path} was made by {state['world_size']} process(es), this run has "
-                        f"{world_size}", "resume with the same number of processes")
+    earlier = made_with["batch_size"] * state.get("plan", {}).get("grad_accum", made_with.get("grad_accum", 1)) \
+        * state["world_size"]
+    now = config_values["batch_size"] * grad_accum * world_size
+    if earlier != now:
+        raise UserError(f"checkpoint {path} was made with {earlier} examples per step ({made_with['batch_size']} x "
+                        f"{earlier // state['world_size'] // made_with['batch_size']} x {state['world_size']} "
+                        f"process(es)), this run has {now} ({config_values['batch_size']} x {grad_accum} x "
+                        f"{world_size})", f"keep batch size x accumulation x processes = {earlier}, e.g. "
+                        f"--effective-batch-size {earlier}")
+    if state["world_size"] != world_size and config_values.get("local_sgd_steps"):
+        raise UserError(f"checkpoint {path} was made by {state['world_size']} process(es) with local SGD, whose "
+                        f"processes hold weights of their own; this run has {world_size}",
+                        "resume local SGD with the same number of processes")
     return state
 
 

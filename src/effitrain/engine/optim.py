@@ -66,8 +66,11 @@ def _eight_bit(name: str, groups, lr: float, betas):
 
 
 def _leaf_tensors(tensor: torch.Tensor):
-    """The tensors really stored: tensor subclasses (torchao's 8-bit states) hold inner tensors."""
-    if hasattr(tensor, "__tensor_flatten__"):
+    """The tensors really stored: tensor subclasses (torchao's 8-bit states) hold inner tensors; an FSDP
+    DTensor, this process's shard."""
+    if hasattr(tensor, "to_local"):
+        yield from _leaf_tensors(tensor.to_local())
+    elif hasattr(tensor, "__tensor_flatten__"):
         names, _ = tensor.__tensor_flatten__()
         for name in names:
             yield from _leaf_tensors(getattr(tensor, name))
@@ -103,3 +106,13 @@ def linear_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup: 
     from transformers import get_linear_schedule_with_warmup
 
     return get_linear_schedule_with_warmup(optimizer, warmup * num_processes, total_steps * num_processes)
+
+
+def continue_schedule(scheduler, step: int, num_processes: int) -> None:
+    """A schedule resumed on another number of processes: its count (`num_processes` per optimizer step,
+    see linear_schedule) continues at `step` on this run's scale. The lr of each step is unchanged."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
+    inner.last_epoch = step * num_processes
+    inner._last_lr = [base * rule(inner.last_epoch) for base, rule in zip(inner.base_lrs, inner.lr_lambdas)]
+    for group, lr in zip(inner.optimizer.param_groups, inner._last_lr):
+        group["lr"] = lr

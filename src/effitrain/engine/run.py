@@ -13,7 +13,7 @@ from effitrain import model_card
 from effitrain.config import TrainConfig
 from effitrain.devices import cpu_name, peak_memory_bytes
 from effitrain.engine import evaluate as evaluation
-from effitrain.engine import report, saving
+from effitrain.engine import optim, report, saving
 from effitrain.engine.checkpoint import Checkpointer
 from effitrain.engine.evaluate import Evaluator
 from effitrain.engine.setup import Run, setup
@@ -30,9 +30,11 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         job = setup(config, cleanup, run_dir)
         state = TrainState(job.accelerator.device, started=wall_start)
         checkpointer = Checkpointer(job.accelerator, job.out_dir, config.save_every, config.keep_last,
-                                    job.total_steps)
+                                    job.total_steps, (job.model, job.optimizer) if config.strategy == "fsdp" else None)
         if job.resume_from is not None:
             checkpointer.restore(job.resume_from, state, job.world, job.resume_state)
+            if job.resume_state["world_size"] != job.world:
+                optim.continue_schedule(job.scheduler, state.step, job.world)
             job.main_print(f"resumed from {job.resume_from} at step {state.step}")
         evaluator = Evaluator(job.accelerator, job.task, job.data.label_names, job.eval_dls["validation"],
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
@@ -159,8 +161,9 @@ def check_trained(job: Run, state: TrainState) -> None:
         raise Diverged(f"all {state.step} steps had a non-finite loss or gradient and were skipped, so the model "
                         "did not train; no model was saved", NON_FINITE_FIX)
     model = job.accelerator.unwrap_model(job.model)
-    bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
-    if job.reduce(torch.tensor([bad], device=job.accelerator.device)).item():  # FSDP: each checks its shard
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())  # FSDP: this process's shard
+    bad = sum(int(not torch.isfinite(p).all()) for p in local)
+    if job.reduce(torch.tensor([bad], device=job.accelerator.device)).item():
         raise Diverged("the trained weights are not finite (NaN or infinity), so no model was saved",
                         NON_FINITE_FIX)
 

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from effitrain import adapters
+from effitrain.engine import sharding
 
 
 def save_model(run, folder: Path, adapter: bool = False) -> None:
@@ -37,6 +38,11 @@ def save_model(run, folder: Path, adapter: bool = False) -> None:
 def write_weights(run, folder: Path, adapter: bool) -> None:
     accelerator = run.accelerator
     model = accelerator.unwrap_model(run.model)
+    if not adapters.is_adapted(model) and sharding.is_sharded(model):
+        state = sharding.full_state_dict(model)  # a collective: every process gathers, process 0 keeps it
+        if accelerator.is_main_process:
+            sharding.save_pretrained(model, folder, state)
+        return
     if not adapters.is_adapted(model):
         model.save_pretrained(folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
                               state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
@@ -76,6 +82,9 @@ def load_weights(run, folder: Path) -> None:
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file), device=str(run.accelerator.device)))
+    if sharding.is_sharded(model):
+        sharding.load_full_state_dict(model, state)
+        return
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
         raise RuntimeError(f"{folder} holds weights the model does not have: {unexpected[:3]}")

@@ -21,7 +21,7 @@ from effitrain import adapters, models, outputs, tasks, tracking
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
-from effitrain.engine import checkpoint, communication, memory_fit, optim, precision
+from effitrain.engine import checkpoint, communication, memory_fit, optim, precision, sharding
 from effitrain.errors import UserError
 
 
@@ -119,9 +119,13 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
                                    mixed_precision, broadcast_buffers=config.memory_budget is None,
                                    log_with=trackers(config, run_dir))
     cleanup.callback(accelerator.end_training)  # also finishes the trackers
+    if config.strategy == "fsdp":
+        sharding.check_precision(mixed_precision)
+        sharding.join_alone(accelerator, cleanup)
     accelerator.wait_for_everyone()  # process 0 has locked the output folder and settled what was in it
     resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
-    resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes) if resume_from else None
+    resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes,
+                                    accumulation(config, accelerator.num_processes)) if resume_from else None
     set_seed(config.seed)
     data = load_data(task, config, source, accelerator)
     check_metric(task, config, data.label_names)
@@ -289,6 +293,8 @@ def prepare(config: TrainConfig, task, accelerator, plan: RunPlan, data: Data, m
     train_dl, eval_dls, stand_in = loaders(task, config, data, world, plan.grad_accum)
     assert len(train_dl) == math.ceil(len(data.encoded["train"]) / config.batch_size)
     total_steps = config.max_steps or config.epochs * len(sizes)
+    if config.strategy == "fsdp":  # before the optimizer, which must hold the sharded parameters
+        model = sharding.shard(model, accelerator.device, world, plan.precision, config.fsdp_reshard_after_forward)
     optimizer = optim.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2))
     scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
                                       world)
@@ -296,11 +302,13 @@ def prepare(config: TrainConfig, task, accelerator, plan: RunPlan, data: Data, m
     # that would train on duplicates that one process with a big batch never sees.
     accelerator.even_batches = False
     train_dl = accelerator.prepare(train_dl)
-    if config.strategy == "fsdp" and config.peft != "none":
-        adapters.prepare_fsdp(accelerator, model)
     accelerator.even_batches = True  # evaluation: gather_for_metrics drops the padded-in duplicates
-    model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
-        model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
+    if config.strategy == "fsdp":  # sharded by effitrain (sharding.py), not by accelerate
+        eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
+            eval_dls["validation"], eval_dls["test"], scheduler)
+    else:
+        model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
+            model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
     stand_in = {key: value.to(accelerator.device) for key, value in stand_in.items()}
     run = Run(config, task, accelerator, plan, data, model, optimizer, scheduler, train_dl, eval_dls, stand_in,
               sizes, out_dir, log)

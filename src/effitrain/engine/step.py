@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from effitrain.engine import communication, memory_fit
+from effitrain.engine import communication, memory_fit, sharding
 
 
 @dataclass
@@ -79,7 +79,7 @@ class StepRunner:
         try:
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1 and not self.agree
-                with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
+                with contextlib.nullcontext() if last else self._no_sync():
                     if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
                         self.accelerator.backward(self.task.loss_sum(self.model, self.stand_in) * 0.0)
                         continue
@@ -91,6 +91,10 @@ class StepRunner:
                 return True
             raise
         return False
+
+    def _no_sync(self):
+        """Gradients not reduced on this piece (accumulated for the step's last one)."""
+        return sharding.no_sync(self.model) if self.strategy == "fsdp" else self.accelerator.no_sync(self.model)
 
     def _count(self, piece, loss, window, totals) -> None:
         count = self.task.item_count(piece).double()
@@ -110,7 +114,9 @@ class StepRunner:
     def _clip_and_step(self) -> tuple[bool, torch.Tensor | None]:
         # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
         # gradient is seen, the same on every process since gradients are already all-reduced.
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        max_norm = self.max_grad_norm or float("inf")
+        grad_norm = sharding.clip_grad_norm_(self.model.parameters(), max_norm) if self.strategy == "fsdp" \
+            else self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         finite = grad_norm is None or bool(torch.isfinite(grad_norm))
         if finite or self.accelerator.scaler is not None:  # an fp16 scaler skips the step and backs off itself
             self.optimizer.step()
