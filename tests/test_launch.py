@@ -209,3 +209,188 @@ def test_a_signal_stops_a_launched_job_cleanly(tiny_model_dir, tmp_path, sig, wh
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
     assert (checkpoints / "step-2" / "trainer_state.json").is_file()
     assert not list(out.rglob(".tmp-*"))
+
+
+# ---- Clusters: Slurm and Kubernetes settings from the environment ---------------------------------
+
+SLURM_NODE_1 = {"SLURM_JOB_ID": "4321", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[01-02]"}
+PYTORCHJOB_WORKER_1 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "4", "WORLD_SIZE": "8",
+                       "RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+
+
+def launch_flags(**given) -> SimpleNamespace:
+    """effitrain launch's flags as cli.py parses them: None where not given."""
+    flags = dict(nproc=None, nnodes=None, node_rank=None, master_addr=None, master_port=None, max_restarts=0)
+    return SimpleNamespace(**{**flags, **given})
+
+
+def settings(env: dict, **given) -> tuple[tuple, str | None]:
+    args, line = launch.resolve(launch_flags(**given), env)
+    return (args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port), line
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),  # width of the first bound: no padding
+    ("n[008-010]", ["n008", "n009", "n010"]),
+    ("rack[1-2]-node[09-10]", ["rack1-node09", "rack1-node10", "rack2-node09", "rack2-node10"]),
+    ("a[1,3],b[2-3].cluster.org", ["a1", "a3", "b2.cluster.org", "b3.cluster.org"]),
+    ("127.0.0.1", ["127.0.0.1"]),
+])
+def test_slurm_host_lists_expand_in_slurms_order(nodelist, hosts):
+    assert launch.expand_hostlist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("garbage", ["", "node[", "node]01", "a,,b", "n[3-1]", "n[a-b]", "n[]", "n[[1]]",
+                                     "n[1-2", "two words", "n[1-9999999]", "n[1;2]", "x,"])
+def test_a_garbled_host_list_is_a_value_error(garbage):
+    with pytest.raises(ValueError):
+        launch.expand_hostlist(garbage)
+
+
+def test_slurm_gives_node_count_rank_head_and_a_port_from_the_job_id():
+    assert settings(SLURM_NODE_1, nproc=8) == (
+        (8, 2, 1, "node01", 15000 + 4321), "effitrain launch: 2 nodes from Slurm (node 1, head node01:19321)")
+    node_0 = {**SLURM_NODE_1, "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_JOB_ID": "987654"}
+    assert settings(node_0, nproc=8)[0] == (8, 2, 0, "node01", 15000 + 987654 % 20000)
+    # SLURM_JOB_NUM_NODES when SLURM_NNODES is absent; the step's node list before the job's; MASTER_* win.
+    other = {**{k: v for k, v in SLURM_NODE_1.items() if k != "SLURM_NNODES"}, "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_STEP_NODELIST": "gpu[7-8]", "MASTER_PORT": "29500"}
+    assert settings(other)[0] == (1, 2, 1, "gpu7", 29500)
+    assert settings({**other, "MASTER_ADDR": "10.0.0.1"})[0] == (1, 2, 1, "10.0.0.1", 29500)
+    # One node: standalone on a free port, as without Slurm.
+    one = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+           "SLURM_JOB_NODELIST": "node07"}
+    assert settings(one, nproc=2) == ((2, 1, 0, None, None), "effitrain launch: 1 node from Slurm")
+
+
+def test_flags_win_over_the_environment():
+    assert settings(SLURM_NODE_1, nproc=2, master_port=29500) == (
+        (2, 2, 1, "node01", 29500),
+        "effitrain launch: 2 nodes from Slurm (node 1, head node01:29500); the command line's --master-port won")
+    assert settings(PYTORCHJOB_WORKER_1, nproc=1, master_addr="10.0.0.9")[0] == (1, 2, 1, "10.0.0.9", 23456)
+    # Flags that settle everything: the environment is not read (not even a broken one).
+    broken = {**SLURM_NODE_1, "SLURM_NNODES": "", "SLURM_JOB_NODELIST": "node["}
+    assert settings(broken, nproc=1, nnodes=2, node_rank=0, master_addr="h", master_port=1) == (
+        (1, 2, 0, "h", 1), None)
+    # --nnodes 1: this machine alone, whatever the job spans.
+    assert settings(SLURM_NODE_1, nproc=1, nnodes=1) == ((1, 1, 0, None, None), None)
+
+
+def test_pytorchjob_and_torchrun_style_environments(monkeypatch):
+    assert settings(PYTORCHJOB_WORKER_1) == (
+        (4, 2, 1, "job-master-0", 23456), "effitrain launch: 2 nodes from PyTorchJob (node 1, head "
+        "job-master-0:23456), 4 processes per node from PET_NPROC_PER_NODE")
+    # Kubeflow Trainer (TrainJob): PET_MASTER_ADDR/PORT; nprocPerNode "auto": one per accelerator, else 1.
+    monkeypatch.setattr(launch, "local_accelerators", lambda: 0)
+    trainjob = {"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_NPROC_PER_NODE": "auto",
+                "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"}
+    assert settings(trainjob)[0] == (1, 3, 2, "job-node-0-0.job", 29400)
+    monkeypatch.setattr(launch, "local_accelerators", lambda: 8)
+    assert settings(trainjob)[0][0] == 8
+    assert settings({"PET_NPROC_PER_NODE": "2"}) == (
+        (2, 1, 0, None, None), "effitrain launch: 1 node from PyTorchJob, 2 processes per node from PET_NPROC_PER_NODE")
+    # Older operators set no PET_*: WORLD_SIZE and RANK count the pods.
+    old = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    assert settings(old, nproc=8) == (
+        (8, 2, 1, "job-master-0", 23456), "effitrain launch: 2 nodes from WORLD_SIZE/RANK (node 1, head "
+        "job-master-0:23456)")
+
+
+def test_a_launched_workers_stray_variables_are_not_a_cluster():
+    """What `stray()` leaves in a shell (LOCAL_RANK next to WORLD_SIZE) counts processes, not nodes: launch
+    ignores it as before, and torchrun replaces it in the workers; `train` alone refuses it (devices.py)."""
+    env = {k: v for k, v in stray(1, 29500).items() if not k.startswith(("SLURM_", "PET_"))}
+    assert settings(env, nproc=2) == ((2, 1, 0, None, None), None)
+    assert settings(env) == settings({}) == settings({"WORLD_SIZE": "2", "RANK": "1"}) == ((1, 1, 0, None, None), None)
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({**SLURM_NODE_1, "SLURM_NTASKS": "16", "SLURM_PROCID": "9"}, r"Slurm runs 16 tasks on 2 node\(s\).*fix: use "
+     r"srun --ntasks-per-node=1"),
+    ({**SLURM_NODE_1, "SLURM_PROCID": "3"}, "needs one task per node; fix: use srun --ntasks-per-node=1"),
+    ({**SLURM_NODE_1, "SLURM_NNODES": ""}, "SLURM_NNODES is empty; fix: run one launcher per node"),
+    ({**SLURM_NODE_1, "SLURM_NODEID": "2"}, "SLURM_NODEID=2 is not a node of the 2 in SLURM_NNODES"),
+    ({**SLURM_NODE_1, "SLURM_NODEID": "-1"}, "SLURM_NODEID='-1' is not a whole number >= 0"),
+    ({**SLURM_NODE_1, "SLURM_JOB_NODELIST": "node[01-02"}, r"SLURM_JOB_NODELIST='node\[01-02' is not a Slurm "
+     r"node list \(brackets do not pair up\); fix: set it as Slurm does"),
+    ({**SLURM_NODE_1, "SLURM_JOB_NODELIST": "node 01"}, "is not a Slurm node list"),
+    ({**SLURM_NODE_1, "SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc' is not a whole number"),
+    ({**SLURM_NODE_1, "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a port \(1-65535\)"),
+    ({k: v for k, v in SLURM_NODE_1.items() if k != "SLURM_JOB_NODELIST"}, "no SLURM_JOB_NODELIST"),
+    ({k: v for k, v in SLURM_NODE_1.items() if k not in ("SLURM_NODEID", "SLURM_PROCID")},
+     "a 2-node Slurm allocation but not one of its tasks"),
+    ({"SLURM_JOB_ID": "1"}, "neither SLURM_NNODES nor SLURM_JOB_NUM_NODES"),
+    ({**PYTORCHJOB_WORKER_1, "PET_NNODES": "1:3"}, r"PET_NNODES=1:3 is a range \(an elasticPolicy\)"),
+    ({**PYTORCHJOB_WORKER_1, "PET_NODE_RANK": "5"}, "PET_NODE_RANK=5 is not a node of the 2 in PET_NNODES"),
+    ({**PYTORCHJOB_WORKER_1, "PET_NPROC_PER_NODE": "eight"}, "PET_NPROC_PER_NODE='eight' is not a whole number"),
+    ({k: v for k, v in PYTORCHJOB_WORKER_1.items() if k != "MASTER_PORT"}, "2 nodes from PyTorchJob, but no "
+     r"MASTER_PORT \(nor PET_MASTER_PORT\).*fix: set MASTER_PORT on every node, or pass --master-port"),
+])
+def test_a_broken_cluster_environment_is_one_user_error(env, problem):
+    from effitrain.errors import UserError
+
+    with pytest.raises(UserError, match=problem) as raised:
+        launch.resolve(launch_flags(), env)
+    assert "\n" not in str(raised.value) and "; fix: " in str(raised.value)
+
+
+def test_a_broken_cluster_environment_stops_launch_with_one_line_and_exit_2(tmp_path):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
+    cases = {"srun --ntasks-per-node=1": {**SLURM_NODE_1, "SLURM_NTASKS": "16", "SLURM_PROCID": "9"},
+             "is not a Slurm node list": {**SLURM_NODE_1, "SLURM_JOB_NODELIST": "node[01-02"}}
+    for problem, env in cases.items():
+        job = effitrain("launch", "--nproc", 2, "--", "train", cwd=tmp_path, env={**base, **env})
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode == 2 and len(stderr.splitlines()) == 1, stderr[-3000:]
+        assert stderr.startswith("effitrain: error: ") and problem in stderr and "; fix: " in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def slurm_job_with_a_free_port() -> int:
+    """A job id whose derived port nobody listens on, as Slurm's job ids differ between jobs."""
+    import random
+    import socket
+
+    for _ in range(100):
+        job = random.randrange(10**6)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", launch.SLURM_PORT_BASE + job % launch.SLURM_PORT_SPAN))
+            except OSError:
+                continue
+        return job
+    raise RuntimeError("no free port in Slurm's range")
+
+
+@pytest.mark.slow  # two launchers and their workers start on 2 busy cores, then the same run in process
+def test_two_slurm_nodes_on_one_machine_equal_one_process(tiny_model_dir, tmp_path):
+    """`srun --nodes 2 --ntasks-per-node 1 effitrain launch --nproc 1 -- train ...` as Slurm would start it,
+    both "nodes" on 127.0.0.1: no node flag given, 2 x batch 4 reach the weights of 1 x batch 8."""
+    import torch
+    from conftest import read_weights
+
+    from effitrain import train
+
+    common = dict(model=tiny_model_dir, max_train_samples=16, max_eval_samples=8, epochs=1, lr=1e-3,
+                  warmup_ratio=0.0, eval_batch_size=8)
+    flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "MASTER_"))}
+    job = slurm_job_with_a_free_port()
+    nodes = [effitrain("launch", "--nproc", 1, "--", "train", *flags, "--batch-size", 4, "--output-dir",
+                       tmp_path / "nodes", env={**base, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": str(job),
+                                                "SLURM_NNODES": "2", "SLURM_NODEID": str(node), "SLURM_NTASKS": "2",
+                                                "SLURM_PROCID": str(node), "SLURM_JOB_NODELIST": "127.0.0.1"})
+             for node in (0, 1)]
+    for node, process in enumerate(nodes):
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+        port = launch.SLURM_PORT_BASE + job % launch.SLURM_PORT_SPAN
+        assert stderr.splitlines()[0] == f"effitrain launch: 2 nodes from Slurm (node {node}, head 127.0.0.1:{port})"
+    train({**common, "model": str(tiny_model_dir), "batch_size": 8, "output_dir": str(tmp_path / "one")})
+    nodes_w, one_w = read_weights(tmp_path / "nodes"), read_weights(tmp_path / "one")
+    for name in one_w:
+        torch.testing.assert_close(nodes_w[name], one_w[name], rtol=1e-5, atol=1e-6)
+    assert json.loads((tmp_path / "nodes" / "metrics.json").read_text())["world_size"] == 2

@@ -1,11 +1,19 @@
 """`effitrain launch`: run an effitrain command on N processes per node and M nodes with torchrun's
 own launcher and rendezvous (torch.distributed.run), and end the job with one stderr line: the
-workers stay silent about user errors and signals (cli.main), the launcher says it once."""
+workers stay silent about user errors and signals (cli.main), the launcher says it once. On a cluster
+the node settings come from the scheduler's environment (Slurm, a Kubeflow PyTorchJob), so that the
+same command runs on every node; flags win."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import itertools
 import os
+import re
 import signal
+import sys
+from collections.abc import Mapping
 
 from effitrain.errors import UserError
 
@@ -29,6 +37,11 @@ def torchrun_argv(args, command: list[str]) -> list[str]:
 
 
 def check(args, command: list[str]) -> None:
+    check_command(command)
+    check_numbers(args)
+
+
+def check_command(command: list[str]) -> None:
     if not command:
         raise UserError("effitrain launch needs the command to run after `--`",
                         "write e.g. effitrain launch --nproc 2 -- train --max-steps 100")
@@ -38,6 +51,9 @@ def check(args, command: list[str]) -> None:
     if command[0] in ONE_PROCESS:
         raise UserError(f"effitrain {command[0]} runs on one process (launching it would print its answer once "
                         "per process)", f"run `effitrain {' '.join(command)}` without launch")
+
+
+def check_numbers(args) -> None:
     for name in ("nproc", "nnodes"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}", f"pass --{name} 1 or more")
@@ -50,6 +66,255 @@ def check(args, command: list[str]) -> None:
         if not 0 <= args.node_rank < args.nnodes:
             raise UserError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}",
                             "number the nodes 0 to nnodes-1, node 0 being the master")
+
+
+# ---- Cluster environments: what the scheduler says about this node -------------------------------
+
+# Slurm gives no port: one derived from the job id is the same on every node of the job and differs
+# between jobs sharing a node (the rule of several tools: 15000 + job id mod 20000).
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000
+# Set by a launcher in each process it starts, never by a scheduler for a node: next to them, WORLD_SIZE
+# and RANK count processes (a shell left with a launched worker's variables, devices.py), not nodes.
+PROCESS_LEVEL = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+NODE_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
+MAX_HOSTS = 100_000  # a node list expanding to more is garbage, not a cluster
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """What a scheduler's environment says about this node; None where it says nothing."""
+
+    source: str  # "Slurm", "PyTorchJob", "WORLD_SIZE/RANK"
+    nnodes: int
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    nproc: int | None = None
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list in Slurm's order: `node[01-03,07],gpu5` -> node01 node02 node03 node07
+    gpu5. A number keeps the width of its range's first bound (`[08-10]`: 08 09 10; `[8-10]`: 8 9 10);
+    several bracket groups in one name multiply (`r[1-2]n[1-2]`: r1n1 r1n2 r2n1 r2n2). ValueError otherwise."""
+    hosts = []
+    for item in _top_level_items(text):
+        choices = []
+        for part in re.split(r"(\[[^\[\]]*\])", item):  # names and [...] groups alternate
+            if part.startswith("["):
+                choices.append(_numbers(part[1:-1]))
+            elif part and not re.fullmatch(r"[A-Za-z0-9._-]+", part):
+                raise ValueError(f"{part!r} is not part of a host name")
+            else:
+                choices.append([part])
+        count = 1
+        for choice in choices:
+            count *= len(choice)
+        if len(hosts) + count > MAX_HOSTS:
+            raise ValueError(f"more than {MAX_HOSTS} hosts")
+        hosts += ["".join(name) for name in itertools.product(*choices)]
+    return hosts
+
+
+def _top_level_items(text: str) -> list[str]:
+    """`a[1,2],b` -> ['a[1,2]', 'b']: commas inside brackets are ranges, not host separators."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError("brackets do not pair up")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    if depth or not all(items):
+        raise ValueError("brackets do not pair up" if depth else "an empty host name")
+    return items
+
+
+def _numbers(ranges: str) -> list[str]:
+    """`01-03,7` -> ['01', '02', '03', '7']."""
+    numbers = []
+    for piece in ranges.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", piece)
+        if not match or int(match[2] or match[1]) < int(match[1]):
+            raise ValueError(f"[{ranges}] is not a list of numbers and ranges like [01-03,7]")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if len(numbers) + high - low >= MAX_HOSTS:
+            raise ValueError(f"more than {MAX_HOSTS} hosts")
+        numbers += [f"{n:0{len(match[1])}d}" for n in range(low, high + 1)]
+    return numbers
+
+
+def _number(env: Mapping[str, str], name: str, minimum: int, fix: str) -> int:
+    value = env[name]
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise UserError(f"{name} is empty" if not value.strip() else f"{name}={value!r} is not a whole number "
+                        f">= {minimum}", fix)
+    return number
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    port = _number(env, name, 1, f"set {name} to a free port (1-65535) or unset it, or pass --master-port")
+    if port > 65535:
+        raise UserError(f"{name}={port} is not a port (1-65535)", f"set {name} to a free port, or pass --master-port")
+    return port
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    """The first of these variables that is set (also when set to an empty string)."""
+    return next((name for name in names if name in env), None)
+
+
+def from_slurm(env: Mapping[str, str]) -> Cluster:
+    """One launcher per node under srun: node count SLURM_NNODES (or SLURM_JOB_NUM_NODES), node rank
+    SLURM_NODEID, head node the first host of the step's node list (SLURM_STEP_NODELIST, else
+    SLURM_JOB_NODELIST, SLURM_NODELIST: node 0 of the step is the first of its list), port MASTER_PORT
+    or one derived from SLURM_JOB_ID; MASTER_ADDR, if set, replaces the head node."""
+    fix = "run one launcher per node: srun --ntasks-per-node=1 effitrain launch --nproc N -- ..., or pass --nnodes"
+    nodes_name = _first(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if nodes_name is None:
+        raise UserError("SLURM_JOB_ID is set but neither SLURM_NNODES nor SLURM_JOB_NUM_NODES", fix)
+    nnodes = _number(env, nodes_name, 1, fix)
+    if "SLURM_NODEID" not in env and nnodes > 1:
+        raise UserError(f"this is a {nnodes}-node Slurm allocation but not one of its tasks (no SLURM_NODEID)", fix)
+    node = _number(env, "SLURM_NODEID", 0, fix) if "SLURM_NODEID" in env else 0
+    if node >= nnodes:
+        raise UserError(f"SLURM_NODEID={node} is not a node of the {nnodes} in {nodes_name}", fix)
+    tasks_name = _first(env, "SLURM_NTASKS", "SLURM_NPROCS")
+    tasks = _number(env, tasks_name, 1, fix) if tasks_name else nnodes
+    task = _number(env, "SLURM_PROCID", 0, fix) if "SLURM_PROCID" in env else node
+    if tasks > nnodes or task != node:
+        raise UserError(f"Slurm runs {tasks} tasks on {nnodes} node(s) (this is task {task} on node {node}), but "
+                        "effitrain launch starts the processes of its node itself and needs one task per node",
+                        "use srun --ntasks-per-node=1 (#SBATCH --ntasks-per-node=1) and effitrain launch --nproc "
+                        "<GPUs per node>")
+    if nnodes == 1:
+        return Cluster("Slurm", 1)
+    return Cluster("Slurm", nnodes, node, env.get("MASTER_ADDR") or _slurm_head(env), _slurm_port(env))
+
+
+def _slurm_head(env: Mapping[str, str]) -> str:
+    name = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if name is None:
+        raise UserError("no SLURM_JOB_NODELIST (nor SLURM_STEP_NODELIST, SLURM_NODELIST) names the head node",
+                        "run under srun, or set MASTER_ADDR or pass --master-addr")
+    try:
+        return expand_hostlist(env[name].strip())[0]
+    except ValueError as err:
+        raise UserError(f"{name}={env[name]!r} is not a Slurm node list ({err})", "set it as Slurm does (e.g. "
+                        "node[01-04],gpu5), or set MASTER_ADDR or pass --master-addr") from None
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    if "MASTER_PORT" in env:
+        return _port(env, "MASTER_PORT")
+    name = _first(env, "SLURM_JOB_ID", "SLURM_JOBID")
+    job = _number(env, name, 0, "run under Slurm (its job id is a number), or set MASTER_PORT or pass --master-port")
+    return SLURM_PORT_BASE + job % SLURM_PORT_SPAN
+
+
+def from_torchrun_env(env: Mapping[str, str], want_nproc: bool = True) -> Cluster | None:
+    """A Kubeflow PyTorchJob, or any torchrun-style environment. The training operator sets, in each pod,
+    PET_NNODES (the replicas), PET_NODE_RANK (the pod's index, Master 0), PET_NPROC_PER_NODE (nprocPerNode,
+    default "auto"), MASTER_ADDR and MASTER_PORT (the Master's service); Kubeflow Trainer's TrainJob sets
+    PET_MASTER_ADDR and PET_MASTER_PORT instead. Operators before v1.7 set no PET_*: their WORLD_SIZE
+    is the number of pods and RANK the pod's index. So without PET_NNODES, WORLD_SIZE and RANK are read
+    as node count and node rank when MASTER_ADDR is set too and no launcher's per-process variable
+    (LOCAL_RANK...) says they count processes: a shell left with a launched worker's variables is not a
+    cluster (devices.py deals with those in `train`). The newer operators' WORLD_SIZE (pods x
+    nprocPerNode) is never read."""
+    addr = env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR") or None
+    port_name = _first(env, "PET_MASTER_PORT", "MASTER_PORT")
+    nproc = _nproc(env) if want_nproc and "PET_NPROC_PER_NODE" in env else None
+    if "PET_NNODES" in env:
+        source, nodes_name, rank_name = "PyTorchJob", "PET_NNODES", _first(env, "PET_NODE_RANK", "RANK")
+    elif "WORLD_SIZE" in env and addr and not any(env.get(name) for name in PROCESS_LEVEL):
+        source, nodes_name, rank_name = "WORLD_SIZE/RANK", "WORLD_SIZE", _first(env, "RANK")
+    elif "PET_NPROC_PER_NODE" in env:
+        return Cluster("PyTorchJob", 1, nproc=nproc)
+    else:
+        return None
+    fix = "set them as the PyTorchJob does (a fixed number of replicas), or pass --nnodes and --node-rank"
+    if re.fullmatch(r"\s*\d+\s*:\s*\d+\s*", env[nodes_name]):
+        raise UserError(f"{nodes_name}={env[nodes_name]} is a range (an elasticPolicy): effitrain trains on a fixed "
+                        "number of nodes, so that a step equals one big batch", "remove the PyTorchJob's elasticPolicy "
+                        "(a fixed number of replicas, nprocPerNode), or pass --nnodes and --node-rank")
+    nnodes = _number(env, nodes_name, 1, fix)
+    if nnodes == 1:
+        return Cluster(source, 1, nproc=nproc)
+    if rank_name is None:
+        raise UserError(f"{nodes_name}={nnodes} but no PET_NODE_RANK (nor RANK) says which node this is", fix)
+    rank = _number(env, rank_name, 0, fix)
+    if rank >= nnodes:
+        raise UserError(f"{rank_name}={rank} is not a node of the {nnodes} in {nodes_name}", fix)
+    return Cluster(source, nnodes, rank, addr, _port(env, port_name) if port_name else None, nproc)
+
+
+def _nproc(env: Mapping[str, str]) -> int:
+    """PET_NPROC_PER_NODE: a number, or "auto"/"gpu" (the operator's default): one process per accelerator,
+    one on a machine without (torchrun's "auto" would start one per CPU core)."""
+    value = env["PET_NPROC_PER_NODE"].strip().lower()
+    if value in ("auto", "gpu"):
+        return max(1, local_accelerators())
+    return _number(env, "PET_NPROC_PER_NODE", 1, "set nprocPerNode to a number or \"auto\", or pass --nproc")
+
+
+def local_accelerators() -> int:
+    import torch
+
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    return torch.cuda.device_count()
+
+
+def from_environment(env: Mapping[str, str], want_nproc: bool = True) -> Cluster | None:
+    """Slurm (any SLURM_JOB_ID), else a PyTorchJob or torchrun-style environment, else None."""
+    if _first(env, "SLURM_JOB_ID", "SLURM_JOBID"):
+        return from_slurm(env)
+    return from_torchrun_env(env, want_nproc)
+
+
+def resolve(args, env: Mapping[str, str]) -> tuple[argparse.Namespace, str | None]:
+    """The launch settings: a flag given (not None) wins, then the cluster's environment, then the defaults
+    (1 process, 1 node: standalone). One node takes no rank, address or port from the environment (a
+    free port on this machine, as without it). The environment is not read when the flags settle
+    everything. Also returns the line saying what came from the environment (None: nothing did)."""
+    given = {name: getattr(args, name) for name in ("nproc", *NODE_FLAGS)}
+    open_nodes = given["nnodes"] != 1 and None in (given[name] for name in NODE_FLAGS)
+    cluster = from_environment(env, given["nproc"] is None) if given["nproc"] is None or open_nodes else None
+    found = dataclasses.asdict(cluster) if cluster else {}
+    pick = {name: found.get(name) if value is None else value for name, value in given.items()}
+    if pick["nnodes"] in (None, 1):
+        pick.update({name: given[name] for name in NODE_FLAGS}, nnodes=1)
+    pick["nproc"] = 1 if pick["nproc"] is None else pick["nproc"]
+    pick["node_rank"] = 0 if pick["node_rank"] is None else pick["node_rank"]
+    taken = [name for name, value in given.items() if value is None and found.get(name) is not None
+             and pick[name] == found[name]]
+    if "nnodes" in taken and pick["nnodes"] > 1:
+        for name, variables in (("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT")):
+            if pick[name] is None:
+                raise UserError(f"{pick['nnodes']} nodes from {cluster.source}, but no {variables} (nor "
+                                f"PET_{variables}) says where node 0 waits", f"set {variables} on every node, or "
+                                f"pass --{name.replace('_', '-')}")
+    resolved = argparse.Namespace(**{**vars(args), **pick})
+    overridden = [name for name, value in given.items() if value is not None and found.get(name) is not None]
+    return resolved, origin_line(cluster, resolved, taken, overridden) if taken else None
+
+
+def origin_line(cluster: Cluster, args, taken: list[str], overridden: list[str]) -> str:
+    """e.g. `effitrain launch: 2 nodes from Slurm (node 1, head node01:15123)`."""
+    line = f"effitrain launch: {args.nnodes} node{'s' * (args.nnodes > 1)} from {cluster.source}"
+    if args.nnodes > 1:
+        line += f" (node {args.node_rank}, head {args.master_addr}:{args.master_port})"
+    if "nproc" in taken:
+        line += f", {args.nproc} process{'es' * (args.nproc > 1)} per node from PET_NPROC_PER_NODE"
+    if overridden:
+        line += "; the command line's " + " ".join(f"--{name.replace('_', '-')}" for name in overridden) + " won"
+    return line
 
 
 def describe(failure) -> str:
@@ -105,11 +370,16 @@ def quiet_torchrun() -> None:
 
 
 def launch(args, command: list[str]) -> int:
+    check_command(command)
+    args, origin = resolve(args, os.environ)
+    check_numbers(args)
+    if origin:
+        print(origin, file=sys.stderr, flush=True)
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    check(args, command)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     os.environ[LAUNCHED] = "1"
     if not args.debug:
