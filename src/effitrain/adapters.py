@@ -199,12 +199,12 @@ def adapter_state(model) -> dict:
     return {key: _full(value) for key, value in state.items()}
 
 
-def save_adapter(model, folder: Path) -> None:
+def save_adapter(model, folder: Path, state: dict | None = None) -> None:
     """peft's save_pretrained: adapter_config.json and adapter_model.safetensors (peft picks the
-    adapter's weights out of the model itself). Never the embedding layers: peft would save the whole
-    output layer when lm_head has an adapter, for vocabularies resized in training, which effitrain
-    never does."""
-    model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False)
+    adapter's weights out of the model itself, or out of `state`, the whole weights of a sharded
+    model). Never the embedding layers: peft would save the whole output layer when lm_head has an
+    adapter, for vocabularies resized in training, which effitrain never does."""
+    model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False, state_dict=state)
 
 
 def load_adapter_weights(model, folder: Path) -> None:

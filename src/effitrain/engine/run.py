@@ -82,7 +82,10 @@ def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator,
     groups = batches(job, state.step)
     while state.step < job.total_steps:
         tick = time.perf_counter()
-        result = runner.run(next(groups), state.step + 1)
+        group = next(groups)
+        if job.config.debug:
+            log_examples(job, state.step + 1, group)
+        result = runner.run(group, state.step + 1)
         after_step(job, state, result, bar)
         if job.local_sgd is not None:
             job.local_sgd.step()
@@ -113,6 +116,16 @@ def batches(job: Run, start_step: int):
             if index >= done_in_epoch:  # resumed mid-epoch: pass over the batches already trained on
                 yield group
                 step += 1
+
+
+def log_examples(job: Run, step: int, group: list) -> None:
+    """--debug: which examples the step trains on, over all processes, as one number (the sum of their
+    hashes), to show that runs with other processes, micro-batches or a resume see the same ones."""
+    import torch
+
+    digests = [d for batch in group if batch is not None for d in job.task.example_digests(batch)]
+    total = job.reduce(torch.tensor([sum(digests), len(digests)], dtype=torch.int64, device=job.accelerator.device))
+    job.log.write({"step": step, "examples": int(total[1]), "examples_digest": f"{int(total[0]) % 2**56:014x}"})
 
 
 def step_runner(job: Run) -> StepRunner:

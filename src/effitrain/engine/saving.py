@@ -48,8 +48,9 @@ def write_weights(run, folder: Path, adapter: bool) -> None:
                               state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
         return
     if adapter:
+        state = sharding.full_state_dict(model) if sharding.is_sharded(model) else None  # a collective
         if accelerator.is_main_process:
-            adapters.save_adapter(model, folder)
+            adapters.save_adapter(model, folder, state)
             adapters.plain_config(model).save_pretrained(folder)  # the labels and the task, for predict
         return
     state = adapters.merged_state_dict(model)  # on every process: FSDP gathers its shards collectively
@@ -79,9 +80,9 @@ def load_weights(run, folder: Path) -> None:
     if adapters.is_adapted(model):
         adapters.load_adapter_weights(model, folder)
         return
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(file), device=str(run.accelerator.device)))
+    state, device = {}, run.accelerator.device
+    for file in sorted(folder.glob("*.safetensors")):  # safetensors knows `cpu`, not `cpu:0` (gloo processes)
+        state.update(load_file(str(file), device="cpu" if device.type == "cpu" else str(device)))
     if sharding.is_sharded(model):
         sharding.load_full_state_dict(model, state)
         return

@@ -32,11 +32,13 @@ def _fsdp():
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks: the modules of a class the model names in `_no_split_modules` (what
-    transformers keeps whole across devices, and accelerate wraps for FSDP)."""
+    """The transformer blocks: the repeated layers (members of a ModuleList) of a class the model names
+    in `_no_split_modules` (what transformers keeps whole across devices, and accelerate wraps for FSDP).
+    Its other such modules (BERT's embeddings) stay with the root: an embedding may be tied to the head."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
     names = set(getattr(inner, "_no_split_modules", None) or [])
-    found = [module for module in model.modules() if type(module).__name__ in names]
+    found = [layer for module in model.modules() if isinstance(module, torch.nn.ModuleList)
+             for layer in module if type(layer).__name__ in names]
     # A block inside another block would be sharded twice: keep the outermost ones.
     inside = {id(sub) for block in found for sub in block.modules() if sub is not block}
     return [block for block in found if id(block) not in inside]
@@ -150,14 +152,29 @@ def unsharded_class(model: torch.nn.Module) -> type:
 
 def save_pretrained(model: torch.nn.Module, folder: Path, state: dict) -> None:
     """save_pretrained of the full weights, under the model's own class name (config.json's
-    architectures would otherwise name the FSDP subclass, which no one can load)."""
+    architectures would otherwise name the FSDP subclass, which no one can load). A tied weight (GPT-2's
+    output layer is its input embedding) comes out of the gather as a copy of its own: left out, as
+    save_pretrained leaves it out of an unsharded model's file."""
+    seen, tied = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        (tied.add(name) if id(param) in seen else seen.add(id(param)))
+    state = {name: tensor for name, tensor in state.items() if name not in tied}
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     model.config.architectures = [unsharded_class(model).__name__]
     model.config.save_pretrained(folder)
 
 
 def load_full_state_dict(model: torch.nn.Module, state: dict) -> None:
-    """Whole weights (read by every process) into the sharded model: each keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Whole weights (read by every process) into the sharded model: each process copies in its own
+    shard, cut locally (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            if name not in state:
+                continue
+            whole = state[name].to(device=target.device, dtype=target.dtype)
+            if isinstance(target, DTensor):
+                whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(whole)

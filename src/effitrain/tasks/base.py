@@ -150,6 +150,25 @@ class Task:
         """Examples in a micro-batch, for samples/s."""
         return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
 
+    @staticmethod
+    def example_digests(batch) -> list[int]:
+        """A 48-bit hash of each example of a micro-batch (its inputs and label without padding), for
+        --debug's per-step digest: the same example hashes the same whatever the micro-batch it is in."""
+        import hashlib
+
+        mask = batch.get("attention_mask")
+        digests = []
+        for row in range(len(batch["labels"])):
+            keep = None if mask is None else mask[row].bool()
+            digest = hashlib.blake2b(digest_size=6)
+            for key in sorted(batch):
+                value = batch[key][row]
+                if keep is not None and value.shape[:1] == keep.shape:
+                    value = value[keep]
+                digest.update(key.encode() + value.detach().cpu().contiguous().numpy().tobytes())
+            digests.append(int.from_bytes(digest.digest(), "little"))
+        return digests
+
     def token_count(self, batch) -> torch.Tensor | None:
         """Real (non-pad) tokens of a text batch, for tokens/s; None for images and audio."""
         if not self.is_text:
