@@ -175,7 +175,7 @@ CASES = [
     (["train", "--effective-batch-size", "20", "--batch-size", "8", *TINY, "--output-dir", "new"],
      "is not a multiple of --batch-size"),
     pytest.param(["train", "--precision", "fp16", *TINY, "--output-dir", "new"], "needs a CUDA GPU", marks=CPU_ONLY),
-    pytest.param(["train", "--strategy", "fsdp", *TINY, "--output-dir", "new"], "needs GPUs", marks=CPU_ONLY),
+    pytest.param(["train", "--strategy", "deepspeed", *TINY, "--output-dir", "new"], "needs GPUs", marks=CPU_ONLY),
     # config files and keys
     (["train", "--config", "missing.yaml"], "does not exist"),
     (["train", "--config", "bad.yaml"], "unknown key `learning_rate`"),

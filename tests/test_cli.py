@@ -30,7 +30,6 @@ def assert_user_error(result, needle):
     (["predict", "--model", "default"], "nothing to predict"),
     (["inspect", "./missing-model-dir"], "is not a directory"),
     ([], "required: command"),
-    pytest.param(["train", "--strategy", "fsdp"], "--strategy fsdp needs GPUs", marks=CPU_ONLY),
     pytest.param(["train", "--strategy", "deepspeed"], "--strategy deepspeed needs GPUs", marks=CPU_ONLY),
     (["train", "--strategy", "fsdp", "--local-sgd-steps", "4"], "--local-sgd-steps works with --strategy ddp"),
     (["train", "--ddp-timeout", "0"], "--ddp-timeout must be > 0"),

@@ -45,7 +45,7 @@ def test_fsdp_with_accumulation_equals_one_process_with_the_whole_batch(tiny_mod
     from transformers import AutoModelForSequenceClassification
 
     common = dict(model=str(tiny_model_dir), max_train_samples=18, max_eval_samples=24, epochs=2, lr=1e-3,
-                  warmup_ratio=0.0, eval_batch_size=16, peft=peft, lora_dropout=0.0)
+                  warmup_ratio=0.0, eval_batch_size=16, peft=peft, **({"lora_dropout": 0.0} if peft == "lora" else {}))
     result = torchrun(2, "train", *flags(**common), "--batch-size", 4, "--grad-accum", 2, "--strategy", "fsdp",
                       "--output-dir", tmp_path / "fsdp")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -56,6 +56,11 @@ def test_fsdp_with_accumulation_equals_one_process_with_the_whole_batch(tiny_mod
     runs = [json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("fsdp", "single")]
     assert [r["world_size"] for r in runs] == [2, 1]
     assert runs[0]["test"]["loss"] == pytest.approx(runs[1]["test"]["loss"], rel=1e-5)
+    # Each process holds about half the optimizer states; per parameter, the same as unsharded.
+    assert runs[0]["strategy"] == "fsdp" and runs[0]["sync_allreduce_calls"] is None
+    per_param = [r["optimizer_state_bytes_per_param"] for r in runs]
+    assert per_param[0] == pytest.approx(per_param[1], rel=0.02)
+    assert runs[0]["optimizer_state_bytes"] == pytest.approx(runs[1]["optimizer_state_bytes"] / 2, rel=0.05)
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "model")
     assert type(loaded).__name__ == json.loads((tmp_path / "fsdp" / "model" / "config.json").read_text())[
         "architectures"][0] == "BertForSequenceClassification"
@@ -83,10 +88,11 @@ def finished(job: subprocess.Popen) -> str:
     return stdout
 
 
-def test_a_killed_fsdp_run_resumes_bitwise_and_on_one_process_to_rounding(tmp_path):
+def test_a_killed_fsdp_run_resumes_bitwise_and_on_one_process_with_accumulation_to_rounding(tmp_path):
     """Causal LM, 2 processes x 4, sharded checkpoints every 2 steps, the whole job SIGKILLed after step 5:
     resumed by 2 processes it ends bitwise equal to the run never stopped; resumed from the same
-    checkpoint by 1 process x 8 (DCP reshards it), within 1e-5, having trained on the same examples."""
+    checkpoint by 1 process x 4 x accumulation 2 (DCP reshards it), within 1e-5, having trained on the same
+    examples."""
     common = ["--model", TINY_GPT2, "--task", "causal-lm", "--max-train-samples", 40, "--max-eval-samples", 8,
               "--max-steps", 10, "--lr", 1e-3, "--log-every", 1, "--save-every", 2, "--seed", 5,
               "--strategy", "fsdp", "--gradient-checkpointing", "--debug"]
@@ -103,7 +109,7 @@ def test_a_killed_fsdp_run_resumes_bitwise_and_on_one_process_to_rounding(tmp_pa
     first, second = read_weights(straight), read_weights(killed)
     assert all(torch.equal(first[name], second[name]) for name in first)
 
-    result = subprocess.run([sys.executable, "-m", "effitrain", "train", *map(str, common), "--batch-size", "8",
+    result = subprocess.run([sys.executable, "-m", "effitrain", "train", *map(str, common), "--batch-size", "4", "--grad-accum", "2",
                              "--output-dir", other, "--resume", "auto"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-3000:]
     assert_close_weights(straight, other)
@@ -143,9 +149,13 @@ def test_blocks_are_the_outermost_no_split_modules_and_a_model_without_them_is_r
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir)
     assert [type(b).__name__ for b in sharding.blocks(model)] == ["BertLayer", "BertLayer"]
-    with pytest.raises(UserError, match="names none") as error:
+    with pytest.raises(UserError, match="has none") as error:
         sharding.check_shardable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert "--strategy ddp" in error.value.fix
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification  # names no blocks: found anyway
+
+    distil = DistilBertForSequenceClassification(DistilBertConfig(dim=32, hidden_dim=64, n_layers=3, n_heads=2))
+    assert [type(b).__name__ for b in sharding.blocks(distil)] == ["TransformerBlock"] * 3
     with pytest.raises(UserError, match="bf16 or fp32"):
         sharding.check_precision("fp16")
 

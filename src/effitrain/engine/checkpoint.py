@@ -19,12 +19,14 @@ from effitrain.engine import sharding
 from effitrain.errors import UserError
 
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
-# depends on the number of steps): resuming with others would not continue the run.
-MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column", "text_pair_column",
-              "label_column", "image_column", "audio_column", "max_train_samples", "seed", "max_length", "group_by_length", "packing", "optim", "precision",
-              "lr", "weight_decay", "warmup_ratio", "beta1", "beta2", "validation_split", "test_split",
-              "strategy", "local_sgd_steps", "gradient_checkpointing", "max_duration", "peft", "lora_r",
-              "lora_alpha", "lora_dropout", "lora_target_modules")
+# depends on the number of steps): resuming with others would not continue the run. The micro-batch,
+# accumulation and processes may change as long as their product does (see `check`).
+MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column",
+              "text_pair_column", "label_column", "image_column", "audio_column", "max_train_samples", "seed",
+              "max_length", "group_by_length", "packing", "optim", "precision", "lr", "weight_decay",
+              "warmup_ratio", "beta1", "beta2", "validation_split", "test_split", "strategy", "local_sgd_steps",
+              "gradient_checkpointing", "max_duration", "peft", "lora_r", "lora_alpha", "lora_dropout",
+              "lora_target_modules")
 # Settings added after checkpoints were first written: a checkpoint without them was made with their defaults.
 EARLIER_DEFAULTS = {name: getattr(TrainConfig, name) for name in ("peft", *LORA_SETTINGS)}
 

@@ -17,6 +17,9 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
     # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
     state_size = optim.state_bytes(optimizer)
+    sharded = config.strategy == "fsdp"
+    # Per parameter: what the optimizer keeps for each, over the shards of all processes.
+    state_all = run.reduce(torch.tensor([state_size], device=accelerator.device)).item() if sharded else state_size
     model = accelerator.unwrap_model(run.model)
     parameters = adapters.counts(model)
     trainable = max(1, parameters["trainable"])
@@ -44,8 +47,9 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "skipped_steps": state.skipped_steps,  # non-finite loss or gradient
         "precision": {"no": "fp32"}.get(plan.precision, plan.precision),
         "optimizer": plan.optim,
-        "optimizer_state_bytes": state_size,
-        "optimizer_state_bytes_per_param": state_size / trainable,  # per trainable parameter
+        "strategy": config.strategy,
+        "optimizer_state_bytes": state_size,  # held by process 0 (its shard under fsdp)
+        "optimizer_state_bytes_per_param": state_all / trainable,  # per trainable parameter
         "parameters": parameters,  # trainable and total (4-bit weights count as the values they hold)
         "trainable_share": parameters["trainable"] / max(1, parameters["total"]),
         "peft": config.peft,
@@ -58,9 +62,10 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         # --memory-budget: what the planner predicted before the run (budget_bytes, predicted_peak_bytes
         # and in_use_bytes, the memory held before the model), to set against peak_memory_bytes.
         "memory_plan": {**plan.memory, "note": plan.note} if plan.memory else None,
-        # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0.
-        "sync_allreduce_calls": run.wire.calls,
-        "sync_allreduce_bytes": run.wire.bytes,
+        # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0; not
+        # counted under fsdp (its gathers and reduce-scatters are FSDP2's own).
+        "sync_allreduce_calls": None if sharded else run.wire.calls,
+        "sync_allreduce_bytes": None if sharded else run.wire.bytes,
     }
 
 

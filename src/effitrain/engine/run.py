@@ -63,7 +63,9 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         result["wall_seconds"] = state.wall_seconds()
         report.write(job, result)
         if job.accelerator.is_main_process:
-            model_card.write(job.out_dir / "model", config.to_dict(), result, card_facts(job))
+            # The folder chosen (a launched run without --output-dir names it on process 0 only).
+            model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
+                             card_facts(job))
         return result
 
 

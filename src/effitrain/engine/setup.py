@@ -134,6 +134,8 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
                        plan.grad_accum)
     check_schedule(config, sizes)
     model = build_model(task, source, data, plan, config, accelerator.device)
+    if config.strategy == "fsdp":
+        sharding.check_shardable(model)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
     log = outputs.RunLog(outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),

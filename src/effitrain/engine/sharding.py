@@ -33,12 +33,17 @@ def _fsdp():
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks: the repeated layers (members of a ModuleList) of a class the model names
-    in `_no_split_modules` (what transformers keeps whole across devices, and accelerate wraps for FSDP).
-    Its other such modules (BERT's embeddings) stay with the root: an embedding may be tied to the head."""
+    in `_no_split_modules` (what transformers keeps whole across devices, and accelerate wraps for FSDP),
+    or, for models that name none (DistilBERT, wav2vec 2.0), the members of every ModuleList of two or
+    more layers of one class. Other modules (BERT's embeddings) stay with the root: an embedding may be
+    tied to the head."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
     names = set(getattr(inner, "_no_split_modules", None) or [])
-    found = [layer for module in model.modules() if isinstance(module, torch.nn.ModuleList)
-             for layer in module if type(layer).__name__ in names]
+    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    found = [layer for layers in lists for layer in layers if type(layer).__name__ in names]
+    if not found:
+        found = [layer for layers in lists if len(layers) > 1 and len({type(layer) for layer in layers}) == 1
+                 for layer in layers]
     # A block inside another block would be sharded twice: keep the outermost ones.
     inside = {id(sub) for block in found for sub in block.modules() if sub is not block}
     return [block for block in found if id(block) not in inside]
@@ -46,8 +51,8 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def check_shardable(model: torch.nn.Module) -> None:
     if not blocks(model):
-        raise UserError(f"--strategy fsdp shards a model by its transformer blocks, and "
-                        f"{type(model).__name__} names none (transformers' _no_split_modules)",
+        raise UserError(f"--strategy fsdp shards a model by its transformer blocks, and {type(model).__name__} "
+                        "has none (no repeated layers, none named in transformers' _no_split_modules)",
                         "use --strategy ddp for this model")
 
 
