@@ -157,7 +157,7 @@ def test_blocks_are_the_outermost_no_split_modules_and_a_model_without_them_is_r
     distil = DistilBertForSequenceClassification(DistilBertConfig(dim=32, hidden_dim=64, n_layers=3, n_heads=2))
     assert [type(b).__name__ for b in sharding.blocks(distil)] == ["TransformerBlock"] * 3
     with pytest.raises(UserError, match="bf16 or fp32"):
-        sharding.check_precision("fp16")
+        sharding.check_supported("fp16")
 
 
 def test_an_example_hashes_the_same_in_any_micro_batch():

@@ -120,7 +120,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
                                    log_with=trackers(config, run_dir))
     cleanup.callback(accelerator.end_training)  # also finishes the trackers
     if config.strategy == "fsdp":
-        sharding.check_precision(mixed_precision)
+        sharding.check_supported(mixed_precision)
         sharding.join_alone(accelerator, cleanup)
     accelerator.wait_for_everyone()  # process 0 has locked the output folder and settled what was in it
     resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None

@@ -24,10 +24,8 @@ SHARDED_FOLDER = "sharded"
 
 
 def _fsdp():
-    try:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    except ImportError:  # torch 2.4-2.5
-        from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     return FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
@@ -129,7 +127,11 @@ def load(folder: Path, model: torch.nn.Module, optimizer) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def check_precision(mixed_precision: str) -> None:
+def check_supported(mixed_precision: str) -> None:
+    """torch >= 2.6 (fully_shard, get_total_norm and local DTensor cuts are public there); bf16 or fp32."""
+    if not hasattr(torch.nn.utils, "get_total_norm"):
+        raise UserError(f"--strategy fsdp needs torch >= 2.6 (this is {torch.__version__})",
+                        "upgrade torch, or use --strategy ddp")
     if mixed_precision == "fp16":
         raise UserError("--strategy fsdp trains in bf16 or fp32 (fp16 needs a sharded gradient scaler, which "
                         "effitrain does not have)", "pass --precision bf16 (or fp32)")
