@@ -140,7 +140,8 @@ class TrainConfig:
     plan: dict | None = _opt(None, "what an earlier run resolved (accumulation, pieces, optimizer, "
                              "checkpointing), as its config.yaml records it: pinned instead of planned again, so "
                              "that rerunning config.yaml reproduces the run", yaml_only=True)
-    debug: bool = _opt(False, "show full tracebacks and library warnings")
+    debug: bool = _opt(False, "show full tracebacks and library warnings; log.jsonl also gets a digest of each "
+                       "step's examples (to compare runs with other processes or micro-batches)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,150 @@
+"""Per-process peak memory of 2-process training, ddp against fsdp, measured and predicted.
+
+For each configuration, 2 gloo processes (torchrun) train STEPS steps with effitrain's own pieces:
+the task's model built from its config, `engine.sharding.shard` (fsdp: fully_shard per block, then
+the root) or torch's DistributedDataParallel (ddp, as accelerate wraps it), `optim.build`, the task's
+`loss_sum`, no gradient sync on all but a step's last micro-batch. Each process reports its peak
+resident memory (VmHWM) minus its resident memory just before the model was built (the libraries
+and the process group are not training memory); the larger of the two is the row's figure. The
+prediction is `effitrain plan`'s (`plan.Planner` with world_size 2 and the strategy) for the same
+setting, on the CPU overhead model of benchmarks/memory_plan.py.
+
+    python benchmarks/fsdp_memory.py            # the table; exit 1 if a prediction is > 15% off
+    python benchmarks/fsdp_memory.py --json F   # also the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+# This folder holds scripts; none may shadow a library.
+sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
+MiB = 2**20
+STEPS = 6  # resident memory settles after 4-5 steps (benchmarks/memory_plan.py)
+WORLD = 2
+STATES = "gpt2:n_layer=8,n_embd=1024,n_head=16,vocab_size=8192"  # 110M parameters, 92% in blocks: states dominate
+DEFAULT = "default"
+
+# model, task, micro-batch, length, optimizer, checkpointing, accumulation, strategy
+CONFIGS = [
+    (STATES, "causal-lm", 4, 128, "adamw", False, 1, "ddp"),
+    (STATES, "causal-lm", 4, 128, "adamw", False, 1, "fsdp"),
+    (STATES, "causal-lm", 4, 128, "adamw", True, 2, "fsdp"),
+    (STATES, "causal-lm", 4, 128, "sgd", False, 1, "fsdp"),
+    (DEFAULT, "sequence-classification", 16, 128, "adamw", False, 1, "ddp"),
+    (DEFAULT, "sequence-classification", 16, 128, "adamw", False, 1, "fsdp"),
+]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def child(model_name, task, micro, length, optimizer, checkpointing, accumulation, strategy) -> None:
+    """One of the torchrun processes: train, then process 0 prints the larger peak."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from effitrain import models, tasks
+    from effitrain.engine import optim, sharding
+    from effitrain.planning import plan, simulate
+
+    models.quiet_libraries(debug=False)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = plan.model_config(model_name, task)
+    torch.manual_seed(rank)
+    batch = simulate.example_batch(task, config, micro, length)
+    batch["input_ids"] = torch.randint(0, config.vocab_size, batch["input_ids"].shape)
+    if task == "causal-lm":
+        batch["labels"] = batch["input_ids"].clone()
+    baseline = _status("VmRSS")
+    model = simulate.build(task, config)
+    model.train()
+    if checkpointing:
+        models.enable_gradient_checkpointing(model)
+    if strategy == "fsdp":
+        model = sharding.shard(model, torch.device("cpu"), WORLD, "no", reshard_after_forward=True)
+        no_sync = lambda: sharding.no_sync(model)  # noqa: E731
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        no_sync = model.no_sync
+    optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
+    for _ in range(STEPS):
+        for i in range(accumulation):
+            with contextlib.nullcontext() if i == accumulation - 1 else no_sync():
+                (tasks.get(task).loss_sum(model, batch) / micro).backward()
+        optimizer_.step()
+        optimizer_.zero_grad(set_to_none=True)
+    peak = torch.tensor([_status("VmHWM") - baseline], dtype=torch.int64)
+    peaks = [torch.zeros_like(peak) for _ in range(WORLD)]
+    dist.all_gather(peaks, peak)
+    if rank == 0:
+        print(json.dumps({"measured": max(int(p) for p in peaks), "per_process": [int(p) for p in peaks]}))
+    dist.destroy_process_group()
+
+
+def predict(model_name, task, micro, length, optimizer, checkpointing, accumulation, strategy):
+    from effitrain.planning import plan
+
+    shapes = plan.model_shapes(task, model_name)
+    planner = plan.Planner(shapes, length, "cpu", world_size=WORLD, strategy=strategy)
+    return planner.estimate(plan.Setting("fp32", optimizer, checkpointing, micro, accumulation))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*json.loads(args.child))
+        return 0
+
+    from effitrain.models import quiet_libraries
+
+    quiet_libraries(debug=False)
+    print(f"{'model':8} {'b x len':>9} {'optimizer':9} {'ckpt':4} {'acc':>3} {'strategy':8} {'predicted':>10} "
+          f"{'measured':>10} {'error':>7}")
+    rows = []
+    for config in CONFIGS:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={WORLD}", __file__, "--child", json.dumps(config)],
+                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if out.returncode:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+        estimate = predict(*config)
+        error = estimate.total / measured["measured"] - 1
+        rows.append({"config": config, "predicted": estimate.total, "breakdown": estimate.to_dict(), **measured,
+                     "error": error})
+        name = "default" if config[0] == DEFAULT else "gpt2-8x1k"
+        print(f"{name:8} {config[2]:>3} x {config[3]:<4} {config[4]:9} {'yes' if config[5] else 'no':4} "
+              f"{config[6]:>3} {config[7]:8} {estimate.total / MiB:>8.0f}Mi {measured['measured'] / MiB:>8.0f}Mi "
+              f"{error:>+7.1%}", flush=True)
+    for model in (STATES, DEFAULT):
+        same = {r["config"][7]: r["measured"] for r in rows if r["config"][0] == model and not r["config"][5]
+                and r["config"][4] == "adamw"}
+        if {"ddp", "fsdp"} <= same.keys():
+            print(f"{model}: fsdp per-process peak {same['fsdp'] / same['ddp']:.2f}x ddp's")
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst error {worst:.1%} over {len(rows)} configurations (cpu, {WORLD} processes)")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+    return 0 if worst <= 0.15 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
