@@ -32,6 +32,7 @@ def assert_user_error(result, needle):
     ([], "required: command"),
     pytest.param(["train", "--strategy", "deepspeed"], "--strategy deepspeed needs GPUs", marks=CPU_ONLY),
     (["train", "--strategy", "fsdp", "--local-sgd-steps", "4"], "--local-sgd-steps works with --strategy ddp"),
+    (["train", "--no-fsdp-reshard-after-forward"], "applies to --strategy fsdp, not ddp"),
     (["train", "--ddp-timeout", "0"], "--ddp-timeout must be > 0"),
     (["launch", "--nproc", "0", "--", "train"], "--nproc must be >= 1"),
 ])

@@ -321,6 +321,9 @@ def validate(config: TrainConfig) -> None:
                         "pass only one of them")
     if config.zero_stage not in (1, 2, 3):
         raise UserError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage}", "pass --zero-stage 2")
+    if not config.fsdp_reshard_after_forward and config.strategy != "fsdp":
+        raise UserError(f"--no-fsdp-reshard-after-forward applies to --strategy fsdp, not {config.strategy}",
+                        "drop it, or pass --strategy fsdp")
     if config.local_sgd_steps and config.strategy != "ddp":
         raise UserError(f"--local-sgd-steps works with --strategy ddp, not {config.strategy}",
                         "drop --local-sgd-steps, or use --strategy ddp")
