@@ -76,3 +76,85 @@ def read_weights(run_dir: Path) -> dict:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fresh_process: a CLI table row run as `python -m effitrain` in a new process "
+                                       "rather than through effitrain.cli.main here")
+
+
+# What a fresh `python -m effitrain` starts with (no -W, no PYTHONWARNINGS): Python's default filters.
+PYTHON_DEFAULT_WARNINGS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+                           ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                           ("ignore", ResourceWarning, "")]
+
+
+@pytest.fixture
+def cli_here(monkeypatch, capfd):
+    """run_cli's twin that calls effitrain.cli.main(argv) in this process: the same code without the seconds
+    of imports a new process pays. So that stderr holds what a fresh process would print there, each call
+    starts from a fresh process's state: Python's default warning filters (warnings are printed, not
+    collected by pytest), the libraries' loggers at their default levels, transformers' once-only warnings
+    and the progress bars back on, handlers bound at import to an earlier stream writing to this one; the
+    working folder, environment and all of that are put back afterwards. Output that only importing a
+    library prints is not seen here: tables keep some rows in fresh processes for it."""
+    import logging
+    import traceback
+    import warnings
+
+    import datasets  # noqa: F401 (datasets.utils.tqdm)
+    import transformers
+
+    from effitrain.cli import main
+
+    def run(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        argv = list(map(str, args))
+        try:
+            with monkeypatch.context() as patch, warnings.catch_warnings(record=True) as shown:
+                fresh_process_state(patch)
+                if cwd is not None:
+                    patch.chdir(cwd)
+                environ = dict(os.environ)
+                capfd.readouterr()
+                try:
+                    code = main(argv)
+                except SystemExit as exit_:  # --help, --version
+                    code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+                except Exception:  # an internal error: what the fresh process would print, and its exit code
+                    traceback.print_exc()
+                    code = 1
+                finally:  # what a command set in its environment ends with its process
+                    for name in set(os.environ) - set(environ):
+                        del os.environ[name]
+                    os.environ.update(environ)
+                out, err = capfd.readouterr()
+        finally:
+            logging.root.manager._clear_cache()  # the loggers' levels are back: forget what they enabled
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in shown)
+        return subprocess.CompletedProcess(["effitrain", *argv], code, out, err)
+
+    def fresh_process_state(patch: pytest.MonkeyPatch) -> None:
+        warnings.resetwarnings()
+        for action, category, module in PYTHON_DEFAULT_WARNINGS:
+            warnings.filterwarnings(action, category=category, module=module, append=True)
+        for name in ("transformers", "datasets", "huggingface_hub"):
+            patch.setattr(logging.getLogger(name), "level", logging.WARNING)  # their own default
+        for logger in [logging.root, *(lg for lg in logging.root.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger))]:
+            if logger.name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
+                patch.setattr(logger, "level", logging.NOTSET)  # models.quiet_import_warnings sets them
+            for handler in logger.handlers:
+                if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
+                    patch.setattr(handler, "stream", sys.stderr)
+                    if "flush" in vars(handler):  # transformers' handler flushes the stderr of its import
+                        patch.delattr(handler, "flush")
+        # pytest's log capture on the root logger would take what a fresh process prints through
+        # logging.lastResort (a record no handler takes: torchao's warnings, for one)
+        patch.setattr(logging.root, "handlers", [handler for handler in logging.root.handlers
+                                                 if not type(handler).__module__.startswith("_pytest")])
+        logging.root.manager._clear_cache()
+        logging.Logger.warning_once.cache_clear()  # transformers' once-per-process warnings
+        patch.setattr(transformers.utils.logging, "_tqdm_active", True)
+        patch.setattr(sys.modules["datasets.utils.tqdm"], "_hf_datasets_progress_bars_disabled", False)
+
+    return run

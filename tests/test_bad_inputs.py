@@ -158,10 +158,15 @@ def write_bad_models(root, tiny_model_dir):
 CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines without an accelerator")
 NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 TINY = ["--model", "prev/model", "--max-train-samples", "8"]
+# Rows marked FRESH run as `python -m effitrain` in a new process: one or more for each command and for each
+# library a refusal imports (datasets, transformers, peft, bitsandbytes, torch.distributed), so that what
+# importing prints is seen too. The others call effitrain.cli.main in this process (conftest's cli_here:
+# the same code, the same checks, without 1-15 s of imports each).
+FRESH = pytest.mark.fresh_process
 
 CASES = [
     # flag values
-    (["train", "--lr", "abc"], "invalid float value"),
+    pytest.param(["train", "--lr", "abc"], "invalid float value", marks=FRESH),
     (["train", "--batch-size", "0"], "--batch-size must be > 0"),
     (["train", "--warmup-ratio", "2"], "--warmup-ratio must be in [0, 1)"),
     (["train", "--beta2", "1.5"], "--beta2 must be in [0, 1)"),
@@ -178,12 +183,12 @@ CASES = [
     pytest.param(["train", "--strategy", "deepspeed", *TINY, "--output-dir", "new"], "needs GPUs", marks=CPU_ONLY),
     # config files and keys
     (["train", "--config", "missing.yaml"], "does not exist"),
-    (["train", "--config", "bad.yaml"], "unknown key `learning_rate`"),
+    pytest.param(["train", "--config", "bad.yaml"], "unknown key `learning_rate`", marks=FRESH),
     (["train", "--config", "badtype.yaml"], "`lr` must be float"),
     # model paths and weights
     (["train", "--model", "./missing-model"], "is not a directory"),
     (["train", "--model", "nobody/no-such-model"], "nor in the Hugging Face cache"),
-    (["train", "--model", "corrupt", "--output-dir", "new"], "cannot load the model"),
+    pytest.param(["train", "--model", "corrupt", "--output-dir", "new"], "cannot load the model", marks=FRESH),
     (["train", "--model", "pickled", "--output-dir", "new"], "only pickle weights"),
     (["train", "--model", "gpt2:n_layerz=2", "--task", "causal-lm"], "gpt2 has no setting `n_layerz`"),
     # data files, columns, labels, rows
@@ -195,7 +200,7 @@ CASES = [
     (["train", *TINY, "--data", "d.csv", "--validation-file", "dev.csv", "--output-dir", "new"],
      "label `promo` is not in the training data"),
     (["train", "--model", "notok", "--output-dir", "new"], "has no tokenizer"),
-    (["predict", "--model", "notok", "--text", "hi"], "has no tokenizer"),
+    pytest.param(["predict", "--model", "notok", "--text", "hi"], "has no tokenizer", marks=FRESH),
     # evaluation during training
     (["train", *TINY, "--data", "d.csv", "--metric-for-best", "f1_promo", "--output-dir", "new"],
      "--metric-for-best `f1_promo` is not a metric of sequence-classification"),
@@ -232,14 +237,14 @@ CASES = [
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
     (["predict", "--model", "nanmodel", "--text", "hi"], "gives non-finite outputs"),
-    (["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs"),
+    pytest.param(["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs", marks=FRESH),
     # other commands
     (["predict", "--model", "prev/model"], "nothing to predict"),
     (["predict", "--model", "prev/model", "--input", "missing.jsonl"], "does not exist"),
     (["inspect", "./missing-model"], "is not a directory"),
     (["launch", "--nproc", "2"], "needs the command to run after `--`"),
-    (["launch", "--nnodes", "2", "--", "train"], "needs --master-port"),
-    (["bench", "--variants", "nope"], "unknown"),
+    pytest.param(["launch", "--nnodes", "2", "--", "train"], "needs --master-port", marks=FRESH),
+    pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
     # data of the wrong type, encoding or kind of file (issue 12, item 5)
     (["train", *TINY, "--data", "num_text.jsonl", "--output-dir", "new"], "column `text` (text) holds integers"),
     (["train", *TINY, "--data", "list_text.jsonl", "--output-dir", "new"], "column `text` (text) holds lists"),
@@ -255,7 +260,8 @@ CASES = [
     (["train", *TINY, "--data", "latin.csv", "--output-dir", "new"], "is not UTF-8 text"),
     (["train", *TINY, "--data", "latin.csv", "--skip-bad-rows", "--output-dir", "new"], "is not UTF-8 text"),
     (["train", *TINY, "--data", "semi.csv", "--output-dir", "new"], "looks separated by semicolons"),
-    (["train", *TINY, "--data", "bad.jsonl", "--output-dir", "new"], "cannot be read as json"),  # no datasets log
+    pytest.param(["train", *TINY, "--data", "bad.jsonl", "--output-dir", "new"], "cannot be read as json",
+                 marks=FRESH),  # no datasets log
     (["train", *TINY, "--data", "pipe.csv", "--output-dir", "new"], "is not a regular file"),
     (["train", *TINY, "--data", "/dev/zero", "--output-dir", "new"], "is not a regular file"),
     (["train", *TINY, "--data", "d.csv", "--validation-file", "corrupt", "--output-dir", "new"],
@@ -272,24 +278,26 @@ CASES = [
     (["inspect", "bad-shapes"], "does not build a BertForSequenceClassification"),
     (["train", *TINY, "--data", "d.csv", "--model", "unknown-type", "--output-dir", "new"],
      "model_type `nosuchmodel`, which transformers"),
-    (["inspect", "unknown-type"], "model_type `nosuchmodel`, which transformers"),
+    pytest.param(["inspect", "unknown-type"], "model_type `nosuchmodel`, which transformers", marks=FRESH),
     (["train", *TINY, "--data", "d.csv", "--model", "vit", "--output-dir", "new"],
      "model type `vit` has no sequence-classification head"),
     (["train", *TINY, "--data", "d.csv", "--model", "prev/modle", "--output-dir", "new"],
      "model path prev/modle does not exist (the folder prev does)"),
     (["train", *TINY, "--data", "d.csv", "--max-length", "100000", "--output-dir", "new"],
      "--max-length 100000 is longer than the 512 positions"),
-    (["plan", "--model", "prev/model", "--seq-len", "100000"], "--seq-len 100000 is longer than the 512 positions"),
+    pytest.param(["plan", "--model", "prev/model", "--seq-len", "100000"],
+                 "--seq-len 100000 is longer than the 512 positions", marks=FRESH),
     pytest.param(["train", *TINY, "--data", "d.csv", "--model", "noread-model", "--output-dir", "new"],
                  "permission denied", marks=NOT_ROOT),
     # adapters (--peft)
     (["train", "--peft", "lora", "--lora-r", "0"], "--lora-r must be >= 1"),
     (["train", "--lora-alpha", "8"], "--lora-alpha applies to adapters, and --peft is none"),
     (["train", "--peft", "lora", "--lora-target-modules", "query value"], "is not all-linear or a comma list"),
-    (["train", *TINY, "--data", "d.csv", "--peft", "lora", "--lora-target-modules", "query,q_proj", "--output-dir",
-      "new"], "`q_proj` is not a linear module of BertForSequenceClassification"),
+    pytest.param(["train", *TINY, "--data", "d.csv", "--peft", "lora", "--lora-target-modules", "query,q_proj",
+                  "--output-dir", "new"], "`q_proj` is not a linear module of BertForSequenceClassification",
+                 marks=FRESH),
     pytest.param(["train", *TINY, "--data", "d.csv", "--peft", "qlora", "--output-dir", "new"],
-                 "dequantise wrongly when a layer's input width is not a multiple of 64", marks=CPU_ONLY),
+                 "dequantise wrongly when a layer's input width is not a multiple of 64", marks=[CPU_ONLY, FRESH]),
     (["predict", "--model", "orphan-adapter", "--text", "hello"],
      "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
     # effitrain report
@@ -297,7 +305,7 @@ CASES = [
     (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
     (["report", "notes"], "RUN notes is not an effitrain run"),
     (["report", "prev/model"], "fix: pass the run's folder: effitrain report prev"),
-    (["report", "cls-run", "lm-run"], "the runs are of different tasks"),
+    pytest.param(["report", "cls-run", "lm-run"], "the runs are of different tasks", marks=FRESH),
     (["report", "prev", "--out", "nowhere/r.html"], "no folder nowhere"),
     (["report", "prev", "--out", "notes"], "--out notes is a folder"),
     (["report", "prev", "--out", "notes/ideas.txt"], "does not end in .html"),
@@ -305,7 +313,7 @@ CASES = [
     (["report", "prev", "--out", "page.html"], "page.html already exists and is not an effitrain report"),
     pytest.param(["report", "prev", "--out", "ro/r.html"], "the folder ro is not writable", marks=NOT_ROOT),
     # experiment trackers (--report-to)
-    (["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`"),
+    pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),
     (["train", "--report-to", "tensorboard,tensorboard"], "--report-to names tensorboard twice"),
     (["train", "--report-to", "none,mlflow"], "mixes none with trackers"),
@@ -315,9 +323,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("args, needle", CASES)
-def test_bad_input(workdir, args, needle):
+def test_bad_input(workdir, cli_here, request, args, needle):
     before = snapshot(workdir)  # every earlier run, model and data file
-    result = run_cli(*args, cwd=workdir)
+    fresh = request.node.get_closest_marker("fresh_process") is not None
+    result = (run_cli if fresh else cli_here)(*args, cwd=workdir)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], result.stderr[-2000:]
@@ -327,3 +336,5 @@ def test_bad_input(workdir, args, needle):
 
 def test_the_table_is_long_enough():
     assert len(CASES) >= 90
+    fresh = [case for case in CASES if any(mark.name == FRESH.name for mark in getattr(case, "marks", ()))]
+    assert len(fresh) >= 12
