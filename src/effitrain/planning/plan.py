@@ -277,7 +277,10 @@ class Planner:
         layer = 4 * 2 * self.shapes.largest_layer_params  # a layer and the prefetched next one, full size
         if fsdp or zero >= 2:
             # Sharded gradients: a layer's full gradient lives only until it is reduce-scattered.
-            above = max(phases.forward_held, phases.first_held, phases.last_held) + gradients + layer
+            # Accumulating under fsdp, the micro-batches before a step's last keep their gradients whole
+            # (no reduce-scatter: sharding.no_sync), so the last one runs with all of them held.
+            held = 4 * self.shapes.trainable if fsdp and setting.accumulation > 1 else gradients
+            above = max(phases.forward_held, phases.first_held, phases.last_held) + held + layer
         else:
             # A later micro-batch of an accumulated step starts with every gradient held; DDP's
             # buckets are held throughout.
