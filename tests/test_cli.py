@@ -1,4 +1,5 @@
-"""The CLI in fresh processes: exit codes, one-line errors, and the commands' output."""
+"""The CLI: exit codes, one-line errors, and the commands' output. In fresh processes, and through
+cli.main in this one (conftest's cli_here) where a fresh process would add only its imports' seconds."""
 
 import json
 
@@ -8,6 +9,7 @@ from conftest import run_cli
 from effitrain.devices import has_accelerator
 
 CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="the refusal is for machines without an accelerator")
+FRESH = pytest.mark.fresh_process  # a row run as `python -m effitrain`; the others through cli.main here
 
 
 def assert_user_error(result, needle):
@@ -18,7 +20,7 @@ def assert_user_error(result, needle):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["train", "--lr", "abc"], "invalid float value: 'abc'"),
+    pytest.param(["train", "--lr", "abc"], "invalid float value: 'abc'", marks=FRESH),
     (["train", "--batch-size", "0"], "--batch-size must be > 0"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--task", "translation"], "invalid choice"),
@@ -29,15 +31,16 @@ def assert_user_error(result, needle):
     (["predict", "--model", "./missing-model-dir", "--text", "hi"], "is not a directory"),
     (["predict", "--model", "default"], "nothing to predict"),
     (["inspect", "./missing-model-dir"], "is not a directory"),
-    ([], "required: command"),
+    pytest.param([], "required: command", marks=FRESH),
     pytest.param(["train", "--strategy", "deepspeed"], "--strategy deepspeed needs GPUs", marks=CPU_ONLY),
     (["train", "--strategy", "fsdp", "--local-sgd-steps", "4"], "--local-sgd-steps works with --strategy ddp"),
     (["train", "--no-fsdp-reshard-after-forward"], "applies to --strategy fsdp, not ddp"),
     (["train", "--ddp-timeout", "0"], "--ddp-timeout must be > 0"),
-    (["launch", "--nproc", "0", "--", "train"], "--nproc must be >= 1"),
+    pytest.param(["launch", "--nproc", "0", "--", "train"], "--nproc must be >= 1", marks=FRESH),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
-    assert_user_error(run_cli(*args, cwd=tmp_path), needle)
+def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path, cli_here, request):
+    fresh = request.node.get_closest_marker("fresh_process") is not None
+    assert_user_error((run_cli if fresh else cli_here)(*args, cwd=tmp_path), needle)
 
 
 def test_unknown_config_key_names_the_fix(tmp_path):
@@ -45,8 +48,8 @@ def test_unknown_config_key_names_the_fix(tmp_path):
     assert_user_error(run_cli("train", "--config", "c.yaml", cwd=tmp_path), "unknown key `learning_rate`")
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    result = run_cli("train", "--model", "./missing-model-dir", "--debug", cwd=tmp_path)
+def test_debug_shows_the_traceback(tmp_path, cli_here):
+    result = cli_here("train", "--model", "./missing-model-dir", "--debug", cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" in result.stderr and "UserError" in result.stderr
 
 
@@ -72,20 +75,20 @@ def test_train_then_predict_through_the_cli(tiny_model_dir, tmp_path):
     assert all(r["label"] in ("ham", "spam") and 0.5 <= r["score"] <= 1 for r in lines)
 
 
-def test_inspect_prints_config_counts_and_device(tiny_model_dir):
+def test_inspect_prints_config_counts_and_device(tiny_model_dir, cli_here):
     result = run_cli("inspect", tiny_model_dir)
     assert result.returncode == 0, result.stderr
     assert '"model_type": "bert"' in result.stdout and "Accelerator would train on: cpu" in result.stdout
-    data = json.loads(run_cli("inspect", tiny_model_dir, "--json").stdout)
+    data = json.loads(cli_here("inspect", tiny_model_dir, "--json").stdout)
     assert data["parameters"]["total"] > data["parameters"]["embedding"] > 0
     assert data["config"]["hidden_size"] == 32
 
 
-def test_env_reports_the_cpu_without_error():
+def test_env_reports_the_cpu_without_error(cli_here):
     result = run_cli("env")
     assert result.returncode == 0, result.stderr
     assert "gpus              none" in result.stdout or "gpu 0" in result.stdout
-    data = json.loads(run_cli("env", "--json").stdout)
+    data = json.loads(cli_here("env", "--json").stdout)
     assert data["device_type"] in ("cpu", "cuda", "mps", "xpu")
     assert data["versions"]["torch"] and data["versions"]["accelerate"]
     assert data["precision"]["fp16_supported"] == bool(data["gpus"])
@@ -114,14 +117,14 @@ def test_hub_id_is_found_in_the_local_cache_offline(tiny_model_dir, tmp_path):
     ("config", "is not a valid JSON file"),
     ("weights", "cannot load the model"),
 ])
-def test_damaged_checkpoint_is_a_user_error(tiny_model_dir, tmp_path, damage, needle):
+def test_damaged_checkpoint_is_a_user_error(tiny_model_dir, tmp_path, damage, needle, cli_here):
     import shutil
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     target = model / ("config.json" if damage == "config" else "model.safetensors")
     target.write_text("{not json or safetensors")
-    result = run_cli("train", "--model", model, "--max-steps", "1", "--max-train-samples", "8",
-                     "--output-dir", tmp_path / "out", cwd=tmp_path)
+    result = cli_here("train", "--model", model, "--max-steps", "1", "--max-train-samples", "8",
+                      "--output-dir", tmp_path / "out", cwd=tmp_path)
     assert_user_error(result, needle)
 
