@@ -7,9 +7,11 @@ and reports its peak:
 - CPU: peak resident memory (VmHWM) minus the resident memory just before the model is built;
 - CUDA: torch.cuda.max_memory_allocated (the overhead allowance is left out of the prediction there).
 
-    python benchmarks/memory_plan.py              # the table and each error; exit 1 if one is > 15%
-    python benchmarks/memory_plan.py --calibrate  # also refit the CPU overhead constants
-    python benchmarks/memory_plan.py --only peft  # only the LoRA and QLoRA rows
+    python benchmarks/memory_plan.py                    # the table and each error; exit 1 if one is > 15%
+    python benchmarks/memory_plan.py --calibrate        # also refit the CPU overhead constants
+    python benchmarks/memory_plan.py --json run1.json   # also save the rows (measured and simulated)
+    python benchmarks/memory_plan.py --rows run1.json run2.json  # refit from saved runs, measuring nothing
+    python benchmarks/memory_plan.py --only peft        # only the LoRA and QLoRA rows
 
 The model is built from its config (random weights, same shapes as the checkpoint): loading the
 checkpoint would add the file's page cache to the resident set, which is not training memory.
@@ -135,18 +137,27 @@ def predict(model_name, task, micro, length, precision, optimizer, checkpointing
         cache[key] = plan.Planner(shapes, length, device)
     estimate = cache[key].estimate(plan.Setting(precision, optimizer, checkpointing, micro, accumulation))
     phases = cache[key].phases(precision, checkpointing, micro)
-    return estimate, phases.heap_churn
+    return estimate, phases.forward_heap_churn
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="refit CPU_OVERHEAD from these measurements")
+    parser.add_argument("--rows", nargs="+", metavar="JSON",
+                        help="refit CPU_OVERHEAD from rows saved by --json (one file a run) instead of measuring")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--only", choices=("peft",), help="peft: only the rows with LoRA or QLoRA adapters")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(*json.loads(args.child))))
+        return 0
+    if args.rows:
+        rows = []
+        for path in args.rows:
+            with open(path) as saved:
+                rows += json.load(saved)
+        _calibrate(rows)
         return 0
 
     from effitrain.models import quiet_libraries
@@ -171,7 +182,7 @@ def main() -> int:
         predicted = estimate.total - (estimate.overhead if measured["device"] == "cuda" else 0)
         error = predicted / measured["measured"] - 1
         rows.append({"config": config, "predicted": predicted, "measured": measured["measured"], "error": error,
-                     "tensors": estimate.total - estimate.overhead, "heap_churn": churn,
+                     "tensors": estimate.total - estimate.overhead, "forward_heap_churn": churn,
                      "breakdown": estimate.to_dict(), "device": measured["device"]})
         name = "default" if config[0] == DEFAULT else "gpt2-4L"
         print(f"{name:8} {config[2]:>3} x {config[3]:<4} {config[4]:4} {config[5]:10} "
@@ -206,14 +217,32 @@ def _saved(config, folder: str) -> str | None:
 
 
 def _calibrate(rows) -> None:
-    """Least squares: measured - tensors = constant + heap_share x heap churn + activation_share x activations."""
+    """Least squares over the CPU rows: measured - tensors = constant + heap_share x forward heap churn
+    + activation_share x activations. Held out: each configuration (all its measurements) predicted by
+    the fit on the others; the default-model rows by the fit on the GPT-2 ones, and the other way round."""
     import numpy as np
 
-    x = np.array([[1.0, r["heap_churn"], r["breakdown"]["activations"]] for r in rows])
-    y = np.array([r["measured"] - r["tensors"] for r in rows], dtype=float)
-    (constant, heap, act), *_ = np.linalg.lstsq(x, y, rcond=None)
-    print(f"calibration: CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, "
-          f"'activation_share': {act:.3f}}}")
+    rows = [r for r in rows if r["device"] == "cpu"]
+    x = np.array([[1.0, r["forward_heap_churn"], r["breakdown"]["activations"]] for r in rows])
+    tensors = np.array([r["tensors"] for r in rows], dtype=float)
+    measured = np.array([r["measured"] for r in rows], dtype=float)
+    configs = [json.dumps(r["config"]) for r in rows]
+
+    def fitted(keep):
+        return np.linalg.lstsq(x[keep], (measured - tensors)[keep], rcond=None)[0]
+
+    def worst(held_out: list[np.ndarray]) -> float:  # the largest error where each mask is predicted unseen
+        return max(np.abs((tensors[m] + x[m] @ fitted(~m)) / measured[m] - 1).max() for m in held_out if m.any())
+
+    everything = np.ones(len(rows), bool)
+    constant, heap, act = fitted(everything)
+    one_out = worst([np.array([c == config for c in configs]) for config in set(configs)])
+    gpt2 = np.array([r["config"][0] == GPT2 for r in rows])
+    print(f"calibration over {len(rows)} measurements ({len(set(configs))} configurations): CPU_OVERHEAD = "
+          f"{{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, 'activation_share': {act:.3f}}}, "
+          f"worst {np.abs((tensors + x @ fitted(everything)) / measured - 1).max():.1%}; held out: "
+          f"leave-one-configuration-out worst {one_out:.1%}, default model from GPT-2 rows {worst([~gpt2]):.1%}, "
+          f"GPT-2 from default-model rows {worst([gpt2]):.1%}")
 
 
 if __name__ == "__main__":

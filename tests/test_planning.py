@@ -81,6 +81,31 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     assert timeline.flops == fake.flops and timeline.flops > 0
 
 
+def test_cpu_overhead_counts_the_forwards_heap_sized_allocations_once():
+    """The CPU overhead's regressor: bytes the forward allocates in pieces under glibc's mmap threshold.
+    Non-reentrant checkpointing makes the same forward allocations (saved tensors are dropped, not
+    avoided) and repeats them in the backward, which the regressor leaves out: checkpointing changes
+    the predicted overhead only through the activations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import flop_registry
+
+    with FakeTensorMode():
+        small, big = torch.empty(2**20, dtype=torch.uint8), torch.empty(simulate.HEAP_LIMIT, dtype=torch.uint8)
+        timeline = simulate._Timeline(flop_registry)
+        with timeline:
+            small + 1, big + 1
+    assert timeline.heap_churn == 2**20  # the mapped piece is not the heap's
+    config = small_bert(layers=2, hidden=128)
+    plain, recomputed = (simulate._simulate("sequence-classification", config, 8, 64, "fp32", ckpt, split=False)
+                         for ckpt in (False, True))
+    assert plain.forward_heap_churn == recomputed.forward_heap_churn > 0 and recomputed.flops > plain.flops
+    planner = plan.Planner(plan.model_shapes("causal-lm", SMALL_GPT2), 64)
+    off, on = (planner.estimate(plan.Setting("fp32", "adamw", checkpointing, 4, 1)) for checkpointing in (False, True))
+    assert on.activations < off.activations
+    assert on.overhead - off.overhead == pytest.approx(
+        plan.CPU_OVERHEAD["activation_share"] * (on.activations - off.activations), abs=1)
+
+
 @pytest.mark.parametrize("task, model, precision, checkpointing", [
     ("sequence-classification", "bert", "fp32", False),
     ("sequence-classification", "bert", "bf16", True),

@@ -29,15 +29,16 @@ from effitrain.planning import simulate
 GiB = 2**30
 MiB = 2**20
 
-# CPU resident memory beyond the live tensors = CONSTANT + HEAP_SHARE x heap churn + ACTIVATION_SHARE x
-# activations. Heap churn: the bytes a micro-step allocates in pieces small enough for glibc's heaps
-# (< 32 MiB), which keep freed memory resident; the activation term stands for fragmentation, which
-# grows with what is held at the peak. Fitted by least squares on 32 measurements (two runs of the
-# 16 configurations of benchmarks/memory_plan.py; fresh process each, peak RSS minus the RSS before
-# the model is built). Held out: leave-one-out worst error 13.2%; fitted on the default model only,
-# the GPT-2 configurations stay within 12.5%, and the other way round within 10.8%.
-# `python benchmarks/memory_plan.py --calibrate` refits them.
-CPU_OVERHEAD = {"constant": 101 * MiB, "heap_share": 0.130, "activation_share": 0.103}
+# CPU resident memory beyond the live tensors = CONSTANT + HEAP_SHARE x forward heap churn
+# + ACTIVATION_SHARE x activations. glibc keeps the free space of its heap (pieces under 32 MiB), cut into
+# holes by the small objects (autograd nodes, tensor headers) left between the tensors: it grows with the
+# bytes the forward passes through the heap, while the backward and checkpointing's recomputation (the
+# forward's sizes again, in the same order) mostly refill those holes. The activation term: fragmentation
+# that grows with what is held at the peak. Least squares on 42 measurements (two runs of the 21
+# configurations of benchmarks/memory_plan.py; fresh process each, peak RSS minus the RSS before the
+# model is built), worst 13.6%; held out (leave one configuration out) worst 14.8%. Why not the whole
+# step's churn, nor the heap's high-water mark of live bytes: benchmarks/README.md. `--calibrate` refits.
+CPU_OVERHEAD = {"constant": 69 * MiB, "heap_share": 0.297, "activation_share": 0.085}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
@@ -299,7 +300,7 @@ class Planner:
 
     def overhead(self, phases: simulate.Phases, tensors: int, activations: int) -> int:
         if self.device == "cpu":
-            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * phases.heap_churn
+            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * phases.forward_heap_churn
                          + CPU_OVERHEAD["activation_share"] * activations)
         return round(CUDA_OVERHEAD["context"] + CUDA_OVERHEAD["fragmentation"] * tensors)
 

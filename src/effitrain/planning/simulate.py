@@ -31,7 +31,7 @@ from effitrain.config import ALL_LINEAR
 
 # glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
 # keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
-# counts the first kind (see plan.CPU_OVERHEAD).
+# counts the first kind allocated by the forward (see plan.CPU_OVERHEAD).
 HEAP_LIMIT = 32 * 2**20
 # Autocast dtypes of the half precisions (fp32 runs without autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +49,7 @@ class Phases:
     first_with_grads: int
     last_held: int
     last_with_grads: int
-    heap_churn: int  # bytes allocated in heap-sized pieces during the step (CPU overhead model)
+    forward_heap_churn: int  # bytes the forward allocates in heap-sized pieces (CPU overhead model)
     flops: int
 
     def peak(self, grads_before: int) -> int:
@@ -325,6 +325,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
             with autocast:
                 loss = tasks.get(task).loss_sum(model, batch) / batch_size
             backward_start = len(timeline.points)
+            forward_heap_churn = timeline.heap_churn
             loss.backward()
             del loss
         for handle in handles:
@@ -340,5 +341,5 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
     return Phases(forward_held=max(h for h, _ in forward),
                   first_held=max(h for h, _ in first), first_with_grads=max(h + g for h, g in first),
                   last_held=max(h for h, _ in last), last_with_grads=max(h + g for h, g in last),
-                  heap_churn=timeline.heap_churn, flops=timeline.flops)
+                  forward_heap_churn=forward_heap_churn, flops=timeline.flops)
 
