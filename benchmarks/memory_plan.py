@@ -12,6 +12,7 @@ and reports its peak:
     python benchmarks/memory_plan.py --json run1.json   # also save the rows (measured and simulated)
     python benchmarks/memory_plan.py --rows run1.json run2.json  # refit from saved runs, measuring nothing
     python benchmarks/memory_plan.py --only peft        # only the LoRA and QLoRA rows
+    python benchmarks/memory_plan.py --only sharded     # 2 processes, ddp and fsdp (fsdp_memory.py)
 
 The model is built from its config (random weights, same shapes as the checkpoint): loading the
 checkpoint would add the file's page cache to the resident set, which is not training memory.
@@ -146,12 +147,19 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", metavar="JSON",
                         help="refit CPU_OVERHEAD from rows saved by --json (one file a run) instead of measuring")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--only", choices=("peft",), help="peft: only the rows with LoRA or QLoRA adapters")
+    parser.add_argument("--only", choices=("peft", "sharded"),
+                        help="peft: only the rows with LoRA or QLoRA adapters; sharded: the 2-process ddp and fsdp "
+                             "rows (fsdp_memory.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(*json.loads(args.child))))
         return 0
+    if args.only == "sharded":  # several processes per row: a script of its own
+        from pathlib import Path
+
+        return subprocess.run([sys.executable, str(Path(__file__).with_name("fsdp_memory.py")),
+                               *(["--json", args.json] if args.json else [])]).returncode
     if args.rows:
         rows = []
         for path in args.rows:
