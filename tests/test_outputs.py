@@ -4,6 +4,7 @@ second run out, a user mistake leaves nothing behind, and a broken model is neve
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +22,19 @@ from effitrain.engine.step import StepResult, StepRunner
 from effitrain.errors import UserError
 
 
-@pytest.fixture()
-def earlier_run(tiny_model_dir, tmp_path):
-    """A finished run (1 step) and its files' hashes."""
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def one_step_run(tiny_model_dir, tmp_path_factory):
+    """A finished run (1 step), trained once for the tests that each get a copy of it."""
+    out = tmp_path_factory.mktemp("earlier") / "out"
     effitrain.train(small(tiny_model_dir, out, max_steps=1))
+    return out
+
+
+@pytest.fixture()
+def earlier_run(one_step_run, tmp_path):
+    """A finished run (1 step) of this test's own, and its files' hashes."""
+    out = tmp_path / "out"
+    shutil.copytree(one_step_run, out, symlinks=True)
     return out, snapshot(out)
 
 
@@ -90,7 +99,7 @@ def wait_for_step(out, step: int, job: subprocess.Popen) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_signalled_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier_run, sig):
+def test_a_signalled_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier_run, sig, cli_here):
     """SIGTERM unwinds the run and restores at once; after SIGKILL the next run into the folder does."""
     out, before = earlier_run
     job = cli("train", "--model", tiny_model_dir, "--max-train-samples", 64, "--max-eval-samples", 16,
@@ -103,8 +112,7 @@ def test_a_signalled_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier
         assert snapshot(out) == before
         return
     assert (out / outputs.PREVIOUS).is_dir()  # killed mid-replacement: the earlier run is set aside
-    again = subprocess.run([sys.executable, "-m", "effitrain", "train", "--model", str(tiny_model_dir),
-                            "--output-dir", str(out)], capture_output=True, text=True, timeout=120)
+    again = cli_here("train", "--model", tiny_model_dir, "--output-dir", out)  # the next run, in this process
     assert again.returncode == 2 and "already holds an effitrain run" in again.stderr, again.stderr
     assert "put the earlier run back" in again.stdout
     assert snapshot(out) == before
