@@ -169,7 +169,7 @@ def test_lean_adapter_dropout_keeps_no_dropped_copies(tiny_model_dir):
     assert saved_bytes(0.1) == saved_bytes(0.0)
 
 
-def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path):
+def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path, cli_here):
     common = ["--model", tiny_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16, "--batch-size", 4,
               "--epochs", 1, "--lr", 1e-2, "--log-every", 1, "--save-every", 3, "--seed", 7, "--peft", "lora",
               "--lora-dropout", 0.1]  # adapter dropout on: resuming must restore the RNG
@@ -193,9 +193,9 @@ def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path):
     (out / "metrics.json").unlink()
     before = (out / "config.yaml").read_text()
     no_peft = [a for a in common if a not in ("--peft", "lora", "--lora-dropout", 0.1)]
-    job = train(*no_peft, "--output-dir", out, "--resume", "auto")
-    _, stderr = job.communicate(timeout=120)
-    assert job.returncode == 2 and "was made with peft='lora', this run has 'none'" in stderr, stderr
+    refused = cli_here("train", *no_peft, "--output-dir", out, "--resume", "auto")  # in this process
+    assert refused.returncode == 2 and "was made with peft='lora', this run has 'none'" in refused.stderr, \
+        refused.stderr
     assert (out / "config.yaml").read_text() == before
 
 

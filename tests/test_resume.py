@@ -97,14 +97,15 @@ def read_log(out):
     return records
 
 
-def test_resume_refuses_a_checkpoint_of_other_settings(dropout_model_dir, tmp_path):
+def test_resume_refuses_a_checkpoint_of_other_settings(dropout_model_dir, tmp_path, cli_here):
+    """Both commands through cli.main in this process: nothing here needs a process of its own."""
     common = ["--model", dropout_model_dir, "--max-train-samples", 16, "--max-eval-samples", 8, "--batch-size", 4,
               "--max-steps", 4, "--save-every", 2, "--output-dir", tmp_path / "o"]
-    finished(train(*common))
+    first = cli_here("train", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
     (tmp_path / "o" / "metrics.json").unlink()  # as if killed after its step-2 checkpoint
     before = (tmp_path / "o" / "config.yaml").read_text()
-    result = subprocess.run([sys.executable, "-m", "effitrain", "train", *map(str, common), "--resume", "auto",
-                             "--lr", "0.5"], capture_output=True, text=True, timeout=120)
+    result = cli_here("train", *common, "--resume", "auto", "--lr", "0.5")
     assert result.returncode == 2 and "was made with lr=0.0001" in result.stderr, result.stderr
     assert (tmp_path / "o" / "config.yaml").read_text() == before  # nothing written before the refusal
 
