@@ -61,9 +61,16 @@ def best_weights(out) -> dict:
     return load_file(str(out / "best" / "model.safetensors"))
 
 
-def test_stops_after_patience_evaluations_and_best_holds_that_evaluations_weights(data, tmp_path):
-    metrics = effitrain.train(settings(data, tmp_path / "stopped"))
-    losses = validation_losses(tmp_path / "stopped")
+@pytest.fixture(scope="module")
+def stopped(data, tmp_path_factory):
+    """The run of the default settings (it stops early), for the tests that only read it: (folder, metrics)."""
+    out = tmp_path_factory.mktemp("stopped") / "stopped"
+    return out, effitrain.train(settings(data, out))
+
+
+def test_stops_after_patience_evaluations_and_best_holds_that_evaluations_weights(data, stopped, tmp_path):
+    out, metrics = stopped
+    losses = validation_losses(out)
     assert list(losses) == [2, 4, 6]
     assert losses[2] < losses[4] < losses[6]  # the construction: worse after the first evaluation
     assert metrics["stopped_early"] and metrics["steps"] == 6
@@ -74,10 +81,10 @@ def test_stops_after_patience_evaluations_and_best_holds_that_evaluations_weight
     effitrain.train(settings(data, tmp_path / "straight", early_stopping_patience=None,
                              eval_every=None, save_every=2, keep_last=None))
     at_step_2 = load_file(str(tmp_path / "straight" / "checkpoints" / "step-2" / "model.safetensors"))
-    best = best_weights(tmp_path / "stopped")
+    best = best_weights(out)
     assert set(best) <= set(at_step_2)
     assert all(torch.equal(best[name], at_step_2[name]) for name in best)
-    final = load_file(str(tmp_path / "stopped" / "model" / "model.safetensors"))
+    final = load_file(str(out / "model" / "model.safetensors"))
     assert not all(torch.equal(best[name], final[name]) for name in best)
 
 
@@ -96,15 +103,15 @@ def test_a_higher_is_better_metric_and_a_threshold(data, tmp_path):
     assert metrics["best"]["step"] == 2 and metrics["steps"] == 6 and metrics["best"]["metric"] == "accuracy"
 
 
-def test_two_processes_take_the_same_decisions(data, tmp_path):
-    single = effitrain.train(settings(data, tmp_path / "one"))
+def test_two_processes_take_the_same_decisions(data, stopped, tmp_path):
+    one_dir, single = stopped  # the same settings on one process
     values = settings(data, tmp_path / "two", batch_size=2)
     result = torchrun(2, "train", *flags(values))
     assert result.returncode == 0, result.stderr[-3000:]
     double = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert double["world_size"] == 2 and double["steps"] == single["steps"] == 6
     assert double["best"]["step"] == single["best"]["step"] == 2
-    one, two = best_weights(tmp_path / "one"), best_weights(tmp_path / "two")
+    one, two = best_weights(one_dir), best_weights(tmp_path / "two")
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
 
