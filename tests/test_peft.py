@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import read_jsonl, read_weights
 from test_distributed import TINY_GPT2, torchrun
-from test_resume import finished, read_log, train
+from test_resume import read_log, resumed_here, train
 
 import effitrain
 from effitrain import adapters
@@ -173,9 +173,10 @@ def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path, cli_here):
     common = ["--model", tiny_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16, "--batch-size", 4,
               "--epochs", 1, "--lr", 1e-2, "--log-every", 1, "--save-every", 3, "--seed", 7, "--peft", "lora",
               "--lora-dropout", 0.1]  # adapter dropout on: resuming must restore the RNG
-    finished(train(*common, "--output-dir", tmp_path / "straight"))
+    straight = cli_here("train", *common, "--output-dir", tmp_path / "straight")  # in this process
+    assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "killed"
-    job = train(*common, "--output-dir", out)
+    job = train(*common, "--output-dir", out)  # a process of its own, to be killed
     import time
 
     deadline = time.time() + 120
@@ -184,7 +185,7 @@ def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path, cli_here):
         time.sleep(0.05)
     job.send_signal(signal.SIGKILL)
     job.wait()
-    assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
+    assert "resumed from" in resumed_here(cli_here, *common, "--output-dir", out)  # in this process
     for read in (read_weights, adapter_weights):
         straight, resumed = read(tmp_path / "straight"), read(out)
         assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -1,5 +1,7 @@
 """A run killed with SIGKILL and resumed with --resume auto ends with exactly the weights of the run
-that was never stopped (fp32, CPU, fixed seed)."""
+that was never stopped (fp32, CPU, fixed seed). The killed runs are processes of their own; the runs never
+stopped and the resumed ones go through cli.main in the test process (a process without the killed run's
+memory, as a new one; none of its own imports to pay)."""
 
 import json
 import os
@@ -40,26 +42,36 @@ def finished(job: subprocess.Popen) -> str:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The run that is never stopped, once per setting (kill points of the same setting share it)."""
+    from effitrain.cli import main
+
     runs = {}
 
     def run(common: list):
         key = tuple(map(str, common))
         if key not in runs:
             runs[key] = tmp_path_factory.mktemp("straight")
-            finished(train(*common, "--output-dir", runs[key]))
+            assert main(["train", *key, "--output-dir", str(runs[key])]) == 0
         return runs[key]
     return run
 
 
+def resumed_here(cli_here, *args) -> str:
+    """`effitrain train ARGS --resume auto` through cli.main in this process; its stdout."""
+    result = cli_here("train", *args, "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.parametrize("kill_after, accum", [(4, 1), (11, 1), (7, 2)])
-def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, uninterrupted, kill_after, accum):
+def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, uninterrupted, kill_after, accum,
+                                                  cli_here):
     common = ["--model", dropout_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16,
               "--batch-size", 4 // accum, "--grad-accum", accum, "--epochs", 2, "--lr", 1e-3, "--log-every", 1,
               "--save-every", 3, "--seed", 7]
     straight_dir = uninterrupted(common)
 
     out = tmp_path / "killed"
-    job = train(*common, "--output-dir", out)
+    job = train(*common, "--output-dir", out)  # a process of its own, to be killed
     deadline = time.time() + 120
     while not any(r.get("step", 0) >= kill_after for r in read_log(out)):
         assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
@@ -68,7 +80,7 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, u
     job.wait()
     assert not (out / "metrics.json").exists()
     (out / "checkpoints" / ".tmp-step-99").mkdir(parents=True, exist_ok=True)  # as a kill during a save leaves it
-    assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
+    assert "resumed from" in resumed_here(cli_here, *common, "--output-dir", out)
 
     straight, resumed = read_weights(straight_dir), read_weights(out)
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
@@ -143,10 +155,11 @@ def test_launch_restarts_a_killed_worker_and_resumes_bitwise(dropout_model_dir, 
     assert steps == list(range(1, 13))
 
 
-def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(dropout_model_dir, tmp_path):
+def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(dropout_model_dir, tmp_path, cli_here):
     common = ["--model", dropout_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16, "--batch-size", 4,
               "--epochs", 1, "--lr", 1e-3, "--log-every", 1, "--save-every", 3, "--seed", 5]
-    finished(train(*common, "--output-dir", tmp_path / "straight"))
+    straight = cli_here("train", *common, "--output-dir", tmp_path / "straight")  # in this process
+    assert straight.returncode == 0, straight.stderr[-3000:]
 
     out = tmp_path / "killed"
     job = subprocess.Popen([sys.executable, HOOKED_CLI, "--save-pause", "3", "--", "train", *map(str, common),
@@ -161,7 +174,7 @@ def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(dropout_model_dir, 
     assert (out / "checkpoints" / "step-3" / "trainer_state.json").is_file()
     assert not (out / "checkpoints" / "step-6").exists()
 
-    assert "resumed from" in finished(train(*common, "--output-dir", out, "--resume", "auto"))
+    assert "resumed from" in resumed_here(cli_here, *common, "--output-dir", out)
     assert not partial.exists()
     straight, resumed = read_weights(tmp_path / "straight"), read_weights(out)
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
