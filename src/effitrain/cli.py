@@ -115,6 +115,26 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--debug", action="store_true")
 
 
+def add_launch_parser(commands) -> None:
+    launch = commands.add_parser("launch", help="run a command on several processes and machines (torchrun)",
+                                 description="effitrain launch [options] -- train ... Under Slurm (srun, one task "
+                                 "per node) or a Kubeflow PyTorchJob the node flags come from the environment; "
+                                 "flags given win.")
+    # None: not given, so launch.resolve may take it from the cluster's environment.
+    launch.add_argument("--nproc", type=int, help="processes on this node (one per GPU, or CPU workers; default "
+                                                  "PET_NPROC_PER_NODE, else 1)")
+    launch.add_argument("--nnodes", type=int, help="number of machines (default from Slurm or PyTorchJob, else 1)")
+    launch.add_argument("--node-rank", type=int, help="this machine's number, 0 for the master (default from the "
+                                                      "environment, else 0)")
+    launch.add_argument("--master-addr", default=None, help="address of node 0 (default from the environment, "
+                                                            "else 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on all nodes "
+                                                                      "(default from the environment)")
+    launch.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
+    launch.add_argument("--debug", action="store_true")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the effitrain command and its flags")
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="effitrain", description="Fine-tune pretrained transformers efficiently.")
     parser.add_argument("--version", action="version", version=f"effitrain {_version()}")
@@ -136,23 +156,7 @@ def build_parser() -> Parser:
     inspect.add_argument("--json", action="store_true", help="print the counts and device as JSON")
     inspect.add_argument("--debug", action="store_true")
 
-    launch = commands.add_parser("launch", help="run a command on several processes and machines (torchrun)",
-                                 description="effitrain launch [options] -- train ... Under Slurm (srun, one task "
-                                 "per node) or a Kubeflow PyTorchJob the node flags come from the environment; "
-                                 "flags given win.")
-    # None: not given, so launch.resolve may take it from the cluster's environment.
-    launch.add_argument("--nproc", type=int, help="processes on this node (one per GPU, or CPU workers; default "
-                                                  "PET_NPROC_PER_NODE, else 1)")
-    launch.add_argument("--nnodes", type=int, help="number of machines (default from Slurm or PyTorchJob, else 1)")
-    launch.add_argument("--node-rank", type=int, help="this machine's number, 0 for the master (default from the "
-                                                      "environment, else 0)")
-    launch.add_argument("--master-addr", default=None, help="address of node 0 (default from the environment, "
-                                                            "else 127.0.0.1)")
-    launch.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on all nodes "
-                                                                      "(default from the environment)")
-    launch.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
-    launch.add_argument("--debug", action="store_true")
-    launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the effitrain command and its flags")
+    add_launch_parser(commands)
 
     bench = commands.add_parser("bench", help="measure each efficiency technique against a baseline")
     from effitrain import bench as bench_module

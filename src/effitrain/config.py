@@ -300,6 +300,18 @@ def _check_values(config: TrainConfig) -> None:
             raise UserError(f"{flag(name)} is empty", f"pass a value to {flag(name)}, or leave the flag out")
 
 
+def _check_strategy(config: TrainConfig) -> None:
+    """The flags that belong to one strategy only."""
+    if config.zero_stage not in (1, 2, 3):
+        raise UserError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage}", "pass --zero-stage 2")
+    if not config.fsdp_reshard_after_forward and config.strategy != "fsdp":
+        raise UserError(f"--no-fsdp-reshard-after-forward applies to --strategy fsdp, not {config.strategy}",
+                        "drop it, or pass --strategy fsdp")
+    if config.local_sgd_steps and config.strategy != "ddp":
+        raise UserError(f"--local-sgd-steps works with --strategy ddp, not {config.strategy}",
+                        "drop --local-sgd-steps, or use --strategy ddp")
+
+
 def validate(config: TrainConfig) -> None:
     _check_values(config)
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
@@ -319,14 +331,7 @@ def validate(config: TrainConfig) -> None:
     if config.effective_batch_size is not None and config.grad_accum != 1:
         raise UserError("--effective-batch-size and --grad-accum both set the accumulation",
                         "pass only one of them")
-    if config.zero_stage not in (1, 2, 3):
-        raise UserError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage}", "pass --zero-stage 2")
-    if not config.fsdp_reshard_after_forward and config.strategy != "fsdp":
-        raise UserError(f"--no-fsdp-reshard-after-forward applies to --strategy fsdp, not {config.strategy}",
-                        "drop it, or pass --strategy fsdp")
-    if config.local_sgd_steps and config.strategy != "ddp":
-        raise UserError(f"--local-sgd-steps works with --strategy ddp, not {config.strategy}",
-                        "drop --local-sgd-steps, or use --strategy ddp")
+    _check_strategy(config)
     if config.memory_budget is not None and config.memory_budget != "auto":
         from effitrain.planning.sizes import parse_size
 
