@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import read_jsonl, read_weights
 from test_distributed import TINY_GPT2, torchrun
-from test_resume import read_log
+from test_resume import finished, read_log
 
 import effitrain
 from effitrain.engine import checkpoint, sharding
@@ -80,12 +80,6 @@ def launch(nproc: int, args: list, out, resume: bool = False) -> subprocess.Pope
                              *map(str, args), "--output-dir", str(out), *(["--resume", "auto"] if resume else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def finished(job: subprocess.Popen) -> str:
-    stdout, stderr = job.communicate(timeout=300)
-    assert job.returncode == 0, stderr[-3000:]
-    return stdout
 
 
 def test_a_killed_fsdp_run_resumes_bitwise_and_on_one_process_with_accumulation_to_rounding(tmp_path):
