@@ -172,7 +172,9 @@ def _dropped_linear(linear, p: float, x):
 def _dropout_then_linear(x, weight, p: float):
     import torch
 
-    return torch.nn.functional.linear(torch.nn.functional.dropout(x, p, training=True), weight)
+    from effitrain import fast_dropout
+
+    return torch.nn.functional.linear(fast_dropout.dropout(x, p), weight)
 
 
 def is_adapted(model) -> bool:

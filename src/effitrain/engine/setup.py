@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import adapters, models, outputs, tasks, tracking
+from effitrain import adapters, fast_dropout, models, outputs, tasks, tracking
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
@@ -245,6 +245,7 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
         options = {"quantization_config": adapters.quantization_config(plan.precision, head),
                    "device_map": {"": device}}
     model = task.build_model(source, data.label_names, data.processor, options)
+    fast_dropout.apply(model)  # CPUs: the same dropout, its masks drawn at less cost
     if plan.gradient_checkpointing:
         # Non-reentrant: with a frozen body (LoRA) the reentrant kind would train nothing ("element 0 of
         # tensors does not require grad", peft #137): its recomputed inputs would not require gradients.

@@ -144,8 +144,13 @@ def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
 
 
 def build(task: str, config):
-    """The task's Auto model from `config`, its tensors fake (no memory)."""
-    return tasks.get(task).auto_class.from_config(config)
+    """The task's Auto model from `config`, its tensors fake (no memory), with the dropout training runs
+    (fast_dropout: its masks are kept as booleans, torch's CPU dropout keeps floats)."""
+    from effitrain import fast_dropout
+
+    model = tasks.get(task).auto_class.from_config(config)
+    fast_dropout.apply(model)
+    return model
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,

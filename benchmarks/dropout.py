@@ -1,0 +1,132 @@
+"""What dropout costs in a training step, and what effitrain's fast_dropout takes off, each change alone.
+
+The default model (all-MiniLM-L6-v2, BERT, dropout 0.1 in 13 hidden-state layers and 6 attention
+layers) trains on random token batches of `--batch-size` x `--length` (all real tokens), one full
+training step each (forward, loss, backward, fused AdamW step, zero_grad), in four variants built from
+the same weights, in this one process:
+
+  torch      the model as transformers builds it: nn.Dropout (CPU `bernoulli_` masks), SDPA attention,
+             which falls back to its math path (and `bernoulli_`) whenever dropout is on
+  layers     fast_dropout.apply(layers=True, attention=False): the nn.Dropout layers only
+  attention  fast_dropout.apply(layers=False, attention=True): the attention dropout only
+  both       what `effitrain train` runs
+
+Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
+slower or busier moment of the machine hits all of them; the median step time of each is compared
+with torch's. `--profile` then profiles 3 steps of `torch` and `both` with torch.profiler and prints
+the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm).
+
+    .venv/bin/python benchmarks/dropout.py [--precision fp32|bf16] [--batch-size 16] [--length 128] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+VARIANTS = {"torch": None, "layers": (True, False), "attention": (False, True), "both": (True, True)}
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+DROPOUT = {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::div_", "aten::native_dropout",
+           "aten::native_dropout_backward"}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
+    parser.add_argument("--profile", action="store_true", help="also print the operator shares of torch and both")
+    return parser.parse_args(argv)
+
+
+def variants() -> dict:
+    """name -> (model, optimizer), all from the same initial weights."""
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain import fast_dropout, models
+    from effitrain.engine import optim
+
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(str(models.resolve("default")), num_labels=2,
+                                                              attn_implementation="sdpa")
+    built = {}
+    for name, switches in VARIANTS.items():
+        model = copy.deepcopy(base)
+        if switches is not None:
+            fast_dropout.apply(model, layers=switches[0], attention=switches[1])
+        model.train()
+        built[name] = (model, optim.adamw(model, 1e-4, 0.01))
+    return built
+
+
+def make_step(model, optimizer, batch: dict, precision: str):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> None:
+        with autocast:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float(), batch["labels"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def shares(step) -> tuple[dict, float]:
+    """Share of self CPU time per operator group over 3 profiled steps, and the profiled time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    groups = {"matrix products": 0.0, "dropout masks": 0.0, "other": 0.0}
+    for e in events:
+        group = "matrix products" if e.key in MATMUL else "dropout masks" if e.key in DROPOUT else "other"
+        groups[group] += e.self_cpu_time_total / total
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+    groups["top"] = ", ".join(f"{e.key.removeprefix('aten::')} {e.self_cpu_time_total / total:.1%}" for e in top)
+    return groups, total / 3 / 1e6
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(1)
+    batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
+             "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
+             "labels": torch.randint(0, 2, (args.batch_size,))}
+    steps = {name: make_step(model, optimizer, batch, args.precision)
+             for name, (model, optimizer) in variants().items()}
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    print(f"default model, {args.batch_size} x {args.length} tokens, {args.precision}, {torch.get_num_threads()} "
+          f"threads, {args.rounds} rounds x {args.steps} steps each, median step time")
+    base = statistics.median(times["torch"])
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        print(f"  {name:10s} {median * 1000:8.1f} ms   {base / median:.2f}x torch's speed")
+    if args.profile:
+        for name in ("torch", "both"):
+            groups, seconds = shares(steps[name])
+            print(f"profile {name}: {seconds * 1000:.0f} ms/step; matrix products {groups['matrix products']:.1%}, "
+                  f"dropout masks {groups['dropout masks']:.1%}, other {groups['other']:.1%}; top: {groups['top']}")
+
+
+if __name__ == "__main__":
+    main()

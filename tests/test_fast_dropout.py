@@ -1,0 +1,139 @@
+"""fast_dropout: torch's dropout semantics (keep 1 - p, scale 1 / (1 - p), one mask for forward and
+backward) with masks drawn by rand_like, and the attention that applies it, against SDPA and a
+reference computed by hand from the same draws."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from effitrain import fast_dropout
+
+
+def tiny_bert(dropout: float = 0.1, **overrides):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                        attn_implementation="sdpa", **overrides)
+    return BertForSequenceClassification(config)
+
+
+def batch():
+    torch.manual_seed(1)
+    ids = torch.randint(5, 100, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, 7:], mask[1, 3:] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 1])}
+
+
+def test_dropout_keeps_one_minus_p_scaled_and_the_backward_uses_the_same_mask():
+    torch.manual_seed(0)
+    x = torch.randn(400, 500, requires_grad=True)
+    y = fast_dropout.dropout(x, 0.3)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.005
+    torch.testing.assert_close(y[kept], x[kept] / 0.7)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.7)  # the forward's mask, not a second draw
+    assert fast_dropout.dropout(x, 0.3, training=False) is x and fast_dropout.dropout(x, 0.0) is x
+
+
+def test_dropout_saves_a_boolean_mask_for_the_backward():
+    """1 byte an element kept for the backward (torch's CPU dropout keeps a float mask: 4)."""
+    saved = []
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fast_dropout.dropout(x, 0.5)
+    assert [t.dtype for t in saved] == [torch.bool]
+
+
+def test_gradient_matches_finite_differences():
+    x = torch.randn(4, 5, dtype=torch.double, requires_grad=True)
+
+    def seeded(t):
+        torch.manual_seed(3)  # the same mask at every evaluation
+        return fast_dropout.dropout(t, 0.4)
+
+    assert torch.autograd.gradcheck(seeded, (x,))
+
+
+def qkv(heads: int = 4, kv_heads: int = 4, length: int = 10):
+    torch.manual_seed(2)
+    return (torch.randn(3, heads, length, 8), torch.randn(3, kv_heads, length, 8), torch.randn(3, kv_heads, length, 8))
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none", "causal"])
+def test_attention_math_path_equals_sdpa(mask_kind):
+    """With the dropout made negligible (1e-12 keeps everything), the math path computes what
+    transformers' SDPA computes, for boolean and additive masks, none, causal, and grouped keys."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = tiny_bert().bert.encoder.layer[0].attention.self
+    module.num_key_value_groups = 2
+    module.is_causal = mask_kind == "causal"
+    q, k, v = qkv(4, 2)
+    keep = batch()["attention_mask"][:, None, None, :10].bool().expand(3, 1, 10, 10)
+    mask = {"bool": keep, "float": torch.zeros(3, 1, 10, 10).masked_fill(~keep, -1e9), "none": None,
+            "causal": None}[mask_kind]
+    ours, _ = fast_dropout.attention(module, q, k, v, mask, dropout=1e-12, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.3)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_dropout_is_the_softmax_dropped_by_a_mask_of_the_same_draws():
+    module = tiny_bert().bert.encoder.layer[0].attention.self
+    module.train()
+    q, k, v = qkv()
+    keep = batch()["attention_mask"][:, None, None, :10].bool().expand(3, 1, 10, 10)
+    torch.manual_seed(5)
+    ours, _ = fast_dropout.attention(module, q, k, v, keep, dropout=0.25, scaling=0.5)
+    torch.manual_seed(5)
+    probs = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~keep, torch.finfo(q.dtype).min).softmax(-1)
+    expected = (probs * (torch.rand_like(probs) >= 0.25) / 0.75) @ v
+    torch.testing.assert_close(ours, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_apply_keeps_the_model_its_evaluation_and_its_saved_config(tmp_path):
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    assert fast_dropout.apply(model) == 8  # embeddings, 3 per layer, the head
+    assert all(type(m) is not torch.nn.Dropout for m in model.modules())
+    assert model.config._attn_implementation == fast_dropout.ATTENTION
+    model.eval(), plain.eval()
+    inputs = {k: v for k, v in batch().items() if k != "labels"}
+    assert torch.equal(model(**inputs).logits, plain(**inputs).logits)  # evaluation: SDPA, no dropout
+    model.save_pretrained(tmp_path)
+    assert fast_dropout.ATTENTION not in (tmp_path / "config.json").read_text()
+    assert json.loads((tmp_path / "config.json").read_text())["hidden_dropout_prob"] == 0.1
+
+
+def test_training_with_dropout_draws_the_expected_share_and_recomputes_the_same_masks():
+    """Training mode through the whole model: gradient checkpointing recomputes each block's forward
+    in the backward, and must draw the very same masks (torch restores the RNG), so the gradients equal
+    those of the run that kept its activations."""
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_bert(dropout=0.2)
+        fast_dropout.apply(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        inputs = batch()
+        torch.manual_seed(7)
+        model(**inputs).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
+    # and dropout really ran: another seed gives other gradients
+    model = tiny_bert(dropout=0.2)
+    fast_dropout.apply(model)
+    model.train()
+    inputs = batch()
+    torch.manual_seed(8)
+    model(**inputs).loss.backward()
+    other = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert not torch.allclose(other, grads[0])
