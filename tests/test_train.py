@@ -41,6 +41,29 @@ def test_run_writes_every_output_of_the_contract(finished_run):
     assert on_disk["train_tokens_per_second"] / on_disk["train_samples_per_second"] < 128
 
 
+def test_wall_time_is_split_by_phase(finished_run):
+    """set-up + training + evaluation + saving + ... = the process's time to the saved model; a library
+    call has no start-up of its own (the command's process age is its start-up)."""
+    _, metrics = finished_run
+    phases = metrics["wall_seconds_by_phase"]
+    assert set(phases) == {"start_up", "set_up", "training", "compiling", "evaluation", "saving", "other", "total"}
+    assert phases["start_up"] == 0 and phases["compiling"] == 0
+    assert phases["training"] == round(metrics["train_seconds"], 3)
+    assert all(phases[key] > 0 for key in ("set_up", "training", "evaluation", "saving"))
+    assert phases["total"] == pytest.approx(metrics["wall_seconds"], abs=2e-3)
+    assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], abs=1e-2)
+
+
+def test_evaluation_batches_run_longest_first():
+    from datasets import Dataset
+
+    from effitrain.data import text
+
+    data = Dataset.from_dict({"input_ids": [[1] * n for n in (3, 9, 1, 9, 5)], "labels": [0] * 5})
+    assert text.eval_order(data) == [1, 3, 4, 0, 2]  # ties keep their order
+    assert text.eval_order(Dataset.from_dict({"pixel_values": [[0.0]] * 2})) is None
+
+
 def test_log_has_one_object_per_logged_step_then_evaluations(finished_run):
     out, _ = finished_run
     records = read_jsonl(out / "log.jsonl")

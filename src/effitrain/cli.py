@@ -196,7 +196,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     values.pop("command")
     config_file = values.pop("config", None)
     file_values = cfg.load_yaml(config_file) if config_file else {}
-    runs.train(cfg.build(file_values, values), config_file)
+    runs.train(cfg.build(file_values, values), config_file, command=True)
     return 0
 
 

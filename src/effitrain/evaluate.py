@@ -57,7 +57,10 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
         # The task's preprocessing reads a DatasetDict's columns from its `train` split: ours is alone there.
         encoded = task.preprocess(DatasetDict(train=data), processor, config, loaded.base_dir)["train"]
-    loader = DataLoader(encoded, batch_size=config.eval_batch_size, collate_fn=task.collators(processor, config)[1])
+    from effitrain.data import text
+
+    loader = DataLoader(encoded, batch_size=config.eval_batch_size, sampler=text.eval_order(encoded),
+                        collate_fn=task.collators(processor, config)[1])
     model = accelerator.prepare_model(inference.build(path, task, processor), evaluation_mode=True)
     loader = accelerator.prepare(loader)  # even_batches: gather_for_metrics drops the padded-in duplicates
     metrics = engine_evaluate.evaluate(accelerator, task, model, loader, label_names)

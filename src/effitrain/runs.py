@@ -12,8 +12,9 @@ from effitrain.config import TrainConfig
 from effitrain.errors import Diverged, UserError
 
 
-def train(config: TrainConfig, config_file: str | None = None) -> dict:
-    """Run one training job; returns the metrics written to metrics.json."""
+def train(config: TrainConfig, config_file: str | None = None, command: bool = False) -> dict:
+    """Run one training job; returns the metrics written to metrics.json. `command`: run by the
+    `effitrain` command, whose process start counts as the run's start-up (imports, arguments)."""
     from effitrain import models
     from effitrain.data import sources
     from effitrain.engine import checkpoint
@@ -38,7 +39,7 @@ def train(config: TrainConfig, config_file: str | None = None) -> dict:
         from effitrain.engine.run import run
 
         tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
-        result = run(config, run_dir)
+        result = run(config, run_dir, command)
     except BaseException as err:
         if run_dir is not None:  # a diverged run keeps what it wrote (log, checkpoints, best/): not a mistake to undo
             run_dir.fail(user_mistake=isinstance(err, UserError) and not isinstance(err, Diverged))

@@ -77,6 +77,15 @@ class EpochSeeded:
         return len(self.sampler)
 
 
+def eval_order(dataset) -> list[int] | None:
+    """Evaluation order: longest first (metrics do not depend on the order). Each batch then pads to
+    lengths close to its own: a shuffled batch of 128 SMS pads every message to the longest of 128
+    (80% padding); and the largest batch comes first, so a shortage of memory shows at once. None
+    where all examples have one size."""
+    sizes = lengths(dataset)
+    return None if sizes is None else sorted(range(len(sizes)), key=lambda i: -sizes[i])
+
+
 def train_sampler(dataset, step_batch_size: int, group_by_length: bool, seed: int):
     """A seeded shuffle, or transformers' length-grouped shuffle.
 

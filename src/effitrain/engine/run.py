@@ -17,15 +17,17 @@ from effitrain.engine import optim, report, saving
 from effitrain.engine.checkpoint import Checkpointer
 from effitrain.engine.evaluate import Evaluator
 from effitrain.engine.setup import Run, setup
-from effitrain.engine.state import TrainState
+from effitrain.engine.state import TrainState, process_age_seconds
 from effitrain.engine.step import StepRunner
 from effitrain.errors import Diverged
 
 
-def run(config: TrainConfig, run_dir=None) -> dict:
+def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
     """Train, evaluate, save. Returns the metrics written to metrics.json. `run_dir`: the output folder
-    runs.train checked and locked (process 0)."""
+    runs.train checked and locked (process 0). `command`: the process is the effitrain command, so its
+    age is the start-up (the imports and checks before this call)."""
     wall_start = time.perf_counter()
+    start_up = process_age_seconds() if command else 0.0
     with contextlib.ExitStack() as cleanup:  # closed also when a step raises
         job = setup(config, cleanup, run_dir)
         state = TrainState(job.accelerator.device, started=wall_start)
@@ -45,28 +47,39 @@ def run(config: TrainConfig, run_dir=None) -> dict:
         announce(job)
         # Local SGD: no gradient sync inside; leaving it averages the parameters of every process.
         with job.local_sgd or contextlib.nullcontext():
+            state.add_phase("start_up", start_up)  # added to what a restored checkpoint's invocations took
+            state.add_phase("set_up", time.perf_counter() - wall_start)
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, bar)
         bar.close()  # before the test and the summary, which would print on the bar's line
         if config.keep == "best" and state.best_step is not None:
-            saving.load_weights(job, job.out_dir / "best")
+            with state.timed("saving"):
+                saving.load_weights(job, job.out_dir / "best")
         check_trained(job, state)
-        gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"])
+        with state.timed("evaluation"):
+            gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"])
         test = job.task.metrics(gathered, job.data.label_names)
         log_record(job, state, split="test", **test)
         if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
             raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
         result = report.metrics(job, state, test, stopped_early,
                                 confusion=job.task.confusion_matrix(gathered, job.data.label_names))
-        saving.save_model(job, job.out_dir / "model")
-        if job.adapted:
-            saving.save_model(job, job.out_dir / "adapter", adapter=True)
+        with state.timed("saving"):
+            saving.save_model(job, job.out_dir / "model")
+            if job.adapted:
+                saving.save_model(job, job.out_dir / "adapter", adapter=True)
         result["wall_seconds"] = state.wall_seconds()
+        result["wall_seconds_by_phase"] = state.seconds_by_phase(compiling(result))
         report.write(job, result)
         if job.accelerator.is_main_process:
             # The folder chosen (a launched run without --output-dir names it on process 0 only).
             model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
                              card_facts(job))
         return result
+
+
+def compiling(result: dict) -> float:
+    """--compile's seconds (engine/compilation.py; 0 without)."""
+    return (result.get("compile") or {}).get("seconds", 0.0)
 
 
 def card_facts(job: Run) -> dict:
@@ -99,8 +112,9 @@ def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator,
         if evaluator.due(state.step) and validate(job, state, evaluator, bar):
             return True
         if checkpointer.due(state.step):
-            checkpointer.save(state.step, {"config": job.config.to_dict(), "plan": job.plan.to_dict(),
-                                           "world_size": job.world, **state.state_dict(job.reduce)})
+            with state.timed("saving"):
+                checkpointer.save(state.step, {"config": job.config.to_dict(), "plan": job.plan.to_dict(),
+                                               "world_size": job.world, **state.state_dict(job.reduce)})
     return False
 
 
@@ -207,11 +221,13 @@ def log_window(job: Run, state: TrainState, result, bar) -> None:
 
 def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
     """Evaluate on the validation split; keep the best weights in best/ when asked; True to stop early."""
-    improved = evaluator.validate(job.model, state)
+    with state.timed("evaluation"):
+        improved = evaluator.validate(job.model, state)
     log_record(job, state, split="validation", **state.validation)
     write(job, bar, f"step {state.step} validation: {report.short(state.validation)}")
     if improved and job.keeps_best:
-        saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
+        with state.timed("saving"):
+            saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
     stop = evaluator.should_stop(state)
     if stop:
         write(job, bar, f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "

@@ -285,8 +285,8 @@ def loaders(task, config: TrainConfig, data: Data, world: int, grad_accum: int):
     # resumed run would draw differently from the uninterrupted one.
     train_dl = DataLoader(encoded["train"], batch_size=config.batch_size, sampler=sampler, collate_fn=train_collate,
                           generator=torch.Generator().manual_seed(config.seed))
-    eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=eval_collate)
-                for split in ("validation", "test")}
+    eval_dls = {split: DataLoader(encoded[split], batch_size=config.eval_batch_size, collate_fn=eval_collate,
+                                  sampler=text.eval_order(encoded[split])) for split in ("validation", "test")}
     return train_dl, eval_dls, train_collate([encoded["train"][0]])
 
 

@@ -7,6 +7,7 @@ That scaling is done here and nowhere else."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -34,9 +35,12 @@ class TrainState:
     # the first window after a resume spans the whole run so far, still a true average).
     logged_totals: torch.Tensor = None
     logged_seconds: float = 0.0
+    # Wall seconds outside the training steps, by phase (see `timed`), over the invocations.
+    phase_seconds: dict = field(default_factory=dict)
 
     SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
-               "evals_without_improvement", "validation")
+               "evals_without_improvement", "validation", "phase_seconds")
+    PHASES = ("start_up", "set_up", "evaluation", "saving")
 
     def __post_init__(self):
         if self.window is None:
@@ -66,6 +70,31 @@ class TrainState:
         the checkpoint, as train_seconds does)."""
         return self.earlier_wall_seconds + time.perf_counter() - self.started
 
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Adds the wall time of the block to `phase` (one of PHASES)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_phase(phase, time.perf_counter() - start)
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
+    def seconds_by_phase(self, compiling: float = 0.0) -> dict:
+        """wall_seconds split: start-up (the process before the run: imports, arguments, the output
+        folder), set-up (data, tokenisation, model, loaders), training (the steps), compiling
+        (--compile), evaluation (validation and test), saving (checkpoints, best/, model/, adapter/,
+        metrics.json), and what is left (logging, the checks between them). `total`: start-up + wall_seconds,
+        the process's time to the saved model."""
+        split = {phase: self.phase_seconds.get(phase, 0.0) for phase in self.PHASES[:2]}
+        split.update(training=self.train_seconds, compiling=compiling,
+                     **{phase: self.phase_seconds.get(phase, 0.0) for phase in self.PHASES[2:]})
+        total = split["start_up"] + self.wall_seconds()
+        split["other"] = max(0.0, total - sum(split.values()))
+        return {**{phase: round(seconds, 3) for phase, seconds in split.items()}, "total": round(total, 3)}
+
     def take_window(self, reduce=None) -> tuple[float, float]:
         """(loss sum, items) since the last call, over all processes; the window starts again."""
         loss_total, item_total = (reduce(self.window) if reduce else self.window).tolist()
@@ -80,3 +109,17 @@ class TrainState:
         seconds = self.train_seconds - self.logged_seconds
         self.logged_totals, self.logged_seconds = totals, self.train_seconds
         return examples, tokens, seconds
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (Linux: /proc; 0 elsewhere): the start-up before run()."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as stat:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as uptime:
+            now = float(uptime.read().split()[0])
+        return max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
