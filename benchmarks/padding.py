@@ -1,10 +1,12 @@
 """What batching costs on the SMS spam data with the real default model (all-MiniLM-L6-v2).
 
-Three strategies on the same training split, micro-batch size and seed:
+Four strategies on the same training split, micro-batch size and seed:
 
   fixed     every batch padded to max_length (128), plain seeded shuffle
   dynamic   batches padded to their longest example (multiple of 8), plain seeded shuffle
   grouped   dynamic padding + transformers' length-grouped shuffle (effitrain's default)
+  packed    --packing: each micro-batch of the plain seeded shuffle packed into rows of at most 128
+            tokens (first-fit decreasing), rows padded to the longest row (multiple of 8)
 
 For each: the padding waste over a whole epoch (share of pad tokens among all tokens of the
 batches, from attention_mask, no model), then the training speed over --steps real optimizer steps
@@ -33,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from effitrain import models, tasks
 from effitrain.config import TrainConfig
-from effitrain.data import sources, text
+from effitrain.data import packing, text
 from effitrain.engine import optim
 
 TASK = "sequence-classification"
@@ -42,11 +44,12 @@ MAX_LENGTH = 128
 WARMUP_STEPS = 3
 LR, WEIGHT_DECAY = 1e-4, 0.01  # effitrain train's defaults
 
-# key, description, fixed padding?, length grouping?
+# key, description, collator (fixed | dynamic | packed), length grouping?
 STRATEGIES = [
-    ("fixed", "fixed padding (max_length 128), shuffle", True, False),
-    ("dynamic", "dynamic padding, shuffle", False, False),
-    ("grouped", "dynamic padding, length-grouped", False, True),
+    ("fixed", "fixed padding (max_length 128), shuffle", "fixed", False),
+    ("dynamic", "dynamic padding, shuffle", "dynamic", False),
+    ("grouped", "dynamic padding, length-grouped", "dynamic", True),
+    ("packed", "packed rows (first-fit decreasing), shuffle", "packed", False),
 ]
 
 
@@ -62,12 +65,14 @@ def parse_args(argv=None):
     return args
 
 
-def make_loader(dataset, tokenizer, batch_size: int, fixed: bool, group: bool, seed: int) -> DataLoader:
+def make_loader(dataset, tokenizer, batch_size: int, collator: str, group: bool, seed: int) -> DataLoader:
     """A fresh loader with a freshly seeded sampler: each one yields the same epoch order."""
-    if fixed:
+    if collator == "fixed":
         from transformers import DataCollatorWithPadding
 
         collate = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=MAX_LENGTH)
+    elif collator == "packed":
+        collate = packing.ClassificationPacker(tokenizer.pad_token_id, MAX_LENGTH)
     else:
         collate = text.collator(tokenizer)
     sampler = text.train_sampler(dataset, batch_size, group, seed)
@@ -76,12 +81,13 @@ def make_loader(dataset, tokenizer, batch_size: int, fixed: bool, group: bool, s
 
 def padding_stats(loader) -> dict:
     """Real and padded tokens over one epoch, and per batch (to describe any window of it later)."""
-    real, padded = [], []
+    real, padded, rows = [], [], []
     for batch in loader:
         mask = batch["attention_mask"]
         real.append(int(mask.sum()))
         padded.append(int(mask.numel()))
-    return {"real": real, "padded": padded}
+        rows.append(int(mask.shape[0]))  # packed: fewer rows than examples
+    return {"real": real, "padded": padded, "rows": rows}
 
 
 def window_summary(stats: dict, start: int, stop: int, batch_size: int, dataset_size: int) -> dict:
@@ -95,21 +101,23 @@ def window_summary(stats: dict, start: int, stop: int, batch_size: int, dataset_
         "padding_waste": 1 - real / padded,
         "mean_padded_length": padded / samples,
         "mean_real_length": real / samples,
+        "rows_per_batch": sum(stats["rows"][start:stop]) / max(stop - start, 1),
     }
 
 
-def train_speed(model_path, labels, loader, steps: int, seed: int) -> dict:
+def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
     """Samples/s and real tokens/s over `steps` optimizer steps after WARMUP_STEPS untimed ones."""
+    task = tasks.get(TASK)
     torch.manual_seed(seed)
-    model = models.load_classifier(model_path, labels)
+    model = task.build_model(models.resolve_source("default"), labels, tokenizer)
     model.train()
     optimizer = optim.adamw(model, LR, WEIGHT_DECAY)
     batches = iter(loader)
 
     def one_step():
         batch = next(batches)  # fetching and collating count: the training loop pays for them too
-        n = tasks.item_count(TASK, batch)
-        loss = tasks.loss_sum(TASK, model, batch) / n
+        n = task.item_count(batch)
+        loss = task.loss_sum(model, batch) / n
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -151,8 +159,7 @@ def main(argv=None) -> None:
     models.quiet_libraries(False)
     import transformers
 
-    model_path = models.resolve("default")
-    tokenizer = models.load_tokenizer(model_path)
+    tokenizer = models.load_tokenizer(models.resolve("default"))
     # effitrain train's split of the built-in data: stratified, test then validation held out, by seed.
     config = TrainConfig(data="sms-spam", validation_split=0.1, test_split=0.1, seed=args.seed)
     splits = tasks.get(config.task).load_data(config).splits
@@ -168,12 +175,12 @@ def main(argv=None) -> None:
           f"max_length {MAX_LENGTH}; {machine()}, torch {torch.__version__}", flush=True)
 
     results = {}
-    for key, description, fixed, group in STRATEGIES:
-        loader_args = (train, tokenizer, args.batch_size, fixed, group, args.seed)
+    for key, description, collator, group in STRATEGIES:
+        loader_args = (train, tokenizer, args.batch_size, collator, group, args.seed)
         stats = padding_stats(make_loader(*loader_args))
         epoch = window_summary(stats, 0, len(stats["real"]), args.batch_size, len(train))
         timed = window_summary(stats, WARMUP_STEPS, WARMUP_STEPS + args.steps, args.batch_size, len(train))
-        speed = train_speed(model_path, labels, make_loader(*loader_args), args.steps, args.seed)
+        speed = train_speed(tokenizer, labels, make_loader(*loader_args), args.steps, args.seed)
         if speed["samples"] != timed["samples"] or speed["real_tokens"] != timed["real_tokens"]:
             raise RuntimeError(f"{key}: the timed batches differ from the epoch order measured without the model")
         results[key] = {"description": description, "epoch": epoch, "timed_window": timed, "speed": speed}
@@ -198,7 +205,8 @@ def main(argv=None) -> None:
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     print("pad waste: pad tokens / all tokens over one epoch; padded len: mean padded tokens per sample, "
-          "timed steps / whole epoch; tokens/s counts real (non-pad) tokens")
+          "timed steps / whole epoch; tokens/s counts real (non-pad) tokens; packed: rows per batch "
+          f"{results['packed']['epoch']['rows_per_batch']:.2f} over the epoch")
 
     if args.json is not None:
         report = {

@@ -167,7 +167,7 @@ LAYERS = [
     {"errors", "tasks"},  # tasks: the registry of names only (tasks/__init__.py imports nothing of ours)
     {"config", "devices", "outputs", "planning.sizes", "tracking"},  # planning.sizes: parsing "8GiB", no imports
     {"models", "data", "adapters", "model_card", "fast_dropout"},
-    {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics"},
+    {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics", "tasks.packed"},
     {"planning"},
     {"engine"},
     {"predict", "evaluate", "evaluation", "inference", "bench", "launch", "runs", "report"},

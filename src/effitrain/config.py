@@ -94,8 +94,11 @@ class TrainConfig:
     seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order")
     max_length: int = _opt(128, "truncate inputs to this many tokens")
     max_duration: float = _opt(10.0, "audio: keep at most this many seconds of each clip")
-    packing: bool = _opt(False, "causal-lm: concatenate the examples of a micro-batch into one row without "
-                         "padding; attention stays within each example (position ids restart)")
+    packing: bool = _opt(False, "padding-free training batches: causal-lm concatenates a micro-batch's examples "
+                         "into one row; sequence-classification (text) packs them into as few rows of at most "
+                         "--max-length tokens as fit (models of type bert, distilbert, electra, roberta, "
+                         "xlm-roberta). Exact: attention stays within each example, positions restart, each "
+                         "example's first token goes to the head; evaluation stays padded")
     group_by_length: bool = _opt(True, "batch examples of similar length together (random mega-batches sorted "
                                  "by length): far less padding, so faster; --no-group-by-length for plain shuffling")
     validation_split: float = _opt(0.1, "share of the data held out for validation (stratified)")
@@ -342,7 +345,8 @@ def validate(config: TrainConfig) -> None:
                         "step one by one", "drop --memory-budget (use `effitrain plan` to choose --batch-size), "
                         "or use --strategy fsdp")
     if config.memory_budget is not None and config.packing:
-        raise UserError("--memory-budget cannot split a packed micro-batch (it is one row)",
+        raise UserError("--memory-budget cannot split a packed micro-batch (its pieces split rows, and a row "
+                        "holds several examples)",
                         "drop --packing, or lower --batch-size yourself")
     if config.keep not in KEEP:
         raise UserError(f"unknown --keep `{config.keep}`", f"pass --keep {' or '.join(KEEP)}")

@@ -37,8 +37,8 @@ class Task:
     def check_config(self, config) -> None:
         """Settings that make no sense for this task (checked before anything loads)."""
         if config.packing and not self.supports_packing:
-            raise UserError(f"--packing applies to --task causal-lm, not {self.name}",
-                            "drop --packing, or pass --task causal-lm")
+            raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
+                            "drop --packing")
 
     def supports(self, model_config) -> bool:
         return type(model_config) in self.auto_class._model_mapping
@@ -154,20 +154,13 @@ class Task:
     def example_digests(batch) -> list[int]:
         """A 48-bit hash of each example of a micro-batch (its inputs and label without padding), for
         --debug's per-step digest: the same example hashes the same whatever the micro-batch it is in."""
-        import hashlib
-
         mask = batch.get("attention_mask")
-        digests = []
+        examples = []
         for row in range(len(batch["labels"])):
             keep = None if mask is None else mask[row].bool()
-            digest = hashlib.blake2b(digest_size=6)
-            for key in sorted(batch):
-                value = batch[key][row]
-                if keep is not None and value.shape[:1] == keep.shape:
-                    value = value[keep]
-                digest.update(key.encode() + value.detach().cpu().contiguous().numpy().tobytes())
-            digests.append(int.from_bytes(digest.digest(), "little"))
-        return digests
+            examples.append({key: value[row][keep] if keep is not None and value[row].shape[:1] == keep.shape
+                             else value[row] for key, value in batch.items()})
+        return [digest(example) for example in examples]
 
     def token_count(self, batch) -> torch.Tensor | None:
         """Real (non-pad) tokens of a text batch, for tokens/s; None for images and audio."""
@@ -253,6 +246,16 @@ class Task:
     def predictions(self, model, batch: dict, processor, options: PredictOptions) -> list[dict]:
         """One JSON-able dict per example of the batch: what the model says about it."""
         raise NotImplementedError
+
+
+def digest(example: dict) -> int:
+    """A 48-bit hash of one example's tensors (keys in sorted order)."""
+    import hashlib
+
+    hashed = hashlib.blake2b(digest_size=6)
+    for key in sorted(example):
+        hashed.update(key.encode() + example[key].detach().cpu().contiguous().numpy().tobytes())
+    return int.from_bytes(hashed.digest(), "little")
 
 
 @dataclass

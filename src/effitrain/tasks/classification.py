@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from effitrain import models
+from effitrain.data import packing
 from effitrain.errors import UserError
-from effitrain.tasks.base import Task
+from effitrain.tasks import packed
+from effitrain.tasks.base import Task, digest
 
 _AUTO = {"text": "AutoModelForSequenceClassification", "image": "AutoModelForImageClassification",
          "audio": "AutoModelForAudioClassification"}
@@ -23,7 +25,14 @@ class Classification(Task):
         self.modality = modality  # text | image | audio
         self.auto_class_name = _AUTO[modality]
         self.is_text = modality == "text"
+        self.supports_packing = self.is_text  # padding-free rows: tasks/packed.py
         self.pipeline_tag = f"{modality}-classification"  # the Hub's name for the task (model cards)
+
+    def check_config(self, config) -> None:
+        """As every task; --packing also only for the model types whose packed forward is exact."""
+        super().check_config(config)
+        if config.packing:
+            packed.check_model(self.source_config(models.resolve_source(config.model, config.allow_pickle)))
 
     # -- models ------------------------------------------------------------------------------------
     def load_processor(self, source: models.ModelSource):
@@ -104,14 +113,23 @@ class Classification(Task):
         from effitrain.data import audio, image, text
 
         if self.is_text:
+            if config is not None and config.packing:  # training rows packed; evaluation stays padded
+                return packing.ClassificationPacker(processor.pad_token_id, config.max_length), text.collator(processor)
             return text.collator(processor), text.collator(processor)
         if self.modality == "image":
             return image.collator(), image.collator()
         return audio.collator(processor), audio.collator(processor)
 
     # -- the loss, evaluation ----------------------------------------------------------------------
+    @staticmethod
+    def example_digests(batch) -> list[int]:
+        """As every task's; a packed batch's examples hash as they would padded (their own tokens and label)."""
+        if packing.is_packed(batch):
+            return [digest(example) for example in packing.examples(batch)]
+        return Task.example_digests(batch)
+
     def loss_sum(self, model, batch) -> torch.Tensor:
-        logits = model(**self.inputs(batch)).logits
+        logits = packed.logits(model, batch) if packing.is_packed(batch) else model(**self.inputs(batch)).logits
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
 
     def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
