@@ -91,6 +91,9 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, u
     assert metrics["steps"] == 20
     # Counted over both invocations, up to the checkpoint: training time is part of the wall time.
     assert 0 < metrics["train_seconds"] <= metrics["wall_seconds"]
+    phases = metrics["wall_seconds_by_phase"]  # both invocations' start-ups (commands) and set-ups
+    assert phases["start_up"] > 0
+    assert phases["total"] == pytest.approx(phases["start_up"] + metrics["wall_seconds"], abs=2e-3)
     # The resumed run read its data from the cache: its saved tokenizer is still the same, byte for byte.
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / "model" / name).read_bytes() == (straight_dir / "model" / name).read_bytes()
