@@ -72,9 +72,9 @@ def make_loader(dataset, tokenizer, batch_size: int, collator: str, group: bool,
 
         collate = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=MAX_LENGTH)
     elif collator == "packed":
-        collate = packing.ClassificationPacker(tokenizer.pad_token_id, MAX_LENGTH)
+        collate = packing.ClassificationPacker(tokenizer.pad_token_id, MAX_LENGTH, text.pad_multiple() or 1)
     else:
-        collate = text.collator(tokenizer)
+        collate = text.collator(tokenizer, text.pad_multiple())  # what effitrain train pads to on this machine
     sampler = text.train_sampler(dataset, batch_size, group, seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
 

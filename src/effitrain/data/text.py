@@ -20,19 +20,29 @@ def tokenize(splits, tokenizer, max_length: int, labels: bool = True):
     return encoded.rename_column("label", "labels") if labels else encoded
 
 
-def collator(tokenizer):
-    """Pad each batch to its longest example, rounded up to a multiple of 8 (tensor-core friendly shapes)."""
+def pad_multiple(config=None) -> int | None:
+    """What batches round their padded length up to: 8 on accelerators (tensor cores take multiples of
+    8) and with --compile (fewer shapes, fewer graphs); nothing on CPUs, whose matmuls gain nothing from
+    it (the default model's step measured proportional to the length: 25, 27, 32 tokens -> 17.0, 17.9,
+    18.0 ms a token) while length-grouped SMS batches carried ~10% more tokens rounded to 8."""
+    from effitrain.devices import has_accelerator
+
+    return 8 if getattr(config, "compile", False) or has_accelerator() else None
+
+
+def collator(tokenizer, multiple: int | None = 8):
+    """Pad each batch to its longest example, rounded up to a multiple of `multiple` (pad_multiple())."""
     from transformers import DataCollatorWithPadding
 
-    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
 
 
-def lm_collator(tokenizer):
+def lm_collator(tokenizer, multiple: int | None = 8):
     """Causal LM, padded: labels are the inputs with padding set to -100 (the model shifts nothing:
     the loss shifts them)."""
     from transformers import DataCollatorForLanguageModeling
 
-    return DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=8)
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=multiple)
 
 
 def packing_collator():

@@ -45,7 +45,7 @@ class CausalLM(Task):
         """(training collator, evaluation collator): packed rows only in training, when asked."""
         from effitrain.data import text
 
-        padded = text.lm_collator(processor)
+        padded = text.lm_collator(processor, text.pad_multiple(config))
         return (text.packing_collator() if config.packing else padded), padded
 
     # -- the loss and its counts -------------------------------------------------------------------

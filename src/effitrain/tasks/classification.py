@@ -113,9 +113,11 @@ class Classification(Task):
         from effitrain.data import audio, image, text
 
         if self.is_text:
+            padded = text.collator(processor, text.pad_multiple(config))
             if config is not None and config.packing:  # training rows packed; evaluation stays padded
-                return packing.ClassificationPacker(processor.pad_token_id, config.max_length), text.collator(processor)
-            return text.collator(processor), text.collator(processor)
+                return packing.ClassificationPacker(processor.pad_token_id, config.max_length,
+                                                    text.pad_multiple(config) or 1), padded
+            return padded, padded
         if self.modality == "image":
             return image.collator(), image.collator()
         return audio.collator(processor), audio.collator(processor)
