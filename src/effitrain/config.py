@@ -63,6 +63,10 @@ class TrainConfig:
                                             "--grad-accum to it / (--batch-size x processes)")
     gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass instead of keeping "
                                         "them (less memory, about a third more compute)")
+    compile: bool = _opt(False, "torch.compile each transformer block (regional compilation: the blocks share one "
+                         "graph; shapes dynamic, so a run compiles a few graphs); the graphs and compile seconds are "
+                         "reported apart from the training time (metrics.json `compile`). Measure before using it: "
+                         "it can be slower than eager, e.g. fp32 on a CPU (benchmarks/compile.py)")
     precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
                           "(GPU, with a gradient scaler)", choices=PRECISIONS)
     optim: str = _opt("adamw", "adamw (fused), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else torchao), "
@@ -315,6 +319,14 @@ def _check_strategy(config: TrainConfig) -> None:
                         "drop --local-sgd-steps, or use --strategy ddp")
 
 
+def _check_compile(config: TrainConfig) -> None:
+    """--compile where effitrain's tests have verified it: DDP (or one process)."""
+    if config.compile and config.strategy != "ddp":
+        raise UserError(f"--compile with --strategy {config.strategy} is not supported by effitrain yet (untested: "
+                        "sharded blocks need their compiled graphs built inside the sharding hooks)",
+                        "drop --compile, or use --strategy ddp")
+
+
 def validate(config: TrainConfig) -> None:
     _check_values(config)
     _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
@@ -335,6 +347,7 @@ def validate(config: TrainConfig) -> None:
         raise UserError("--effective-batch-size and --grad-accum both set the accumulation",
                         "pass only one of them")
     _check_strategy(config)
+    _check_compile(config)
     if config.memory_budget is not None and config.memory_budget != "auto":
         from effitrain.planning.sizes import parse_size
 

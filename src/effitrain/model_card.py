@@ -61,6 +61,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     base = base_model(config["model"])
     techniques = [name for name, on in (
         ("gradient checkpointing", result["gradient_checkpointing"]),
+        ("torch.compile per transformer block", config.get("compile")),
         (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
         (f"{config['strategy']} sharding", config["strategy"] != "ddp" and world > 1),
         (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "

@@ -13,11 +13,13 @@ def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, flo
 
 def gather_outputs(accelerator, task, model, dataloader) -> tuple:
     """The task's per-example eval outputs over the whole split, on the CPU of every process;
-    gather_for_metrics drops the samples padded in to even out shards."""
+    gather_for_metrics drops the samples padded in to even out shards. Eager even where --compile compiled
+    the blocks: inference-mode graphs would be compiled apart, and on a CPU they measured no faster than
+    eager (benchmarks/compile.py), so they would only add compile seconds."""
     was_training = model.training
     model.eval()
     gathered = []
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
         for batch in dataloader:
             outputs = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
             gathered.append([t.cpu() for t in outputs])

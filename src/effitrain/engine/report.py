@@ -56,6 +56,8 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         # The adapter's weights (LoRA matrices and the trained head), as adapter/ stores them.
         "adapter_bytes": adapters.adapter_bytes(adapters.adapter_state(model)) if run.adapted else None,
         "gradient_checkpointing": plan.gradient_checkpointing,
+        # --compile: blocks, graphs and compile seconds of process 0 in this invocation (not in train_seconds).
+        "compile": run.compiled.summary() if run.compiled else None,
         "grad_accum": plan.grad_accum,
         # --memory-budget: each loaded micro-batch ran as this many pieces (1: as loaded).
         "pieces_per_micro_batch": plan.pieces,
@@ -82,7 +84,10 @@ def write(run, result: dict) -> None:
     best = result["best"]
     kept = (f"best validation {best['metric']} {best['value']:.4f} at step {best['step']}"
             + (" (in model/)" if best["kept_in_model"] else "") + "\n") if run.keeps_best and best["step"] else ""
+    compiled = result.get("compile")
+    compiled = (f" (compiling {compiled['graphs']} graph(s) took {compiled['seconds']:.1f} s more)"
+                if compiled else "")
     run.accelerator.print(f"test: {short(result['test'])}\n{kept}"
-                          f"{result['train_samples_per_second']:.1f} samples/s, {tokens_per_s}"
+                          f"{result['train_samples_per_second']:.1f} samples/s{compiled}, {tokens_per_s}"
                           f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB, "
                           f"{result['wall_seconds']:.1f} s in all\nsaved to {run.out_dir}")

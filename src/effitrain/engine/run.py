@@ -13,7 +13,7 @@ from effitrain import model_card
 from effitrain.config import TrainConfig
 from effitrain.devices import cpu_name, peak_memory_bytes
 from effitrain.engine import evaluate as evaluation
-from effitrain.engine import optim, report, saving
+from effitrain.engine import compilation, optim, report, saving
 from effitrain.engine.checkpoint import Checkpointer
 from effitrain.engine.evaluate import Evaluator
 from effitrain.engine.setup import Run, setup
@@ -96,7 +96,7 @@ def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator,
     """The steps from state.step on; True if early stopping ended them."""
     groups = batches(job, state.step)
     while state.step < job.total_steps:
-        tick = time.perf_counter()
+        tick, compiling = time.perf_counter(), compile_seconds(job)
         group = next(groups)
         if job.config.debug:
             log_examples(job, state.step + 1, group)
@@ -106,7 +106,10 @@ def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator,
             job.local_sgd.step()
         state.step += 1
         bar.update(1)
-        state.train_seconds += time.perf_counter() - tick  # evaluation and saving are not training time
+        compiled = compile_seconds(job) - compiling
+        state.train_seconds += time.perf_counter() - tick - compiled  # not training time: compiling, evaluation, saving
+        if compiled:
+            said_compiled(job, state, compiled, bar)
         if state.step % job.config.log_every == 0 or state.step == job.total_steps:
             log_window(job, state, result, bar)
         if evaluator.due(state.step) and validate(job, state, evaluator, bar):
@@ -116,6 +119,20 @@ def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator,
                 checkpointer.save(state.step, {"config": job.config.to_dict(), "plan": job.plan.to_dict(),
                                                "world_size": job.world, **state.state_dict(job.reduce)})
     return False
+
+
+def compile_seconds(job: Run) -> float:
+    """Seconds spent compiling in this process so far (--compile; 0 without)."""
+    return compilation.totals()[1] if job.compiled else 0.0
+
+
+def said_compiled(job: Run, state: TrainState, seconds: float, bar) -> None:
+    """A step that compiled new graphs (the first, and each new kind of input): logged and shown, since
+    it pauses the run; a bounded number of times (see engine/compilation.py)."""
+    graphs, total = job.compiled.since_start()
+    job.log.write({"step": state.step, "compile_seconds": round(seconds, 3), "compile_graphs_so_far": graphs})
+    write(job, bar, f"step {state.step}: compiled for {seconds:.1f} s (not counted as training time; {graphs} "
+                    f"graph(s), {total:.1f} s so far)")
 
 
 def batches(job: Run, start_step: int):

@@ -21,7 +21,7 @@ from effitrain import adapters, fast_dropout, models, outputs, tasks, tracking
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
-from effitrain.engine import checkpoint, communication, memory_fit, optim, precision, sharding
+from effitrain.engine import checkpoint, communication, compilation, memory_fit, optim, precision, sharding
 from effitrain.errors import UserError
 
 
@@ -71,6 +71,7 @@ class Run:
     resume_state: dict | None = None
     wire: communication.Counter = field(default_factory=communication.Counter)
     local_sgd: Any = None
+    compiled: compilation.Watch | None = None  # --compile: the graphs and seconds compiling cost
 
     @property
     def world(self) -> int:
@@ -136,14 +137,25 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     model = build_model(task, source, data, plan, config, accelerator.device)
     if config.strategy == "fsdp":
         sharding.check_shardable(model)
+    compiled = compile_model(model, config, cleanup)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
     log = outputs.RunLog(outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
                          tracking.start(accelerator, config, out_dir, plan.to_dict()))
     cleanup.callback(log.close)
     run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
-    run.resume_from, run.resume_state = resume_from, resume_state
+    run.resume_from, run.resume_state, run.compiled = resume_from, resume_state, compiled
     return run
+
+
+def compile_model(model, config: TrainConfig, cleanup: contextlib.ExitStack) -> compilation.Watch | None:
+    """--compile: each transformer block compiled in place (after checkpointing and adapters, which the
+    compiled graphs must contain), under a recompile limit that stops the run rather than going eager."""
+    if not config.compile:
+        return None
+    watch = compilation.Watch(compilation.compile_blocks(model))
+    cleanup.enter_context(compilation.no_silent_fallback())
+    return watch
 
 
 def trackers(config: TrainConfig, run_dir: outputs.RunDir | None) -> list:
