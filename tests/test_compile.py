@@ -86,3 +86,16 @@ def test_a_compiled_run_reports_compile_time_apart_from_training_time(tiny_model
     assert "compiled for" in result.stdout + result.stderr
     # Evaluation (validation, test) runs eagerly: no graph was compiled after the steps.
     assert compiled["graphs"] == compiling_steps[-1]["compile_graphs_so_far"]
+
+
+def test_reaching_the_recompile_limit_stops_instead_of_running_eagerly(monkeypatch):
+    from effitrain.errors import UserError
+
+    monkeypatch.setattr(compilation, "RECOMPILE_LIMIT", 1)
+    model = tiny_bert(layers=1)
+    compilation.compile_blocks(model)
+    batch = {k: v for k, v in batches([16])[0].items() if k != "labels"}
+    with pytest.raises(UserError, match="would otherwise run uncompiled"), compilation.no_silent_fallback():
+        model(**batch)
+        model.eval()  # another mode: a second graph, over the limit of one
+        model(**batch)
