@@ -2,20 +2,27 @@
 
 Both fine-tune the default model (all-MiniLM-L6-v2) on effitrain's sms-spam training split for the
 same number of optimizer steps, micro-batch size, seed, lr 1e-4, weight decay 0.01, warm-up ratio 0.1
-(linear warm-up then linear decay), max grad norm 1.0, max_length 128, fp32, no gradient accumulation.
-The Trainer gets what a user gets from its documentation: the tokenizer with truncation,
-DataCollatorWithPadding, TrainingArguments defaults for everything not listed here (so no length
-grouping). effitrain gets its own defaults (length grouping, padding to a multiple of 8, ...). The
-notes printed at the end list where the two differ.
+(linear warm-up then linear decay), max grad norm 1.0, max_length 128, no gradient accumulation, in
+fp32 and in bf16 autocast (`--precision`), then evaluate the validation and the test split (batch 128)
+and save the model and tokenizer: the time from the process's start to the saved model.
 
-Each run is a fresh subprocess of this script (`--only trainer` / `--only effitrain`), one after the
-other, so that each one's peak memory is its own; the parent prints the comparison.
+The Trainer runs at its best equal settings (`trainer-best`): its length-grouped sampler
+(`train_sampling_strategy="group_by_length"`, the same transformers LengthGroupedSampler effitrain
+uses), fused AdamW (`optim="adamw_torch_fused"`, the kernel effitrain uses), the same precision
+(`bf16=True` for bf16), evaluation batch 128. `--trainer-defaults` adds the Trainer as its
+documentation sets it up (`trainer`: random order, TrainingArguments' defaults, evaluation batch 8).
+effitrain runs with its own defaults. The notes printed at the end list where the sides differ.
 
-    .venv/bin/python benchmarks/vs_trainer.py [--steps 60] [--batch-size 16] [--seed 42] [--json PATH]
+Each run is a fresh subprocess of this script (`--only SIDE`), one after the other, the sides taking
+turns (`--runs` rounds), so that each run's peak memory is its own and a busier moment of the machine
+hits every side; the parent prints the medians and their ratios.
 
-What is timed: the Trainer's `trainer.train()` wall clock (and its own `train_runtime` /
-`train_samples_per_second`); effitrain's `train_seconds` / `train_samples_per_second` (the training
-loop only: not the data loading, tokenization, evaluation or saving that effitrain.train also does).
+    .venv/bin/python benchmarks/vs_trainer.py [--steps 60] [--runs 3] [--precision fp32 bf16] [--json PATH]
+
+What is timed: samples/s of the training loop: the Trainer's `trainer.train()` wall clock (and its
+own `train_runtime` / `train_samples_per_second`); effitrain's `train_seconds` (the loop only).
+Time to a saved model: the subprocess's wall clock from its start (interpreter, imports) to its exit
+after saving, measured by the parent.
 Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training. For effitrain
 that moment is taken by wrapping `effitrain.engine.evaluate.evaluate` (first called right after the
 loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
@@ -36,6 +43,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +54,8 @@ MAX_LENGTH = 128
 LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
 DATA = "sms-spam"
 VALIDATION_SPLIT = TEST_SPLIT = 0.1
-RUNS = ("trainer", "effitrain")
+SIDES = ("trainer", "trainer-best", "effitrain")
+EVAL_BATCH = 128
 
 
 def parse_args(argv=None):
@@ -55,12 +64,16 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch per device (default 16)")
     parser.add_argument("--seed", type=int, default=42, help="split, head initialisation, data order (default 42)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to PATH")
-    parser.add_argument("--only", choices=RUNS, default=None,
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side and precision (default 3)")
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    parser.add_argument("--trainer-defaults", action="store_true",
+                        help="also run the Trainer with its documented defaults (random order, unfused AdamW)")
+    parser.add_argument("--only", choices=SIDES, default=None,
                         help="run only this side, in this process (what the parent starts each subprocess with)")
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where --only writes
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.steps < 1:
-        parser.error("--batch-size and --steps must be at least 1")
+    if args.batch_size < 1 or args.steps < 1 or args.runs < 1:
+        parser.error("--batch-size, --steps and --runs must be at least 1")
     return args
 
 
@@ -153,7 +166,8 @@ def effitrain_split(seed: int):
 # --- the Trainer side ------------------------------------------------------------------------------
 
 
-def run_trainer(args) -> dict:
+def run_trainer(args, best: bool) -> dict:
+    """`best`: length grouping, fused AdamW, evaluation batch 128 (else TrainingArguments' defaults)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -173,7 +187,8 @@ def run_trainer(args) -> dict:
     def encode(batch):
         return tokenizer(batch["text"], truncation=True, max_length=MAX_LENGTH)
 
-    train = splits["train"].map(encode, batched=True)  # `text` stays: the Trainer drops unused columns
+    train, validation, test = (splits[name].map(encode, batched=True)  # `text` stays: the Trainer drops it
+                               for name in ("train", "validation", "test"))
     model = AutoModelForSequenceClassification.from_pretrained(
         str(model_path), num_labels=len(labels), id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)}, local_files_only=True)
@@ -188,6 +203,12 @@ def run_trainer(args) -> dict:
               if "warmup_ratio" in {f.name for f in dataclasses.fields(TrainingArguments)}
               else {"warmup_steps": WARMUP_RATIO})
     out_dir = tempfile.mkdtemp(prefix="vs_trainer_hf_")
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    tuned = {}
+    if best:
+        tuned = {"optim": "adamw_torch_fused", "per_device_eval_batch_size": EVAL_BATCH,
+                 **({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in fields
+                    else {"group_by_length": True})}
     training_args = TrainingArguments(
         output_dir=out_dir,
         max_steps=args.steps,
@@ -203,21 +224,30 @@ def run_trainer(args) -> dict:
         logging_steps=10**9,
         use_cpu=not devices.has_accelerator(),
         dataloader_num_workers=0,
+        bf16=args.precision == "bf16",
+        **tuned,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator,
+                      processing_class=tokenizer, compute_metrics=accuracy)
     rss_before = rss_peak_bytes()
     cpu_start = cpu_snapshot()
     output = trainer.train()
     cpu_end = cpu_snapshot()
     seconds = cpu_end[0] - cpu_start[0]
     rss_after = rss_peak_bytes()
+    # What effitrain.train does after its loop: validation, test, the model and tokenizer saved.
+    trainer.evaluate(validation)
+    test_metrics = trainer.evaluate(test, metric_key_prefix="test")
+    trainer.save_model(os.path.join(out_dir, "model"))
     shutil.rmtree(out_dir, ignore_errors=True)
 
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
     tokens = token_summary(collator.batches, args.steps)
     samples = args.steps * args.batch_size
     return {
-        "side": "trainer",
+        "side": "trainer-best" if best else "trainer",
+        "precision": args.precision,
+        "test": {"accuracy": test_metrics.get("test_accuracy")},
         "steps": output.global_step,
         "seconds": seconds,
         "seconds_measured_by": "time.perf_counter around trainer.train()",
@@ -255,6 +285,13 @@ def run_trainer(args) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "machine": machine(),
     }
+
+
+def accuracy(prediction) -> dict:
+    import numpy as np
+
+    logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    return {"accuracy": float((np.argmax(logits, -1) == prediction.label_ids).mean())}
 
 
 # --- the effitrain side ----------------------------------------------------------------------------
@@ -308,12 +345,13 @@ def run_effitrain(args) -> dict:
         "grad_accum": 1, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
         "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed, "max_length": MAX_LENGTH,
         "validation_split": VALIDATION_SPLIT, "test_split": TEST_SPLIT, "log_every": args.steps,
+        "eval_batch_size": EVAL_BATCH,
     }
     # fp32 and AdamW whatever effitrain's defaults become; settings this version lacks are left out.
     from effitrain.config import fields as config_fields
 
     known = {f.name for f in config_fields()}
-    config.update({k: v for k, v in {"precision": "fp32", "optim": "adamw", "gradient_checkpointing": False,
+    config.update({k: v for k, v in {"precision": args.precision, "optim": "adamw", "gradient_checkpointing": False,
                                      "beta1": 0.9, "beta2": 0.999}.items() if k in known})
     try:
         start = time.perf_counter()
@@ -344,6 +382,8 @@ def run_effitrain(args) -> dict:
     samples = args.steps * args.batch_size
     return {
         "side": "effitrain",
+        "precision": args.precision,
+        "wall_seconds_by_phase": metrics.get("wall_seconds_by_phase"),
         "steps": metrics["steps"],
         "seconds": seconds,
         "seconds_measured_by": "effitrain's train_seconds (the training loop)",
@@ -385,16 +425,20 @@ def run_effitrain(args) -> dict:
 # --- the parent ------------------------------------------------------------------------------------
 
 
-def run_child(side: str, args, tmp: Path) -> dict:
-    result = tmp / f"{side}.json"
+def run_child(side: str, precision: str, args, tmp: Path) -> dict:
+    """One run in a fresh process; `process_seconds`: its wall clock from start to exit (saved model)."""
+    result = tmp / f"{side}-{precision}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--result", str(result),
-               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed)]
-    print(f"running {side} ({args.steps} steps) in a fresh process ...", flush=True)
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+               "--precision", precision]
+    print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
+    start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
     if done.returncode != 0 or not result.is_file():
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        raise SystemExit(f"the {side} run failed (exit code {done.returncode})")
-    return json.loads(result.read_text())
+        raise SystemExit(f"the {side} {precision} run failed (exit code {done.returncode})")
+    return {**json.loads(result.read_text()), "process_seconds": seconds}
 
 
 def mib(value) -> str:
@@ -409,7 +453,7 @@ def notes(trainer: dict, ours: dict) -> list[str]:
     t, e = trainer["settings"], ours["settings"]
     lines = []
     sampling = t.get("train_sampling_strategy") or ("group_by_length" if t.get("group_by_length") else "random")
-    lines.append(f"batch order: Trainer {sampling} (its default), effitrain "
+    lines.append(f"batch order: Trainer {sampling}, effitrain "
                  f"{'length-grouped (LengthGroupedSampler, its default)' if e['group_by_length'] else 'random'}")
     lines.append(f"padding: both pad to the longest example of the batch; multiple of "
                  f"{t['pad_to_multiple_of'] or 1} (Trainer, DataCollatorWithPadding default) vs "
@@ -449,64 +493,70 @@ def notes(trainer: dict, ours: dict) -> list[str]:
     return lines
 
 
-def compare(args) -> None:
-    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:
-        results = {side: run_child(side, args, Path(tmp)) for side in RUNS}
-    trainer, ours = results["trainer"], results["effitrain"]
-    print(f"\nall-MiniLM-L6-v2 on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
-          f"lr {LR}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
-          f"max_length {MAX_LENGTH}, fp32; {trainer['machine']}; torch {trainer['versions']['torch']}, "
-          f"transformers {trainer['versions']['transformers']}, effitrain {ours['versions']['effitrain']}")
+def median(runs: list[dict], key: str):
+    values = [run[key] for run in runs if run.get(key) is not None]
+    return statistics.median(values) if values else None
 
-    ratios = {
-        "samples_per_second": ours["samples_per_second"] / trainer["samples_per_second"],
-        "own_samples_per_second": (ours["own_samples_per_second"] / trainer["own_samples_per_second"]
-                                   if trainer["own_samples_per_second"] else None),
-        "peak_rss_end_of_training": (ours["peak_rss_bytes_end_of_training"]
-                                     / trainer["peak_rss_bytes_end_of_training"]
-                                     if ours["peak_rss_bytes_end_of_training"] else None),
-    }
-    header = ("", "seconds", "samples/s", "own samples/s", "tokens/s", "peak RSS", "mean train loss", "test acc")
-    rows = []
-    for name, run in (("transformers.Trainer", trainer), ("effitrain.train", ours)):
-        rows.append((name, f"{run['seconds']:.1f}", f"{run['samples_per_second']:.1f}",
-                     fmt(run["own_samples_per_second"], ".1f"), fmt(run["tokens_per_second"], ".0f"),
-                     mib(run["peak_rss_bytes_end_of_training"]), fmt(run["train_loss_mean"], ".4f"),
-                     fmt((run.get("test") or {}).get("accuracy"), ".4f")))
-    rows.append(("effitrain / Trainer", f"{ours['seconds'] / trainer['seconds']:.2f}x",
-                 f"{ratios['samples_per_second']:.2f}x", fmt(ratios["own_samples_per_second"], ".2f") + "x",
-                 (f"{ours['tokens_per_second'] / trainer['tokens_per_second']:.2f}x"
-                  if ours["tokens_per_second"] and trainer["tokens_per_second"] else "-"),
-                 fmt(ratios["peak_rss_end_of_training"], ".2f") + "x", "", ""))
+
+def summary_rows(results: dict, precision: str, sides: list[str]) -> list[tuple]:
+    """Per side: medians over the runs of samples/s, peak RSS at the end of training, process seconds to
+    the saved model, test accuracy; then effitrain's ratios to each Trainer side."""
+    rows, medians = [], {}
+    for side in sides:
+        runs = results[(side, precision)]
+        medians[side] = {key: median(runs, key) for key in ("samples_per_second", "peak_rss_bytes_end_of_training",
+                                                            "process_seconds", "seconds")}
+        medians[side]["accuracy"] = median([run["test"] or {} for run in runs], "accuracy")
+        m = medians[side]
+        rows.append((f"{side} {precision}", " / ".join(f"{run['samples_per_second']:.1f}" for run in runs),
+                     fmt(m["samples_per_second"], ".1f"), mib(m["peak_rss_bytes_end_of_training"]),
+                     fmt(m["process_seconds"], ".1f"), fmt(m["accuracy"], ".4f")))
+    ours = medians["effitrain"]
+    for side in sides[:-1]:
+        theirs = medians[side]
+        rows.append((f"effitrain / {side}", "", f"{ours['samples_per_second'] / theirs['samples_per_second']:.2f}x",
+                     f"{ours['peak_rss_bytes_end_of_training'] / theirs['peak_rss_bytes_end_of_training']:.2f}x",
+                     f"{theirs['process_seconds'] / ours['process_seconds']:.2f}x faster", ""))
+    return rows
+
+
+def print_table(rows: list[tuple]) -> None:
+    header = ("", "samples/s of each run", "median samples/s", "peak RSS", "seconds to saved model", "test acc")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    print()
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
-    print("samples/s: steps x batch / seconds (like for like); own samples/s: Trainer's train_samples_per_second, "
-          "effitrain's train_samples_per_second; tokens/s: real (non-pad) tokens; peak RSS: at the end of training; "
-          "mean train loss: over all steps (neither logs per step here); test acc: effitrain only (the Trainer "
-          "run does not evaluate)")
-    busy = [(run.get("cpu") or {}).get("other_cores") for run in (trainer, ours)]
-    if any(b is not None and b > 0.1 for b in busy):
-        print(f"\nWARNING: other processes kept {fmt(busy[0], '.2f')} (during the Trainer run) / "
-              f"{fmt(busy[1], '.2f')} (during the effitrain run) cores busy: these speeds and their ratio "
-              "measure the contention as much as the code; rerun on an idle machine")
-    print("\nnotes:")
-    for line in notes(trainer, ours):
-        print(("  " if line.startswith("  ") else "- ") + line.strip())
 
+
+def compare(args) -> None:
+    sides = (["trainer"] if args.trainer_defaults else []) + ["trainer-best", "effitrain"]
+    results: dict = {(side, p): [] for side in sides for p in args.precision}
+    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:
+        for _ in range(args.runs):  # the sides take turns: a busier moment hits all of them
+            for precision in args.precision:
+                for side in sides:
+                    results[(side, precision)].append(run_child(side, precision, args, Path(tmp)))
+    first = results[(sides[-1], args.precision[0])][0]
+    print(f"\nall-MiniLM-L6-v2 on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
+          f"lr {LR}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
+          f"max_length {MAX_LENGTH}; then validation + test (batch {EVAL_BATCH}) and the model saved; "
+          f"{args.runs} run(s) each, medians; {first['machine']}; torch {first['versions']['torch']}, "
+          f"transformers {first['versions']['transformers']}, effitrain {first['versions']['effitrain']}\n")
+    for precision in args.precision:
+        print_table(summary_rows(results, precision, sides))
+        print()
+    print("samples/s: steps x batch / seconds of the training loop; peak RSS: at the end of training; seconds to "
+          "saved model: the process from its start (interpreter, imports) to its exit after saving")
+    busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
+    if any(b is not None and b > 0.1 for b in busy):
+        print(f"\nWARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "
+              "some runs: these speeds measure the contention as much as the code; rerun on an idle machine")
+    print("\nnotes:")
+    for line in notes(results[("trainer-best", args.precision[0])][0], first):
+        print(("  " if line.startswith("  ") else "- ") + line.strip())
     if args.json is not None:
-        report = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": trainer["machine"],
-            "model": "all-MiniLM-L6-v2 (effitrain default)",
-            "data": f"{DATA} train split (validation {VALIDATION_SPLIT}, test {TEST_SPLIT})",
-            "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "lr": LR,
-            "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO, "max_grad_norm": MAX_GRAD_NORM,
-            "max_length": MAX_LENGTH,
-            "ratios_effitrain_over_trainer": ratios,
-            "runs": results,
-        }
+        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": first["machine"], "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed,
+                  "runs": {f"{side} {p}": runs for (side, p), runs in results.items()}}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nfigures written to {args.json}")
@@ -517,7 +567,8 @@ def main(argv=None) -> None:
     if args.only is None:
         compare(args)
         return
-    result = run_trainer(args) if args.only == "trainer" else run_effitrain(args)
+    args.precision = args.precision[0]  # a child runs one
+    result = run_effitrain(args) if args.only == "effitrain" else run_trainer(args, best=args.only == "trainer-best")
     text = json.dumps(result, indent=2) + "\n"
     if args.result is not None:
         args.result.write_text(text)
