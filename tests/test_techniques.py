@@ -55,11 +55,19 @@ def test_torchao_is_the_8bit_fallback(monkeypatch):
     assert optim.state_bytes(optimizer) / 256 / 257 <= 2.2  # codes are 1 byte, plus block scales
 
 
-def test_auto_precision_is_fp32_on_a_cpu_and_says_why():
-    if torch.cuda.is_available():
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_precision_on_a_cpu_is_bf16_where_it_has_native_bf16_and_says_why(monkeypatch, native_bf16):
+    if torch.cuda.is_available() or devices.has_accelerator():
         pytest.skip("GPU machine")
+    monkeypatch.delenv(precision.AUTO_ON_CPU, raising=False)
+    monkeypatch.setattr(devices, "cpu_has_fast_bf16", lambda: native_bf16)
     mixed, reason = precision.choose("auto")
-    assert mixed == "no" and reason.startswith("auto: fp32 on a CPU") and "bf16 matmul measured" in reason
+    if native_bf16:
+        assert mixed == "bf16" and reason.startswith("auto: bf16 autocast on this CPU") and "--precision fp32" in reason
+    else:
+        assert mixed == "no" and reason.startswith("auto: fp32 on a CPU without native bf16")
+    monkeypatch.setenv(precision.AUTO_ON_CPU, "fp32")  # what the suite sets (conftest)
+    assert precision.choose("auto") == ("no", f"auto: fp32 ({precision.AUTO_ON_CPU}=fp32)")
 
 
 def test_fp16_on_a_cpu_is_refused():
