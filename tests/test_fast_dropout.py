@@ -43,13 +43,25 @@ def test_dropout_keeps_one_minus_p_scaled_and_the_backward_uses_the_same_mask():
     assert fast_dropout.dropout(x, 0.3, training=False) is x and fast_dropout.dropout(x, 0.0) is x
 
 
-def test_dropout_saves_a_boolean_mask_for_the_backward():
-    """1 byte an element kept for the backward (torch's CPU dropout keeps a float mask: 4)."""
-    saved = []
-    x = torch.randn(64, 64, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fast_dropout.dropout(x, 0.5)
-    assert [t.dtype for t in saved] == [torch.bool]
+def test_bf16_inputs_keep_the_same_share():
+    """The uniform draw is made in fp32 even for bf16 inputs (bf16 uniforms are rounded)."""
+    torch.manual_seed(0)
+    x = torch.ones(1000, 1000, dtype=torch.bfloat16)
+    y = fast_dropout.dropout(x, 0.1)
+    assert y.dtype == torch.bfloat16 and abs((y != 0).float().mean().item() - 0.9) < 0.002
+
+
+def test_dropout_keeps_what_torchs_cpu_dropout_keeps_for_the_backward():
+    """One mask of the input's size and dtype (torch's CPU dropout keeps its scaled float mask), so the
+    memory planner's counts and real runs agree with or without effitrain's dropout."""
+    def saved_by(function):
+        saved = []
+        x = torch.randn(64, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            function(x)
+        return [(t.dtype, t.numel()) for t in saved]
+
+    assert saved_by(lambda x: fast_dropout.dropout(x, 0.5)) == saved_by(lambda x: torch.nn.functional.dropout(x, 0.5))
 
 
 def test_gradient_matches_finite_differences():

@@ -144,8 +144,8 @@ def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
 
 
 def build(task: str, config):
-    """The task's Auto model from `config`, its tensors fake (no memory), with the dropout training runs
-    (fast_dropout: its masks are kept as booleans, torch's CPU dropout keeps floats)."""
+    """The task's Auto model from `config`, its tensors fake (no memory), with the dropout and attention
+    training runs (fast_dropout)."""
     from effitrain import fast_dropout
 
     model = tasks.get(task).auto_class.from_config(config)
