@@ -14,7 +14,8 @@ the same weights, in this one process:
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower or busier moment of the machine hits all of them; the median step time of each is compared
 with torch's. `--profile` then profiles 3 steps of `torch` and `both` with torch.profiler and prints
-the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm).
+the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm; dropout
+masks: bernoulli_, ge_, div_, and effitrain's _KeepMask, whose own time holds numpy's draws).
 
     .venv/bin/python benchmarks/dropout.py [--precision fp32|bf16] [--batch-size 16] [--length 128] [--profile]
 """
@@ -30,8 +31,9 @@ import torch
 
 VARIANTS = {"torch": None, "layers": (True, False), "attention": (False, True), "both": (True, True)}
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
-DROPOUT = {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::div_", "aten::native_dropout",
-           "aten::native_dropout_backward"}
+# effitrain's mask is drawn inside its autograd function (_KeepMask), whose own time holds numpy's draws.
+DROPOUT = {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_", "aten::native_dropout",
+           "aten::native_dropout_backward", "_KeepMask"}
 
 
 def parse_args(argv=None):

@@ -43,6 +43,27 @@ def test_dropout_keeps_one_minus_p_scaled_and_the_backward_uses_the_same_mask():
     assert fast_dropout.dropout(x, 0.3, training=False) is x and fast_dropout.dropout(x, 0.0) is x
 
 
+def test_uniforms_follow_torchs_seed_and_not_the_thread_count():
+    """Seeded from torch's generator: the same seed, the same draws, whatever the number of threads;
+    spread over chunks whose draws are independent and uniform."""
+    x = torch.empty(3 * fast_dropout.CHUNK + 5)
+    threads = torch.get_num_threads()
+    draws = []
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        torch.manual_seed(11)
+        draws.append(fast_dropout.uniform(x))
+    torch.set_num_threads(threads)
+    assert torch.equal(draws[0], draws[1])
+    u = draws[0]
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 1e-3
+    chunks = u[: 3 * fast_dropout.CHUNK].view(3, -1)
+    assert not torch.equal(chunks[0], chunks[1])  # each chunk its own stream
+    assert abs(torch.corrcoef(chunks[:2])[0, 1].item()) < 5e-3
+    torch.manual_seed(12)
+    assert not torch.equal(fast_dropout.uniform(x), u)
+
+
 def test_bf16_inputs_keep_the_same_share():
     """The uniform draw is made in fp32 even for bf16 inputs (bf16 uniforms are rounded)."""
     torch.manual_seed(0)
@@ -106,7 +127,7 @@ def test_attention_dropout_is_the_softmax_dropped_by_a_mask_of_the_same_draws():
     ours, _ = fast_dropout.attention(module, q, k, v, keep, dropout=0.25, scaling=0.5)
     torch.manual_seed(5)
     probs = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~keep, torch.finfo(q.dtype).min).softmax(-1)
-    expected = (probs * (torch.rand_like(probs) >= 0.25) / 0.75) @ v
+    expected = (probs * (fast_dropout.uniform(probs) >= 0.25) / 0.75) @ v
     torch.testing.assert_close(ours, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 
