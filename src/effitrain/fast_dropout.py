@@ -54,6 +54,10 @@ def uniform(x: torch.Tensor) -> torch.Tensor:
     state and gradient checkpointing's RNG restore give the same uniforms, as they would rand_like's."""
     import numpy as np
 
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        # Fake tensors (the memory planner) hold no values, and --compile traces torch ops, not numpy's
+        # threads: torch's own draw there.
+        return torch.rand_like(x, dtype=torch.float32)
     global _POOL
     seed = int(torch.randint(0, 2**62, (1,)))
     out = np.empty(x.numel(), dtype=np.float32)
