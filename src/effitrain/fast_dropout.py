@@ -1,4 +1,4 @@
-"""Dropout whose masks cost less on CPUs: the same dropout, drawn with `rand_like` instead of `bernoulli_`.
+"""Dropout whose masks cost less on CPUs: the same dropout, its uniforms drawn by `uniform` instead of `bernoulli_`.
 
 Each element is kept with probability 1 - p and scaled by 1 / (1 - p), as torch's dropout does; only
 the way the uniform draw is made differs (torch's CPU `bernoulli_` was ~15% of the default model's
@@ -80,7 +80,7 @@ def uniform(x: torch.Tensor) -> torch.Tensor:
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """F.dropout(x, p, training), with the CPU mask drawn by rand_like."""
+    """F.dropout(x, p, training), with the CPU mask drawn from `uniform`."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu" or p >= 1.0:

@@ -68,18 +68,13 @@ def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
             if job.adapted:
                 saving.save_model(job, job.out_dir / "adapter", adapter=True)
         result["wall_seconds"] = state.wall_seconds()
-        result["wall_seconds_by_phase"] = state.seconds_by_phase(compiling(result))
+        result["wall_seconds_by_phase"] = state.seconds_by_phase((result["compile"] or {}).get("seconds", 0.0))
         report.write(job, result)
         if job.accelerator.is_main_process:
             # The folder chosen (a launched run without --output-dir names it on process 0 only).
             model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
                              card_facts(job))
         return result
-
-
-def compiling(result: dict) -> float:
-    """--compile's seconds (engine/compilation.py; 0 without)."""
-    return (result.get("compile") or {}).get("seconds", 0.0)
 
 
 def card_facts(job: Run) -> dict:

@@ -40,7 +40,6 @@ class TrainState:
 
     SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
                "evals_without_improvement", "validation", "phase_seconds")
-    PHASES = ("start_up", "set_up", "evaluation", "saving")
 
     def __post_init__(self):
         if self.window is None:
@@ -72,7 +71,7 @@ class TrainState:
 
     @contextlib.contextmanager
     def timed(self, phase: str):
-        """Adds the wall time of the block to `phase` (one of PHASES)."""
+        """Adds the wall time of the block to `phase` (start_up, set_up, evaluation or saving)."""
         start = time.perf_counter()
         try:
             yield
@@ -88,9 +87,10 @@ class TrainState:
         (--compile), evaluation (validation and test), saving (checkpoints, best/, model/, adapter/,
         metrics.json), and what is left (logging, the checks between them). `total`: start-up + wall_seconds,
         the process's time to the saved model."""
-        split = {phase: self.phase_seconds.get(phase, 0.0) for phase in self.PHASES[:2]}
-        split.update(training=self.train_seconds, compiling=compiling,
-                     **{phase: self.phase_seconds.get(phase, 0.0) for phase in self.PHASES[2:]})
+        timed = self.phase_seconds
+        split = {"start_up": timed.get("start_up", 0.0), "set_up": timed.get("set_up", 0.0),
+                 "training": self.train_seconds, "compiling": compiling,
+                 "evaluation": timed.get("evaluation", 0.0), "saving": timed.get("saving", 0.0)}
         total = split["start_up"] + self.wall_seconds()
         split["other"] = max(0.0, total - sum(split.values()))
         return {**{phase: round(seconds, 3) for phase, seconds in split.items()}, "total": round(total, 3)}
