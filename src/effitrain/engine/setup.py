@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import adapters, fast_dropout, models, outputs, tasks, tracking
+from effitrain import adapters, fast_dropout, first_token_head, models, outputs, tasks, tracking
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
@@ -258,6 +258,8 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
                    "device_map": {"": device}}
     model = task.build_model(source, data.label_names, data.processor, options)
     fast_dropout.apply(model)  # CPUs: the same dropout, its masks drawn at less cost
+    if not config.packing:  # packed rows: the head reads each example's first token, not each row's
+        first_token_head.apply(model)  # a classifier's last layer computes only the row its head reads
     if plan.gradient_checkpointing:
         # Non-reentrant: with a frozen body (LoRA) the reentrant kind would train nothing ("element 0 of
         # tensors does not require grad", peft #137): its recomputed inputs would not require gradients.

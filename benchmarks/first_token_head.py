@@ -1,0 +1,119 @@
+"""What computing only the first token's row in the last layer (first_token_head.py) buys a sequence
+classifier's training step and its evaluation.
+
+The default model (all-MiniLM-L6-v2, BERT, 6 layers) with effitrain's dropout (fast_dropout.apply, as
+`effitrain train` runs it), in two copies from the same weights in this one process:
+
+  whole        every layer computes every token's row
+  first-token  first_token_head.apply: the last layer computes the first token's row only
+
+For each `--length` (default: 30, about the width of the default job's length-grouped SMS batches, and
+128, its max_length) and each `--precision`: the median time of a training step (random token batches of
+`--batch-size`, all real tokens; forward, loss, backward, fused AdamW step, zero_grad) and of an
+evaluation forward at batch `--eval-batch-size` under torch.inference_mode, the copies taking turns
+(`--rounds` rounds of `--steps` each, after 2 warm-up steps each) so that a busier moment of the machine
+hits both. The largest logit difference between the copies (evaluation mode, fp32, before either
+trains) is printed too.
+
+    .venv/bin/python benchmarks/first_token_head.py [--length 30 128] [--precision fp32 bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from dropout import make_step  # benchmarks/dropout.py: the same training step
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    parser.add_argument("--length", nargs="+", type=int, default=[30, 128])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--eval-batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="steps per copy per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
+    return parser.parse_args(argv)
+
+
+def copies() -> dict:
+    """name -> model, both from the same initial weights, with effitrain's dropout."""
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain import fast_dropout, first_token_head, models
+
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(str(models.resolve("default")), num_labels=2,
+                                                              attn_implementation="sdpa")
+    fast_dropout.apply(base)
+    pruned = copy.deepcopy(base)
+    assert first_token_head.apply(pruned)
+    return {"whole": base, "first-token": pruned}
+
+
+def batch_of(rows: int, length: int) -> dict:
+    return {"input_ids": torch.randint(1000, 20000, (rows, length)),
+            "attention_mask": torch.ones(rows, length, dtype=torch.long),
+            "labels": torch.randint(0, 2, (rows,))}
+
+
+def make_eval(model, batch: dict, precision: str):
+    def forward() -> None:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return forward
+
+
+def medians(runs: dict, rounds: int, steps: int) -> dict:
+    """name -> median seconds of one call, the names taking turns."""
+    for run in runs.values():
+        for _ in range(2):
+            run()
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(measured) for name, measured in times.items()}
+
+
+def main(argv=None) -> None:
+    from effitrain.engine import optim
+
+    args = parse_args(argv)
+    models_ = copies()
+    print(f"default model, training batch {args.batch_size}, evaluation batch {args.eval_batch_size}, "
+          f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} calls each, medians")
+    differences = {}  # before either copy trains: from then on their weights part
+    for length in args.length:
+        probe = batch_of(16, length)["input_ids"]
+        with torch.inference_mode():
+            logits = [model.eval()(input_ids=probe).logits for model in models_.values()]
+        differences[length] = (logits[0] - logits[1]).abs().max().item()
+    for precision in args.precision:
+        for length in args.length:
+            torch.manual_seed(1)
+            train_batch, eval_batch = batch_of(args.batch_size, length), batch_of(args.eval_batch_size, length)
+            for model in models_.values():
+                model.train()
+            steps = {name: make_step(model, optim.adamw(model, 1e-4, 0.01), train_batch, precision)
+                     for name, model in models_.items()}
+            trained = medians(steps, args.rounds, args.steps)
+            evals = {name: make_eval(model.eval(), eval_batch, precision) for name, model in models_.items()}
+            evaluated = medians(evals, args.rounds, 1)
+            print(f"{precision} {length:4d} tokens: training step whole {trained['whole'] * 1000:7.1f} ms, "
+                  f"first-token {trained['first-token'] * 1000:7.1f} ms ({trained['whole'] / trained['first-token']:.2f}x); "
+                  f"evaluation batch whole {evaluated['whole'] * 1000:7.1f} ms, first-token "
+                  f"{evaluated['first-token'] * 1000:7.1f} ms ({evaluated['whole'] / evaluated['first-token']:.2f}x); "
+                  f"largest fp32 logit difference before training {differences[length]:.1e}")
+
+
+if __name__ == "__main__":
+    main()
