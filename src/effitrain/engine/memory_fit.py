@@ -18,6 +18,7 @@ import os
 import torch
 
 from effitrain.config import TrainConfig
+from effitrain.engine import allocator
 from effitrain.errors import UserError
 
 # torch.OutOfMemoryError since torch 2.5; torch.cuda's before (the README promises torch >= 2.4).
@@ -38,6 +39,8 @@ def release_cached(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    else:
+        allocator.give_back()  # what glibc kept at its heap's top for reuse (engine/allocator.py)
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:

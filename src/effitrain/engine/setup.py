@@ -21,7 +21,7 @@ from effitrain import adapters, fast_dropout, first_token_head, models, outputs,
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
-from effitrain.engine import checkpoint, communication, compilation, memory_fit, optim, precision, sharding
+from effitrain.engine import allocator, checkpoint, communication, compilation, memory_fit, optim, precision, sharding
 from effitrain.errors import UserError
 
 
@@ -120,6 +120,8 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
                                    mixed_precision, broadcast_buffers=config.memory_budget is None,
                                    log_with=trackers(config, run_dir))
     cleanup.callback(accelerator.end_training)  # also finishes the trackers
+    if accelerator.device.type == "cpu" and allocator.keep_freed_memory():  # each step reuses the last one's pages
+        cleanup.callback(allocator.restore)
     if config.strategy == "fsdp":
         sharding.check_supported(mixed_precision)
         sharding.join_alone(accelerator, cleanup)
