@@ -2,22 +2,28 @@
 
 The default model (all-MiniLM-L6-v2, BERT, dropout 0.1 in 13 hidden-state layers and 6 attention
 layers) trains on random token batches of `--batch-size` x `--length` (all real tokens), one full
-training step each (forward, loss, backward, fused AdamW step, zero_grad), in four variants built from
+training step each (forward, loss, backward, fused AdamW step, zero_grad), in five variants built from
 the same weights, in this one process:
 
   torch      the model as transformers builds it: nn.Dropout (CPU `bernoulli_` masks), SDPA attention,
              which falls back to its math path (and `bernoulli_`) whenever dropout is on
   layers     fast_dropout.apply(layers=True, attention=False): the nn.Dropout layers only
   attention  fast_dropout.apply(layers=False, attention=True): the attention dropout only
-  both       what `effitrain train` runs
+  both       fast_dropout.apply(): both
+  effitrain  both, and first_token_head.apply(): the classifier's last layer computes the first token's
+             row only (first_token_head.py), what `effitrain train` runs
+
+`--keep-freed-memory` makes glibc keep freed memory for reuse in this process (engine/allocator.py, as
+`effitrain train` does on CPUs), for every variant.
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower or busier moment of the machine hits all of them; the median step time of each is compared
-with torch's. `--profile` then profiles 3 steps of `torch` and `both` with torch.profiler and prints
+with torch's. `--profile` then profiles 3 steps of `torch`, `both` and `effitrain` with torch.profiler and prints
 the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm; dropout
 masks: bernoulli_, ge_, div_, and effitrain's _KeepMask, whose own time holds numpy's draws).
 
     .venv/bin/python benchmarks/dropout.py [--precision fp32|bf16] [--batch-size 16] [--length 128] [--profile]
+        [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import time
 
 import torch
 
-VARIANTS = {"torch": None, "layers": (True, False), "attention": (False, True), "both": (True, True)}
+VARIANTS = {"torch": None, "layers": (True, False), "attention": (False, True), "both": (True, True),
+            "effitrain": (True, True)}  # both, and the classifier's last layer for the first token only
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 # effitrain's mask is drawn inside its autograd function (_KeepMask), whose own time holds numpy's draws.
 DROPOUT = {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_", "aten::native_dropout",
@@ -43,7 +50,10 @@ def parse_args(argv=None):
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    parser.add_argument("--profile", action="store_true", help="also print the operator shares of torch and both")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the operator shares of torch, both and effitrain")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory for reuse in this process, as `effitrain train` on CPUs")
     return parser.parse_args(argv)
 
 
@@ -51,7 +61,7 @@ def variants() -> dict:
     """name -> (model, optimizer), all from the same initial weights."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import fast_dropout, models
+    from effitrain import fast_dropout, first_token_head, models
     from effitrain.engine import optim
 
     torch.manual_seed(0)
@@ -62,6 +72,8 @@ def variants() -> dict:
         model = copy.deepcopy(base)
         if switches is not None:
             fast_dropout.apply(model, layers=switches[0], attention=switches[1])
+        if name == "effitrain":
+            first_token_head.apply(model)
         model.train()
         built[name] = (model, optim.adamw(model, 1e-4, 0.01))
     return built
@@ -101,6 +113,10 @@ def shares(step) -> tuple[dict, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.keep_freed_memory:
+        from effitrain.engine import allocator
+
+        assert allocator.keep_freed_memory()
     torch.manual_seed(1)
     batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
              "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
@@ -118,13 +134,14 @@ def main(argv=None) -> None:
                 step()
                 times[name].append(time.perf_counter() - start)
     print(f"default model, {args.batch_size} x {args.length} tokens, {args.precision}, {torch.get_num_threads()} "
-          f"threads, {args.rounds} rounds x {args.steps} steps each, median step time")
+          f"threads, {args.rounds} rounds x {args.steps} steps each, median step time"
+          f"{', glibc keeping freed memory' if args.keep_freed_memory else ''}")
     base = statistics.median(times["torch"])
     for name, measured in times.items():
         median = statistics.median(measured)
         print(f"  {name:10s} {median * 1000:8.1f} ms   {base / median:.2f}x torch's speed")
     if args.profile:
-        for name in ("torch", "both"):
+        for name in ("torch", "both", "effitrain"):
             groups, seconds = shares(steps[name])
             print(f"profile {name}: {seconds * 1000:.0f} ms/step; matrix products {groups['matrix products']:.1%}, "
                   f"dropout masks {groups['dropout masks']:.1%}, other {groups['other']:.1%}; top: {groups['top']}")

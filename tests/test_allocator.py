@@ -2,6 +2,7 @@
 step) instead of fresh mappings, and glibc's settings are put back when the run ends."""
 
 import ctypes
+import os
 import platform
 
 import pytest
@@ -53,9 +54,16 @@ def test_the_switch_leaves_glibc_alone(monkeypatch):
     assert held_in_its_own_mapping()
 
 
+def test_a_user_setting_of_the_primitive_cache_is_kept(monkeypatch):
+    monkeypatch.setenv(allocator.PRIMITIVE_CACHE, "7")
+    allocator.bound_primitive_cache()
+    assert os.environ[allocator.PRIMITIVE_CACHE] == "7"
+
+
 def test_a_cpu_run_keeps_freed_memory_and_restores_it(tiny_model_dir, tmp_path, monkeypatch):
     import effitrain
 
+    monkeypatch.delenv(allocator.PRIMITIVE_CACHE, raising=False)  # put back (or removed) after the test
     calls = []
     keep, restore = allocator.keep_freed_memory, allocator.restore
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("keep") or keep())
@@ -65,4 +73,5 @@ def test_a_cpu_run_keeps_freed_memory_and_restores_it(tiny_model_dir, tmp_path, 
     effitrain.train({"model": str(tiny_model_dir), "data": str(tmp_path / "d.csv"), "max_steps": 1,
                      "batch_size": 8, "max_length": 16, "output_dir": str(tmp_path / "run")})
     assert calls == ["keep", "restore"]
+    assert os.environ[allocator.PRIMITIVE_CACHE] == str(allocator.PRIMITIVES)  # bf16 matmuls' kernel cache
     assert held_in_its_own_mapping()  # glibc's own behaviour again after the run

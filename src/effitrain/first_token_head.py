@@ -27,7 +27,8 @@ def apply(model: torch.nn.Module) -> bool:
     did (a model of another type, decoder or attention implementation is left as it is)."""
     config = model.config
     if (config.model_type not in ENCODERS or getattr(config, "is_decoder", False)
-            or config._attn_implementation not in ATTENTION or not type(model).__name__.endswith("SequenceClassification")):
+            or config._attn_implementation not in ATTENTION
+            or not type(model).__name__.endswith("SequenceClassification")):
         return False
     layers = getattr(model.base_model, ENCODERS[config.model_type]).layer
     last = layers[-1]
