@@ -17,3 +17,27 @@ def test_metrics_match_hand_computation():
 def test_class_absent_from_split_counts_as_zero_f1():
     m = classification_metrics(np.array([0, 0]), np.array([0, 0]), ["ham", "spam"])
     assert m["f1_ham"] == 1.0 and m["f1_spam"] == 0.0 and m["f1_macro"] == 0.5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_metrics_equal_sklearns(seed):
+    """The numpy metrics give sklearn's figures: absent classes, a class never predicted, labels outside
+    the classes in the confusion counts (left out, as sklearn's labels= leaves them out)."""
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
+
+    from effitrain.tasks.metrics import confusion_counts
+
+    rng = np.random.default_rng(seed)
+    classes = 2 + seed % 4
+    refs = rng.integers(0, classes - (seed % 2), size=50 + seed)  # odd seeds: the last class never occurs
+    preds = np.where(rng.random(refs.size) < 0.7, refs, rng.integers(0, classes, size=refs.size))
+    names = [f"c{i}" for i in range(classes)]
+    m = classification_metrics(preds, refs, names)
+    per_class = f1_score(refs, preds, labels=list(range(classes)), average=None, zero_division=0)
+    assert m["accuracy"] == pytest.approx(accuracy_score(refs, preds), abs=1e-12)
+    assert [m[f"f1_{n}"] for n in names] == pytest.approx(per_class.tolist(), abs=1e-12)
+    assert m["f1_macro"] == pytest.approx(per_class.mean(), abs=1e-12)
+    noisy_refs = np.where(rng.random(refs.size) < 0.1, -100, refs)
+    assert confusion_counts(preds, noisy_refs, classes) == \
+        confusion_matrix(noisy_refs, preds, labels=list(range(classes))).tolist()
+

@@ -102,10 +102,22 @@ def linear_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup: 
 
     accelerate's prepared scheduler steps `num_processes` times per optimizer step (it assumes the
     schedule was written for one process seeing every batch), so the schedule is stretched by that
-    factor: the lr at each optimizer step is then the same for any number of processes."""
-    from transformers import get_linear_schedule_with_warmup
+    factor: the lr at each optimizer step is then the same for any number of processes.
+    transformers' get_linear_schedule_with_warmup, factor for factor (tested against it): importing
+    transformers.optimization imports the Trainer's utilities, peft and bitsandbytes, ~1 s a run."""
+    import functools
 
-    return get_linear_schedule_with_warmup(optimizer, warmup * num_processes, total_steps * num_processes)
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, functools.partial(linear_factor, warmup=warmup * num_processes,
+                                                 total=total_steps * num_processes))
+
+
+def linear_factor(step: int, *, warmup: int, total: int) -> float:
+    """The lr factor at scheduler step `step`: 0 -> 1 over `warmup`, then 1 -> 0 at `total`."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
 
 
 def continue_schedule(scheduler, step: int, num_processes: int) -> None:
