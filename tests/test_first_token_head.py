@@ -22,8 +22,7 @@ def tokenizer():
 def padded_batch(tokenizer, pairs: bool = False) -> dict:
     from effitrain.data import text
 
-    typed = True
-    batch = text.collator(tokenizer)(features(tokenizer, pairs, token_types=typed))
+    batch = text.collator(tokenizer)(features(tokenizer, pairs))
     assert (batch["attention_mask"] == 0).any()  # padding in the batch: the mask's rows matter
     return batch
 
@@ -104,9 +103,10 @@ def test_left_alone_where_it_would_not_hold(tokenizer):
     assert not first_token_head.apply(AutoModel.from_config(config))  # no head: every row is the output
 
 
-def test_a_training_run_prunes_and_still_learns(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_training_run_prunes_unless_packing(tiny_model_dir, tmp_path, monkeypatch):
     """Through the engine: the classifier of a run computes its last layer for the first token only, and
     a packed run (whose head reads each example's first token) is left whole."""
+    import effitrain
     from effitrain.engine import setup
 
     built = []
@@ -117,10 +117,8 @@ def test_a_training_run_prunes_and_still_learns(tiny_model_dir, tmp_path, monkey
         built.append(model)
         return model
 
-    import effitrain
-
-    rows = "\n".join(f"\"message number {i} {'win a prize' if i % 3 == 0 else 'see you'}\",{['ham', 'spam'][i % 3 == 0]}"
-                     for i in range(40))
+    rows = "\n".join(f"\"message number {i} {'win a prize' if i % 3 == 0 else 'see you'}\","
+                     f"{['ham', 'spam'][i % 3 == 0]}" for i in range(40))
     (tmp_path / "d.csv").write_text("text,label\n" + rows + "\n")
     monkeypatch.setattr(setup, "build_model", recording)
     for packing in (False, True):
