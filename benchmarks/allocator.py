@@ -50,6 +50,7 @@ def child(precision: str) -> dict:
     from transformers import AutoModelForSequenceClassification
 
     from dropout import make_step  # benchmarks/dropout.py: the same training step
+    from first_token_head import batch_of, make_eval  # and its batches and evaluation forward
     from effitrain import fast_dropout, first_token_head, models
     from effitrain.engine import allocator, optim
 
@@ -61,13 +62,8 @@ def child(precision: str) -> dict:
     first_token_head.apply(model)
     model.train()
 
-    def batch(rows: int, width: int) -> dict:
-        return {"input_ids": torch.randint(1000, 20000, (rows, width)),
-                "attention_mask": torch.ones(rows, width, dtype=torch.long),
-                "labels": torch.randint(0, 2, (rows,))}
-
     optimizer = optim.adamw(model, 1e-4, 0.01)
-    steps = [make_step(model, optimizer, batch(16, width), precision) for width in WIDTHS]
+    steps = [make_step(model, optimizer, batch_of(16, width), precision) for width in WIDTHS]
     for step in steps[:2]:
         step()
     times = []
@@ -80,11 +76,10 @@ def child(precision: str) -> dict:
     model.eval()
     evaluation = 0.0
     for width in (128, 64, 30):
-        inputs = batch(128, width)
+        forward = make_eval(model, batch_of(128, width), precision)
         for _ in range(3):
             start = time.perf_counter()
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+            forward()
             evaluation += time.perf_counter() - start
     return {"kept": kept, "step_seconds": statistics.median(times), "evaluation_seconds": evaluation,
             "peak_mib_after_training": after_training, "peak_mib_at_end": peak_mib()}

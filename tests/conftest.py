@@ -45,6 +45,16 @@ def network_attempts(offline):
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The packaged all-MiniLM-L6-v2 tokenizer (read-only: shared by the session)."""
+    from transformers import AutoTokenizer
+
+    from effitrain.models import default_model_dir
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer, hidden-32 BERT with random weights and the packaged all-MiniLM tokenizer; dropout off so
     that runs which see the same examples compute the same arithmetic."""

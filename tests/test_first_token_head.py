@@ -10,15 +10,6 @@ from effitrain import fast_dropout, first_token_head
 from test_packing import features, tiny_model
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from effitrain.models import default_model_dir
-
-    return AutoTokenizer.from_pretrained(str(default_model_dir()))
-
-
 def padded_batch(tokenizer, pairs: bool = False) -> dict:
     from effitrain.data import text
 

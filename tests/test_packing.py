@@ -18,15 +18,6 @@ PAIRS = ["pair a", "pair b is longer than a", "c", "d d d d", "e", "the second t
 CAPACITY = 40  # --max-length: small enough that the examples take several rows
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from effitrain.models import default_model_dir
-
-    return AutoTokenizer.from_pretrained(str(default_model_dir()))
-
-
 def tiny_model(model_type: str, tokenizer, attention: str = "sdpa", labels: int = 3):
     """A 2-layer model of `model_type` with random weights and dropout off, so that both batches compute
     the same function."""

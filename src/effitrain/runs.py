@@ -17,9 +17,8 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
     `effitrain` command, whose process start counts as the run's start-up (imports, arguments)."""
     from effitrain import models
     from effitrain.data import sources
-    from effitrain.engine import allocator, checkpoint
+    from effitrain.engine import checkpoint
 
-    allocator.bound_primitive_cache()  # before this process's first bf16 matmul
     models.check_local(config.model, config.allow_pickle)  # paths first: no library needed to refuse them
     for flag, source in (("--data", config.data), ("--validation-file", config.validation_file),
                          ("--test-file", config.test_file)):

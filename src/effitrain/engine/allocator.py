@@ -21,6 +21,7 @@ step, so the layers of one step still share theirs) it stays flat at the same sp
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -28,8 +29,6 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
 KEEP = 256 * 1024 * 1024
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 SWITCH = "EFFITRAIN_KEEP_FREED_MEMORY"  # 0: leave glibc as it is (to measure, or to compare)
-
-
 PRIMITIVES = 64
 PRIMITIVE_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # oneDNN reads it once, at its first primitive
 
@@ -40,6 +39,7 @@ def bound_primitive_cache() -> None:
     os.environ.setdefault(PRIMITIVE_CACHE, str(PRIMITIVES))
 
 
+@functools.cache  # platform.libc_ver reads the interpreter's binary
 def _glibc():
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -54,7 +54,10 @@ def keep_freed_memory() -> bool:
     libc = _glibc()
     if libc is None or os.environ.get(SWITCH, "1") == "0":
         return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP))
+    if libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, KEEP):
+        return True
+    restore()  # not half set: the caller registers no restore when this returns False
+    return False
 
 
 def give_back() -> None:

@@ -115,6 +115,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     source = models.resolve_source(config.model, config.allow_pickle)
     source.allow_partial = config.allow_partial_load
     tracking.check_installed(config)
+    allocator.bound_primitive_cache()  # before this process's first bf16 matmul (choose may time one)
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
                                    mixed_precision, broadcast_buffers=config.memory_budget is None,

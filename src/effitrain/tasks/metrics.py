@@ -11,9 +11,9 @@ def classification_metrics(predictions, references, label_names: list[str]) -> d
 
     predictions, references = np.asarray(predictions), np.asarray(references)
     classes = np.arange(len(label_names))[:, None]
-    true_positives = ((predictions == classes) & (references == classes)).sum(axis=1)
-    predicted, actual = (predictions == classes).sum(axis=1), (references == classes).sum(axis=1)
-    denominator = predicted + actual  # 2 TP + FP + FN
+    predicted, actual = predictions == classes, references == classes  # [class, example]
+    true_positives = (predicted & actual).sum(axis=1)
+    denominator = predicted.sum(axis=1) + actual.sum(axis=1)  # 2 TP + FP + FN
     per_class = np.where(denominator > 0, 2 * true_positives / np.maximum(denominator, 1), 0.0)
     metrics = {
         "accuracy": float((predictions == references).mean()),
