@@ -64,6 +64,28 @@ def test_uniforms_follow_torchs_seed_and_not_the_thread_count():
     assert not torch.equal(fast_dropout.uniform(x), u)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_mask_is_the_uniforms_compared_and_scaled_bit_for_bit(dtype):
+    """keep_mask compares the draws' integers a block at a time; it must give exactly the mask of the
+    fp32 uniforms compared with p and scaled in x's dtype, across blocks, chunks and thread counts, and
+    for p that fp32 rounds (0.1) or that keeps all (tiny) or nothing (1 - 1e-9)."""
+    sizes = (1, 999, fast_dropout.BLOCK + 3, 2 * fast_dropout.CHUNK + fast_dropout.BLOCK + 7)
+    threads = torch.get_num_threads()
+    try:
+        for count, size, p in [(2, n, p) for n in sizes for p in (0.1, 0.25, 1 / 3, 0.9)] + \
+                [(1, sizes[-1], 0.1), (2, 5000, 1e-9), (2, 5000, 1 - 1e-9)]:
+            torch.set_num_threads(count)
+            x = torch.empty(size, dtype=dtype)
+            torch.manual_seed(7)
+            mask = fast_dropout.keep_mask(x, p)
+            torch.manual_seed(7)
+            expected = fast_dropout.uniform(x).ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
+            assert mask.dtype == dtype and mask.shape == x.shape
+            assert torch.equal(mask.view(torch.uint8), expected.view(torch.uint8)), (count, size, p)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_inputs_keep_the_same_share():
     """The uniform draw is made in fp32 even for bf16 inputs (bf16 uniforms are rounded)."""
     torch.manual_seed(0)

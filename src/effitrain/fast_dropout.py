@@ -3,7 +3,8 @@
 Each element is kept with probability 1 - p and scaled by 1 / (1 - p), as torch's dropout does; only
 the way the uniform draw is made differs (torch's CPU `bernoulli_` was ~15% of the default model's
 fp32 training step, 23% in bf16; `uniform(x) >= p` makes the same mask at a fraction of its cost,
-`uniform` drawing with numpy's PCG64 on torch's threads; see benchmarks/dropout.py).
+`uniform` drawing with numpy's PCG64 on torch's threads, `keep_mask` drawing, comparing and scaling a
+cache-sized block at a time; see benchmarks/dropout.py).
 The mask is kept for the backward as torch's CPU dropout keeps it: scaled floats (a boolean mask
 would save memory, but multiplying by booleans measured slower than the draw it saves).
 
@@ -15,6 +16,8 @@ training, and is transformers' SDPA otherwise (evaluation, p = 0, GPUs, anything
 On other devices (CUDA's dropout is one fused kernel) nothing changes: torch's dropout is called."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +34,7 @@ class _KeepMask(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        # Drawn in fp32 whatever x is: bf16 uniforms are rounded, which would move the keep probability.
-        mask = uniform(x).ge_(p).to(x.dtype)
-        mask.mul_(1.0 / (1.0 - p))  # in place: 1 / (1 - p) where kept, else 0
+        mask = keep_mask(x, p)
         ctx.save_for_backward(mask)
         return x * mask
 
@@ -44,7 +45,68 @@ class _KeepMask(torch.autograd.Function):
 
 
 CHUNK = 1 << 20  # uniforms per generator: a fixed split, so the draws do not depend on the thread count
+BLOCK = 1 << 14  # uniforms drawn, compared and turned into mask values at a time: they stay in cache
 _POOL = None
+# The mask's values written as the bits of x's dtype (numpy has no bf16): a signed integer of its size.
+_BITS = {2: (torch.int16, "int16"), 4: (torch.int32, "int32"), 8: (torch.int64, "int64")}
+
+
+def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The dropout mask for x: 1 / (1 - p) in x's dtype where `uniform(x)` >= p, else 0; bit for bit
+    `(uniform(x) >= p).to(x.dtype) * (1 / (1 - p))`, with the same draws, built a BLOCK at a time on
+    torch's threads (draw, compare, write in cache) instead of three passes over memory and, for bf16,
+    a cast. The comparison is made on the draws' integers: numpy's fp32 uniform is (r >> 8) / 2^24 for
+    the generator's next 32 random bits r, so uniform >= p exactly when r >= ceil(p * 2^24) * 2^8 (p
+    rounded to fp32, as torch compares), which skips the conversion to floats (1.6x fewer ns a draw)."""
+    import numpy as np
+
+    scale = torch.ones((), dtype=x.dtype).mul_(1.0 / (1.0 - p))  # rounded as torch rounds the scaled mask
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or not x.dtype.is_floating_point \
+            or x.dtype.itemsize not in _BITS:
+        return uniform(x).ge_(p).to(x.dtype).mul_(scale)
+    bits_dtype, numpy_bits = _BITS[x.dtype.itemsize]
+    kept_bits = np.array(scale.view(bits_dtype).item(), dtype=numpy_bits)
+    threshold = math.ceil(float(np.float32(p)) * 2**24) * 2**8  # exact: a power of two times an fp32
+    out = np.empty(x.numel(), dtype=numpy_bits)
+    if threshold >= 2**32:  # p rounds to 1 in fp32: no uniform reaches it
+        out.fill(0)
+        return torch.from_numpy(out).view(bits_dtype).view(x.dtype).view(x.shape)
+    threshold = np.uint32(max(threshold, 0))
+
+    def fill(generator, start: int, stop: int) -> None:
+        keep = np.empty(min(BLOCK, stop - start), bool)
+        for block in range(start, stop, BLOCK):  # one generator's stream, a block at a time (BLOCK is even)
+            n = min(BLOCK, stop - block)
+            draws = generator.bit_generator.random_raw((n + 1) // 2).view(np.uint32)[:n]  # low half first
+            np.greater_equal(draws, threshold, out=keep[:n])
+            np.multiply(keep[:n], kept_bits, out=out[block:block + n])
+
+    _each_chunk(out.size, fill)
+    return torch.from_numpy(out).view(bits_dtype).view(x.dtype).view(x.shape)
+
+
+def _each_chunk(size: int, fill) -> None:
+    """fill(generator, start, stop) for every CHUNK of `size` values, each chunk with its own PCG64
+    stream seeded by one draw from torch's generator and the chunk's start, on torch's threads."""
+    import numpy as np
+
+    global _POOL
+    seed = int(torch.randint(0, 2**62, (1,)))
+
+    def chunk(start: int) -> None:
+        generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, start])))
+        fill(generator, start, min(start + CHUNK, size))
+
+    starts = range(0, size, CHUNK)
+    if len(starts) == 1 or torch.get_num_threads() == 1:
+        for start in starts:
+            chunk(start)
+        return
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="effitrain-dropout")
+    list(_POOL.map(chunk, starts))
 
 
 def uniform(x: torch.Tensor) -> torch.Tensor:
@@ -58,24 +120,12 @@ def uniform(x: torch.Tensor) -> torch.Tensor:
         # Fake tensors (the memory planner) hold no values, and --compile traces torch ops, not numpy's
         # threads: torch's own draw there.
         return torch.rand_like(x, dtype=torch.float32)
-    global _POOL
-    seed = int(torch.randint(0, 2**62, (1,)))
     out = np.empty(x.numel(), dtype=np.float32)
-    starts = range(0, out.size, CHUNK)
 
-    def fill(start: int) -> None:
-        generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, start])))
-        generator.random(out=out[start:start + CHUNK], dtype=np.float32)
+    def fill(generator, start: int, stop: int) -> None:
+        generator.random(out=out[start:stop], dtype=np.float32)
 
-    if len(starts) == 1 or torch.get_num_threads() == 1:
-        for start in starts:
-            fill(start)
-    else:
-        if _POOL is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _POOL = ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="effitrain-dropout")
-        list(_POOL.map(fill, starts))
+    _each_chunk(out.size, fill)
     return torch.from_numpy(out).view(x.shape)
 
 
