@@ -115,6 +115,30 @@ def test_a_missing_micro_batch_runs_a_zero_weight_stand_in():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3, float("inf")])
+def test_cpu_clipping_gives_accelerates_norm_and_gradients_bit_for_bit(max_norm):
+    """clip_on_cpu skips the multiplication by 1.0 when the norm is within max_norm; clipped or not,
+    the norm and every gradient are accelerate's own, bit for bit."""
+    from effitrain.devices import make_accelerator
+    from effitrain.engine.step import clip_on_cpu, clips_on_cpu
+
+    accelerator = make_accelerator()
+    assert clips_on_cpu(accelerator)
+    results = []
+    for clip in (accelerator.clip_grad_norm_, lambda params, norm: clip_on_cpu(accelerator, params, norm)):
+        model = Linear()
+        loss = F.cross_entropy(model(x=batch(1)["x"]).logits, batch(1)["labels"], reduction="sum")
+        loss.backward()
+        results.append((clip(model.parameters(), max_norm), [p.grad.clone() for p in model.parameters()]))
+    (theirs, their_grads), (ours, our_grads) = results
+    assert torch.equal(ours, theirs) and all(torch.equal(a, b) for a, b in zip(our_grads, their_grads))
+    clipped = max_norm < theirs
+    assert clipped == (max_norm == 1e-3)  # both cases are exercised
+    unclipped = Linear()
+    F.cross_entropy(unclipped(x=batch(1)["x"]).logits, batch(1)["labels"], reduction="sum").backward()
+    assert all(torch.equal(a, b.grad) for a, b in zip(our_grads, unclipped.parameters())) != clipped
+
+
 def test_train_state_round_trips_and_scales_the_sums_per_process():
     state = TrainState(step=7, best_value=0.5, best_step=4, evals_without_improvement=1, last_loss=0.3)
     state.window += torch.tensor([6.0, 3.0])

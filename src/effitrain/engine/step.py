@@ -115,11 +115,38 @@ class StepRunner:
         # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
         # gradient is seen, the same on every process since gradients are already all-reduced.
         max_norm = self.max_grad_norm or float("inf")
-        grad_norm = sharding.clip_grad_norm_(self.model.parameters(), max_norm) if self.strategy == "fsdp" \
-            else self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.strategy == "fsdp":
+            grad_norm = sharding.clip_grad_norm_(self.model.parameters(), max_norm)
+        elif clips_on_cpu(self.accelerator):
+            grad_norm = clip_on_cpu(self.accelerator, self.model.parameters(), max_norm)
+        else:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         finite = grad_norm is None or bool(torch.isfinite(grad_norm))
         if finite or self.accelerator.scaler is not None:  # an fp16 scaler skips the step and backs off itself
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return finite, grad_norm
+
+
+def clips_on_cpu(accelerator) -> bool:
+    """Whether `clip_on_cpu` stands in for accelerate's clip_grad_norm_: one CPU process or CPU DDP."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.device.type == "cpu" and hasattr(torch.nn.utils, "get_total_norm") \
+        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU)
+
+
+def clip_on_cpu(accelerator, parameters, max_norm: float) -> torch.Tensor:
+    """accelerate's clip_grad_norm_ (the same norm, computed as it computes it, and the same gradients,
+    bit for bit) without its multiplication of every gradient by 1.0 when the norm is within max_norm:
+    torch multiplies regardless because on a GPU deciding would wait for the device; on a CPU it costs
+    nothing and saves a pass over all the gradients (~2% of the default model's step)."""
+    accelerator.unscale_gradients()
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
+    total = torch.linalg.vector_norm(torch.stack([norm]), 2.0)  # as accelerate combines its groups
+    # torch's coefficient, clamped at 1: multiplying by exactly 1.0 leaves every gradient as it is.
+    if max_norm != float("inf") and float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) < 1.0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
