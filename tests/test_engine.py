@@ -190,7 +190,7 @@ def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, bes
 LAYERS = [
     {"errors", "tasks"},  # tasks: the registry of names only (tasks/__init__.py imports nothing of ours)
     {"config", "devices", "outputs", "planning.sizes", "tracking"},  # planning.sizes: parsing "8GiB", no imports
-    {"models", "data", "adapters", "model_card", "fast_dropout", "first_token_head"},
+    {"models", "data", "adapters", "model_card", "fast_dropout", "first_token_head", "onednn_linear"},
     {"tasks.base", "tasks.classification", "tasks.causal_lm", "tasks.metrics", "tasks.packed"},
     {"planning"},
     {"engine"},

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import adapters, fast_dropout, first_token_head, models, outputs, tasks, tracking
+from effitrain import adapters, fast_dropout, first_token_head, models, onednn_linear, outputs, tasks, tracking
 from effitrain.config import TrainConfig
 from effitrain.data import text
 from effitrain.devices import make_accelerator
@@ -263,6 +263,8 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
     fast_dropout.apply(model)  # CPUs: the same dropout, its masks drawn at less cost
     if not config.packing:  # packed rows: the head reads each example's first token, not each row's
         first_token_head.apply(model)  # a classifier's last layer computes only the row its head reads
+    if device.type == "cpu":
+        onednn_linear.apply(model)  # fp32 products through oneDNN where MKL runs its generic code
     if plan.gradient_checkpointing:
         # Non-reentrant: with a frozen body (LoRA) the reentrant kind would train nothing ("element 0 of
         # tensors does not require grad", peft #137): its recomputed inputs would not require gradients.
