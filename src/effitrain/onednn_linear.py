@@ -27,29 +27,25 @@ SWITCH = "EFFITRAIN_FP32_MATMUL"  # "mkl": torch's own; "onednn": oneDNN on any 
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T + b; the backward's dx = dy W on oneDNN, dW = dy^T x and db on torch (MKL), saving what
-    torch's linear saves (the input and the weight)."""
+    """y = x W^T + b for a 2-d x; the backward's dx = dy W on oneDNN, dW = dy^T x and db on torch (MKL),
+    saving what torch's linear saves (the input and the weight)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(flat, weight)
+        ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        flat, weight = ctx.saved_tensors
-        grad_flat = grad.reshape(-1, grad.shape[-1])
+        x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.mkldnn._linear_pointwise(grad_flat, weight.t(), None, "none", [], "")
-            grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
+            grad_x = torch.ops.mkldnn._linear_pointwise(grad, weight.t(), None, "none", [], "")
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_flat.t().mm(flat)
+            grad_weight = grad.t().mm(x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_flat.sum(0)
+            grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
 
 
@@ -60,7 +56,10 @@ def _forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             or (bias is not None and bias.dtype != torch.float32)
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+    # Reshaped outside the Function: a view made inside one could not be modified in place (wav2vec2's
+    # SpecAugment writes into its projection's output).
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @functools.cache
