@@ -11,16 +11,18 @@ the same weights, in this one process:
   attention  fast_dropout.apply(layers=False, attention=True): the attention dropout only
   both       fast_dropout.apply(): both
   effitrain  both, and first_token_head.apply(): the classifier's last layer computes the first token's
-             row only (first_token_head.py), what `effitrain train` runs
+             row only (first_token_head.py), and onednn_linear.apply(): fp32 linear layers through oneDNN
+             where effitrain prefers it (CPUs not Intel's), what `effitrain train` runs
 
 `--keep-freed-memory` makes glibc keep freed memory for reuse in this process (engine/allocator.py, as
 `effitrain train` does on CPUs), for every variant.
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower or busier moment of the machine hits all of them; the median step time of each is compared
-with torch's. `--profile` then profiles 3 steps of `torch`, `both` and `effitrain` with torch.profiler and prints
-the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm; dropout
-masks: bernoulli_, ge_, div_, and effitrain's _KeepMask, whose own time holds numpy's draws).
+with torch's. `--profile` then profiles 3 steps of `torch`, `both` and `effitrain` with torch.profiler
+and prints the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm,
+oneDNN's _linear_pointwise; dropout masks: bernoulli_, ge_, div_, and effitrain's _KeepMask, whose own
+time holds numpy's draws).
 
     .venv/bin/python benchmarks/dropout.py [--precision fp32|bf16] [--batch-size 16] [--length 128] [--profile]
         [--keep-freed-memory]
@@ -37,7 +39,7 @@ import torch
 
 VARIANTS = {"torch": None, "layers": (True, False), "attention": (False, True), "both": (True, True),
             "effitrain": (True, True)}  # both, and the classifier's last layer for the first token only
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
 # effitrain's mask is drawn inside its autograd function (_KeepMask), whose own time holds numpy's draws.
 DROPOUT = {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_", "aten::native_dropout",
            "aten::native_dropout_backward", "_KeepMask"}
@@ -61,7 +63,7 @@ def variants() -> dict:
     """name -> (model, optimizer), all from the same initial weights."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import fast_dropout, first_token_head, models
+    from effitrain import fast_dropout, first_token_head, models, onednn_linear
     from effitrain.engine import optim
 
     torch.manual_seed(0)
@@ -74,6 +76,7 @@ def variants() -> dict:
             fast_dropout.apply(model, layers=switches[0], attention=switches[1])
         if name == "effitrain":
             first_token_head.apply(model)
+            onednn_linear.apply(model)
         model.train()
         built[name] = (model, optim.adamw(model, 1e-4, 0.01))
     return built

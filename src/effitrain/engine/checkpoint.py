@@ -86,8 +86,9 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
                 shutil.rmtree(final)
             os.rename(tmp, final)
     except BaseException:  # a signal or a full disk mid-save: no half checkpoint is left behind
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Every process, not the main one only: another may still be writing its RNG state into tmp
+        # (recreating it) when the main one's signal comes; the last to stop removes what is left.
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     if accelerator.is_main_process:
         for old in complete(out_dir)[:-keep_last] if keep_last else []:
