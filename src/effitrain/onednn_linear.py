@@ -66,7 +66,7 @@ def _forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def preferred() -> bool:
     """oneDNN for fp32 products on this machine: an x86 CPU that is not Intel's (MKL's generic path
     there; on Intel's, MKL is its makers' own best and stays), unless SWITCH says otherwise."""
-    choice = os.environ.get(SWITCH, "")
+    choice = os.environ.get(SWITCH, "").strip().lower()
     if choice in ("mkl", "onednn"):
         return choice == "onednn" and available()
     if platform.machine().lower() not in ("x86_64", "amd64") or not available():
