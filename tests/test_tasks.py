@@ -158,3 +158,5 @@ def test_preprocessing_is_cached_and_reused(tiny_model_dir):
     other = text.tokenize(splits, tokenizer, 16)
     files = [d["train"].cache_files[0]["filename"] for d in (first, second, other)]
     assert files[0] == files[1] != files[2]
+    # The fingerprint comes from the same hash as the file (datasets does not hash the tokenizer for it).
+    assert first["train"]._fingerprint == second["train"]._fingerprint != other["train"]._fingerprint

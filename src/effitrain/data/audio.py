@@ -87,8 +87,8 @@ def preprocess(splits, extractor, max_duration: float, base_dir):
 
     # Small batches: a batch holds its decoded waveforms (and AST's 512 KB spectrograms) in memory at once.
     key = [extractor.to_dict(), max_duration, cache.file_signature(splits, "audio", base_dir)]
-    encoded = splits.map(encode, batched=True, batch_size=64, writer_batch_size=64, remove_columns=["audio"],
-                         cache_file_names=cache.files(splits, key))
+    encoded = cache.map_splits(splits, encode, key, batched=True, batch_size=64, writer_batch_size=64,
+                               remove_columns=["audio"])
     return encoded.rename_column("label", "labels")
 
 

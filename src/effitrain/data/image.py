@@ -86,8 +86,8 @@ def preprocess(splits, processor, base_dir):
         splits = splits.cast_column("image", Image(decode=False))
     base_dir = None if base_dir is None else Path(base_dir)
     key = [processor.to_dict(), cache.file_signature(splits, "image", base_dir)]
-    encoded = splits.map(_encode, batched=True, remove_columns=["image"], cache_file_names=cache.files(splits, key),
-                         fn_kwargs={"processor": processor, "base_dir": base_dir})
+    encoded = cache.map_splits(splits, _encode, key, batched=True, remove_columns=["image"],
+                               fn_kwargs={"processor": processor, "base_dir": base_dir})
     encoded = encoded.rename_column("label", "labels")
     # Arrow holds pixel_values as nested lists; numpy format reads each row back as one array, not 3*s*s floats.
     return encoded.with_format("numpy", columns=["pixel_values"], output_all_columns=True)

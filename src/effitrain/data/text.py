@@ -16,7 +16,7 @@ def tokenize(splits, tokenizer, max_length: int, labels: bool = True):
 
     removed = [c for c in splits["train"].column_names if c != "label"]
     key = [tokenizer.name_or_path, len(tokenizer), max_length, pairs, labels]
-    encoded = splits.map(encode, batched=True, remove_columns=removed, cache_file_names=cache.files(splits, key))
+    encoded = cache.map_splits(splits, encode, key, batched=True, remove_columns=removed)
     return encoded.rename_column("label", "labels") if labels else encoded
 
 
