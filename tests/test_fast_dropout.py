@@ -78,10 +78,12 @@ def test_the_mask_is_the_uniforms_compared_and_scaled_bit_for_bit(dtype):
             x = torch.empty(size, dtype=dtype)
             torch.manual_seed(7)
             mask = fast_dropout.keep_mask(x, p)
+            after_mask = torch.get_rng_state()
             torch.manual_seed(7)
             expected = fast_dropout.uniform(x).ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
             assert mask.dtype == dtype and mask.shape == x.shape
             assert torch.equal(mask.view(torch.uint8), expected.view(torch.uint8)), (count, size, p)
+            assert torch.equal(after_mask, torch.get_rng_state())  # torch's generator moved on alike
     finally:
         torch.set_num_threads(threads)
 

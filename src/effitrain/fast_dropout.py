@@ -18,6 +18,7 @@ On other devices (CUDA's dropout is one fused kernel) nothing changes: torch's d
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -62,18 +63,19 @@ def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
 
     scale = torch.ones((), dtype=x.dtype).mul_(1.0 / (1.0 - p))  # rounded as torch rounds the scaled mask
     if type(x) is not torch.Tensor or torch.compiler.is_compiling() or not x.dtype.is_floating_point \
-            or x.dtype.itemsize not in _BITS:
+            or x.dtype.itemsize not in _BITS or sys.byteorder != "little":  # (the draws' halves' order)
         return uniform(x).ge_(p).to(x.dtype).mul_(scale)
     bits_dtype, numpy_bits = _BITS[x.dtype.itemsize]
     kept_bits = np.array(scale.view(bits_dtype).item(), dtype=numpy_bits)
     threshold = math.ceil(float(np.float32(p)) * 2**24) * 2**8  # exact: a power of two times an fp32
+    none_kept = threshold >= 2**32  # p rounds to 1 in fp32: no uniform reaches it
+    threshold = np.uint32(min(max(threshold, 0), 2**32 - 1))
     out = np.empty(x.numel(), dtype=numpy_bits)
-    if threshold >= 2**32:  # p rounds to 1 in fp32: no uniform reaches it
-        out.fill(0)
-        return torch.from_numpy(out).view(bits_dtype).view(x.dtype).view(x.shape)
-    threshold = np.uint32(max(threshold, 0))
 
     def fill(generator, start: int, stop: int) -> None:
+        if none_kept:  # still seeded as `uniform` is: torch's generator moves on the same way
+            out[start:stop] = 0
+            return
         keep = np.empty(min(BLOCK, stop - start), bool)
         for block in range(start, stop, BLOCK):  # one generator's stream, a block at a time (BLOCK is even)
             n = min(BLOCK, stop - block)
