@@ -84,30 +84,42 @@ def medians(runs: dict, rounds: int, steps: int) -> dict:
     return {name: statistics.median(measured) for name, measured in times.items()}
 
 
-def main(argv=None) -> None:
-    from effitrain.engine import optim
-
-    args = parse_args(argv)
-    models_ = copies()
-    print(f"default model, training batch {args.batch_size}, evaluation batch {args.eval_batch_size}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} calls each, medians")
-    differences = {}  # before either copy trains: from then on their weights part
-    for length in args.length:
+def logit_differences(models_: dict, lengths) -> dict:
+    """length -> the largest logit difference between the two copies (evaluation mode, fp32), taken
+    before either trains: from then on their weights part."""
+    differences = {}
+    for length in lengths:
         probe = batch_of(16, length)["input_ids"]
         with torch.inference_mode():
             logits = [model.eval()(input_ids=probe).logits for model in models_.values()]
         differences[length] = (logits[0] - logits[1]).abs().max().item()
+    return differences
+
+
+def timed_copies(models_: dict, length: int, precision: str, args) -> tuple[dict, dict]:
+    """name -> median seconds of a training step, and of an evaluation forward, the copies taking turns."""
+    from effitrain.engine import optim
+
+    torch.manual_seed(1)
+    train_batch, eval_batch = batch_of(args.batch_size, length), batch_of(args.eval_batch_size, length)
+    for model in models_.values():
+        model.train()
+    steps = {name: make_step(model, optim.adamw(model, 1e-4, 0.01), train_batch, precision)
+             for name, model in models_.items()}
+    trained = medians(steps, args.rounds, args.steps)
+    evals = {name: make_eval(model.eval(), eval_batch, precision) for name, model in models_.items()}
+    return trained, medians(evals, args.rounds, 1)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    models_ = copies()
+    print(f"default model, training batch {args.batch_size}, evaluation batch {args.eval_batch_size}, "
+          f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} calls each, medians")
+    differences = logit_differences(models_, args.length)
     for precision in args.precision:
         for length in args.length:
-            torch.manual_seed(1)
-            train_batch, eval_batch = batch_of(args.batch_size, length), batch_of(args.eval_batch_size, length)
-            for model in models_.values():
-                model.train()
-            steps = {name: make_step(model, optim.adamw(model, 1e-4, 0.01), train_batch, precision)
-                     for name, model in models_.items()}
-            trained = medians(steps, args.rounds, args.steps)
-            evals = {name: make_eval(model.eval(), eval_batch, precision) for name, model in models_.items()}
-            evaluated = medians(evals, args.rounds, 1)
+            trained, evaluated = timed_copies(models_, length, precision, args)
             step_gain = trained["whole"] / trained["first-token"]
             eval_gain = evaluated["whole"] / evaluated["first-token"]
             print(f"{precision} {length:4d} tokens: training step whole {trained['whole'] * 1000:7.1f} ms, "
@@ -115,7 +127,6 @@ def main(argv=None) -> None:
                   f"evaluation batch whole {evaluated['whole'] * 1000:7.1f} ms, first-token "
                   f"{evaluated['first-token'] * 1000:7.1f} ms ({eval_gain:.2f}x); "
                   f"largest fp32 logit difference before training {differences[length]:.1e}")
-
 
 if __name__ == "__main__":
     main()

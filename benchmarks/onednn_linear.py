@@ -25,8 +25,7 @@ import timeit
 
 import torch
 
-from dropout import make_step  # benchmarks/dropout.py: the same training step
-from first_token_head import batch_of, make_eval, medians
+from first_token_head import logit_differences, timed_copies  # the same copies' measurements
 
 
 def parse_args(argv=None):
@@ -83,8 +82,6 @@ def copies() -> dict:
 
 
 def main(argv=None) -> None:
-    from effitrain.engine import optim
-
     args = parse_args(argv)
     print(f"fp32 matrix products, {torch.get_num_threads()} threads, best of 5 x 10 calls")
     for tokens in args.tokens:
@@ -93,23 +90,10 @@ def main(argv=None) -> None:
     print(f"default model as effitrain train builds it on a CPU, training batch {args.batch_size}, evaluation "
           f"batch {args.eval_batch_size}, fp32, {args.rounds} rounds x {args.steps} calls each, medians "
           f"(effitrain train routes through oneDNN on this CPU: {'yes' if by_itself else 'no'})")
-    differences = {}  # before either copy trains: from then on their weights part
-    for length in args.length:
-        probe = batch_of(16, length)["input_ids"]
-        with torch.inference_mode():
-            logits = [model.eval()(input_ids=probe).logits for model in models_.values()]
-        differences[length] = (logits[0] - logits[1]).abs().max().item()
+    differences = logit_differences(models_, args.length)
     for length in args.length:
         difference = differences[length]
-        torch.manual_seed(1)
-        train_batch, eval_batch = batch_of(args.batch_size, length), batch_of(args.eval_batch_size, length)
-        for model in models_.values():
-            model.train()
-        steps = {name: make_step(model, optim.adamw(model, 1e-4, 0.01), train_batch, "fp32")
-                 for name, model in models_.items()}
-        trained = medians(steps, args.rounds, args.steps)
-        evals = {name: make_eval(model.eval(), eval_batch, "fp32") for name, model in models_.items()}
-        evaluated = medians(evals, args.rounds, 1)
+        trained, evaluated = timed_copies(models_, length, "fp32", args)
         print(f"  {length:4d} tokens: training step MKL {trained['mkl'] * 1000:7.1f} ms, oneDNN "
               f"{trained['onednn'] * 1000:7.1f} ms ({trained['mkl'] / trained['onednn']:.2f}x); evaluation batch "
               f"MKL {evaluated['mkl'] * 1000:7.1f} ms, oneDNN {evaluated['onednn'] * 1000:7.1f} ms "
