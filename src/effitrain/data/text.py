@@ -65,6 +65,67 @@ def lengths(dataset) -> list[int] | None:
     return None
 
 
+# What one more forward costs on a CPU besides its tokens, in padded tokens. The default model's evaluation
+# of the SMS splits (batch 128) measured fastest at 64 of 64 / 256 / 1024 / 4096, in fp32 and in bf16.
+PIECE_COST = 64
+
+
+def trimmed_pieces(batch: dict):
+    """An evaluation batch padded to its longest example, as pieces of rows each padded only to its own
+    longest row: (pieces, order), where the pieces hold the batch's rows longest first and `order` gives
+    their place in the batch (None: already in order). Per example the outputs are those of the whole
+    batch (padding is masked out), for less work: even sorted longest first, the SMS splits' batches of
+    128 carry ~48% padding (a few long messages widen the first one), ~12% in pieces. The batch itself
+    comes back alone unless it is text (2-d input_ids and attention_mask, tensors only), and only padding
+    on the right is trimmed (left padding's positions would move)."""
+    import torch
+
+    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2
+            and mask.shape == ids.shape and all(isinstance(v, torch.Tensor) for v in batch.values())):
+        return [batch], None
+    rows, width = ids.shape
+    columns = torch.arange(1, width + 1, device=mask.device)
+    extents = ((mask != 0) * columns).amax(1).clamp_(min=1)  # each row's last attended column, 1-based
+    order = torch.argsort(extents, descending=True, stable=True)
+    sorted_extents = extents[order].tolist()
+    cuts = piece_cuts(sorted_extents, PIECE_COST)
+    if len(cuts) == 2 and sorted_extents[0] == width:
+        return [batch], None
+    in_order = bool((order == torch.arange(rows, device=order.device)).all())
+
+    def piece(start: int, stop: int) -> dict:
+        picked = slice(start, stop) if in_order else order[start:stop]
+        out = {}
+        for key, value in batch.items():
+            if value.dim() >= 2 and value.shape[:2] == ids.shape:
+                value = value[picked, : sorted_extents[start]]
+            elif value.dim() >= 1 and value.shape[0] == rows:
+                value = value[picked]
+            out[key] = value
+        return out
+
+    return [piece(a, b) for a, b in zip(cuts, cuts[1:])], None if in_order else order
+
+
+def piece_cuts(extents: list[int], cost: int) -> list[int]:
+    """Where to cut rows sorted longest first so that the padded tokens plus `cost` per piece are least
+    (dynamic programming over the cut before each row): [0, ..., len(extents)]."""
+    import numpy as np
+
+    widths = np.asarray(extents, dtype=np.float64)
+    best, before = np.zeros(len(extents) + 1), np.zeros(len(extents) + 1, dtype=np.int64)
+    for stop in range(1, len(extents) + 1):
+        starts = np.arange(stop)
+        totals = best[:stop] + widths[:stop] * (stop - starts) + cost  # the last piece: rows starts..stop-1
+        before[stop] = int(totals.argmin())
+        best[stop] = totals[before[stop]]
+    cuts = [len(extents)]
+    while cuts[-1] > 0:
+        cuts.append(int(before[cuts[-1]]))
+    return cuts[::-1]
+
+
 class EpochSeeded:
     """A sampler whose order is a function of (seed, epoch) alone: resuming at epoch e replays exactly
     the order the uninterrupted run had. accelerate's prepared loader calls set_epoch each epoch."""
