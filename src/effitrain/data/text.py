@@ -70,26 +70,31 @@ def lengths(dataset) -> list[int] | None:
 PIECE_COST = 64
 
 
-def trimmed_pieces(batch: dict):
+def trimmed_pieces(batch: dict, cost: int = PIECE_COST):
     """An evaluation batch padded to its longest example, as pieces of rows each padded only to its own
     longest row: (pieces, order), where the pieces hold the batch's rows longest first and `order` gives
     their place in the batch (None: already in order). Per example the outputs are those of the whole
     batch (padding is masked out), for less work: even sorted longest first, the SMS splits' batches of
-    128 carry ~48% padding (a few long messages widen the first one), ~12% in pieces. The batch itself
-    comes back alone unless it is text (2-d input_ids and attention_mask, tensors only), and only padding
-    on the right is trimmed (left padding's positions would move)."""
+    128 carry 48% padding (a few long messages widen the first one), 5.5% in pieces. The batch comes
+    back alone unless it is text (2-d input_ids and attention_mask, one entry per row in every tensor),
+    and only padding on the right is trimmed (left padding's positions would move).
+
+    Training batches stay whole: length-grouped ones carry little padding (the default job's first 60
+    steps: 3% fewer tokens in pieces), and the extra forward-backward passes measured no faster."""
     import torch
 
     ids, mask = batch.get("input_ids"), batch.get("attention_mask")
     if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2
-            and mask.shape == ids.shape and all(isinstance(v, torch.Tensor) for v in batch.values())):
+            and mask.shape == ids.shape and len(ids) > 0):
         return [batch], None
     rows, width = ids.shape
+    if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and len(v) == rows for v in batch.values()):
+        return [batch], None  # not one entry per row (packed rows' labels are per example)
     columns = torch.arange(1, width + 1, device=mask.device)
     extents = ((mask != 0) * columns).amax(1).clamp_(min=1)  # each row's last attended column, 1-based
     order = torch.argsort(extents, descending=True, stable=True)
     sorted_extents = extents[order].tolist()
-    cuts = piece_cuts(sorted_extents, PIECE_COST)
+    cuts = piece_cuts(sorted_extents, cost)
     if len(cuts) == 2 and sorted_extents[0] == width:
         return [batch], None
     in_order = bool((order == torch.arange(rows, device=order.device)).all())
@@ -98,11 +103,8 @@ def trimmed_pieces(batch: dict):
         picked = slice(start, stop) if in_order else order[start:stop]
         out = {}
         for key, value in batch.items():
-            if value.dim() >= 2 and value.shape[:2] == ids.shape:
-                value = value[picked, : sorted_extents[start]]
-            elif value.dim() >= 1 and value.shape[0] == rows:
-                value = value[picked]
-            out[key] = value
+            value = value[picked]
+            out[key] = value[:, : sorted_extents[start]] if value.dim() >= 2 and value.shape[1] == width else value
         return out
 
     return [piece(a, b) for a, b in zip(cuts, cuts[1:])], None if in_order else order

@@ -30,11 +30,13 @@ def gather_outputs(accelerator, task, model, dataloader) -> tuple:
 def batch_outputs(accelerator, task, model, batch) -> tuple:
     """The task's eval outputs for one batch, in its order. On a CPU a text batch runs as pieces padded
     to their own longest rows (data/text.trimmed_pieces): the batch is the loader's, as accelerate
-    shards and gathers it; only the padding computed is less. Elsewhere padding costs little until the
-    device is full, and is left (not measured there)."""
+    shards and gathers it; only the padding computed is less. Not with FSDP, whose every forward is a
+    collective (the processes' pieces would not pair up), nor on accelerators, where padding costs
+    little until the device is full (not measured there)."""
     from effitrain.data import text
+    from effitrain.engine import sharding
 
-    if accelerator.device.type != "cpu":
+    if accelerator.device.type != "cpu" or sharding.is_sharded(model):
         return task.eval_outputs(model, batch)
     pieces, order = text.trimmed_pieces(batch)
     if len(pieces) == 1 and order is None:
