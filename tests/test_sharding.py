@@ -1,20 +1,24 @@
 """--strategy fsdp (FSDP2 on gloo) and resuming on another process count: the arithmetic of one process
 with the whole batch, to rounding; a killed sharded run resumes bitwise."""
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import read_jsonl, read_weights
-from test_distributed import TINY_GPT2, torchrun
+from test_distributed import TINY_GPT2, children, torchrun
 from test_resume import finished, read_log
 
 import effitrain
+from effitrain import outputs
 from effitrain.engine import checkpoint, sharding
 from effitrain.errors import UserError
 
@@ -71,8 +75,33 @@ def kill_when_logged(job: subprocess.Popen, out, step: int) -> None:
     while not any(r.get("step", 0) >= step and "loss" in r for r in read_log(out)):
         assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
         time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers, at once
+    # The launcher and its workers, at once: torch's agent starts each worker in a session of its own,
+    # so killing the launcher's process group would leave them running the job to its end.
+    workers = descendants(job.pid)
+    for pid in [*workers, job.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     job.wait()
+    assert workers, "no worker was found to kill"
+    # Their exits may lag the launcher's on a loaded machine: the folder's lock is released when the
+    # last of them has closed its files.
+    lock = os.open(Path(out) / outputs.LOCK, os.O_RDWR)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.time() < deadline, "a killed worker still holds the output folder's lock"
+                time.sleep(0.05)
+    finally:
+        os.close(lock)
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
 
 
 def launch(nproc: int, args: list, out, resume: bool = False) -> subprocess.Popen:
