@@ -305,3 +305,31 @@ def test_an_unclosed_quote_is_named_not_sent_to_skip_bad_rows(tmp_path):
     with pytest.raises(UserError, match="has a quote that is never closed") as err:
         load(path)
     assert "--skip-bad-rows" not in str(err.value)
+
+
+@pytest.mark.parametrize("seed", [0, 42])
+def test_the_stratified_split_holds_out_the_rows_datasets_would(seed):
+    """sources.stratified_split reads the labels at once; its parts are datasets' own train_test_split's,
+    row for row, on a whole dataset and on one already selected from (the second split), and it refuses
+    what datasets refuses (a class of one example), which _split answers with an unstratified split."""
+    import random
+
+    from datasets import ClassLabel, Dataset
+
+    rng = random.Random(seed)
+    rows = 301
+    data = Dataset.from_dict({"text": [f"row {i}" for i in range(rows)],
+                              "label": [rng.choice([0] * 8 + [1] * 3 + [2]) for _ in range(rows)]})
+    data = data.cast_column("label", ClassLabel(names=["a", "b", "c"]))
+    for dataset in (data, data.select(range(0, rows, 2))):
+        for size in (0.1, 0.1 / 0.9, 0.25):
+            expected = dataset.train_test_split(test_size=size, stratify_by_column="label", seed=seed)
+            held, rest = sources.stratified_split(dataset, size, seed)
+            assert list(held["text"]) == list(expected["test"]["text"])
+            assert list(rest["text"]) == list(expected["train"]["text"])
+    single = Dataset.from_dict({"text": ["x"] * 10, "label": [0] * 9 + [1]})
+    single = single.cast_column("label", ClassLabel(names=["a", "b"]))
+    with pytest.raises(ValueError):
+        single.train_test_split(test_size=0.2, stratify_by_column="label", seed=seed)
+    with pytest.raises(ValueError):
+        sources.stratified_split(single, 0.2, seed)
