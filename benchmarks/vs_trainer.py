@@ -4,7 +4,7 @@ Both fine-tune the default model (all-MiniLM-L6-v2) on effitrain's sms-spam trai
 same number of optimizer steps, micro-batch size, seed, lr 1e-4, weight decay 0.01, warm-up ratio 0.1
 (linear warm-up then linear decay), max grad norm 1.0, max_length 128, no gradient accumulation, in
 fp32 and in bf16 autocast (`--precision`), then evaluate the validation and the test split (batch 128)
-and save the model and tokenizer: the time from the process's start to the saved model.
+and save the model and tokenizer: the time from the process's start to the saved model, and to its exit.
 
 The Trainer runs at its best equal settings (`trainer-best`): its length-grouped sampler
 (`train_sampling_strategy="group_by_length"`, the same transformers LengthGroupedSampler effitrain
@@ -21,8 +21,11 @@ hits every side; the parent prints the medians and their ratios.
 
 What is timed: samples/s of the training loop: the Trainer's `trainer.train()` wall clock (and its
 own `train_runtime` / `train_samples_per_second`); effitrain's `train_seconds` (the loop only).
-Time to a saved model: the subprocess's wall clock from its start (interpreter, imports) to its exit
-after saving, measured by the parent.
+Time to a saved model: from the subprocess's start (interpreter, imports; the parent's clock just before
+it starts the process) to the moment the model and tokenizer are saved (the child's clock right after
+its save returns: `effitrain.train` returning, `trainer.save_model`). Time to exit: the same start to
+the process's end, measured by the parent: it adds the interpreter's teardown, which both sides run in
+the same way (a script calling `effitrain.train`, not the `effitrain` command, which skips most of it).
 Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training. For effitrain
 that moment is taken by wrapping `effitrain.engine.evaluate.evaluate` (first called right after the
 loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
@@ -239,6 +242,7 @@ def run_trainer(args, best: bool) -> dict:
     trainer.evaluate(validation)
     test_metrics = trainer.evaluate(test, metric_key_prefix="test")
     trainer.save_model(os.path.join(out_dir, "model"))
+    saved_at = time.time()
     shutil.rmtree(out_dir, ignore_errors=True)
 
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
@@ -251,6 +255,7 @@ def run_trainer(args, best: bool) -> dict:
         "steps": output.global_step,
         "seconds": seconds,
         "seconds_measured_by": "time.perf_counter around trainer.train()",
+        "saved_at": saved_at,
         "samples_per_second": samples / seconds,
         "own_samples_per_second": output.metrics.get("train_samples_per_second"),
         "own_runtime_seconds": output.metrics.get("train_runtime"),
@@ -356,7 +361,7 @@ def run_effitrain(args) -> dict:
     try:
         start = time.perf_counter()
         metrics = effitrain.train(config)
-        call_seconds = time.perf_counter() - start
+        call_seconds, saved_at = time.perf_counter() - start, time.time()
         loss = metrics.get("train_loss")  # log_every = steps: the mean over every example of the run
         log_path = out_dir / "log.jsonl"
         if log_path.is_file():
@@ -403,6 +408,7 @@ def run_effitrain(args) -> dict:
         "validation": metrics.get("validation"),
         "wall_seconds": metrics.get("wall_seconds"),
         "call_seconds": call_seconds,
+        "saved_at": saved_at,
         "tokens": tokens,
         "dtype": observed.get("dtype"),
         "head_checksum": observed.get("head_checksum"),
@@ -426,19 +432,21 @@ def run_effitrain(args) -> dict:
 
 
 def run_child(side: str, precision: str, args, tmp: Path) -> dict:
-    """One run in a fresh process; `process_seconds`: its wall clock from start to exit (saved model)."""
+    """One run in a fresh process; `process_seconds`: its wall clock from start to exit; `saved_seconds`:
+    from its start to its saved model."""
     result = tmp / f"{side}-{precision}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--result", str(result),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
                "--precision", precision]
     print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0 or not result.is_file():
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
         raise SystemExit(f"the {side} {precision} run failed (exit code {done.returncode})")
-    return {**json.loads(result.read_text()), "process_seconds": seconds}
+    run = json.loads(result.read_text())
+    return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
 
 
 def mib(value) -> str:
@@ -499,29 +507,32 @@ def median(runs: list[dict], key: str):
 
 
 def summary_rows(results: dict, precision: str, sides: list[str]) -> list[tuple]:
-    """Per side: medians over the runs of samples/s, peak RSS at the end of training, process seconds to
-    the saved model, test accuracy; then effitrain's ratios to each Trainer side."""
+    """Per side: medians over the runs of samples/s, peak RSS at the end of training, seconds from the
+    process's start to the saved model and to its exit, test accuracy; then effitrain's ratios to each
+    Trainer side."""
     rows, medians = [], {}
     for side in sides:
         runs = results[(side, precision)]
         medians[side] = {key: median(runs, key) for key in ("samples_per_second", "peak_rss_bytes_end_of_training",
-                                                            "process_seconds", "seconds")}
+                                                            "saved_seconds", "process_seconds", "seconds")}
         medians[side]["accuracy"] = median([run["test"] or {} for run in runs], "accuracy")
         m = medians[side]
         rows.append((f"{side} {precision}", " / ".join(f"{run['samples_per_second']:.1f}" for run in runs),
                      fmt(m["samples_per_second"], ".1f"), mib(m["peak_rss_bytes_end_of_training"]),
-                     fmt(m["process_seconds"], ".1f"), fmt(m["accuracy"], ".4f")))
+                     fmt(m["saved_seconds"], ".1f"), fmt(m["process_seconds"], ".1f"), fmt(m["accuracy"], ".4f")))
     ours = medians["effitrain"]
     for side in sides[:-1]:
         theirs = medians[side]
         rows.append((f"effitrain / {side}", "", f"{ours['samples_per_second'] / theirs['samples_per_second']:.2f}x",
                      f"{ours['peak_rss_bytes_end_of_training'] / theirs['peak_rss_bytes_end_of_training']:.2f}x",
+                     f"{theirs['saved_seconds'] / ours['saved_seconds']:.2f}x faster",
                      f"{theirs['process_seconds'] / ours['process_seconds']:.2f}x faster", ""))
     return rows
 
 
 def print_table(rows: list[tuple]) -> None:
-    header = ("", "samples/s of each run", "median samples/s", "peak RSS", "seconds to saved model", "test acc")
+    header = ("", "samples/s of each run", "median samples/s", "peak RSS", "seconds to saved model", "to exit",
+              "test acc")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
@@ -545,7 +556,8 @@ def compare(args) -> None:
         print_table(summary_rows(results, precision, sides))
         print()
     print("samples/s: steps x batch / seconds of the training loop; peak RSS: at the end of training; seconds to "
-          "saved model: the process from its start (interpreter, imports) to its exit after saving")
+          "saved model: from the process's start (interpreter, imports) to the model saved; to exit: to the "
+          "process's end (the interpreter's teardown added)")
     busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
     if any(b is not None and b > 0.1 for b in busy):
         print(f"\nWARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "
