@@ -133,6 +133,26 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, group_by_le
     assert len([r for r in read_jsonl(tmp_path / "accum" / "log.jsonl") if "split" not in r]) == 4
 
 
+def test_the_garbage_collector_is_left_as_it_was_found(tiny_model_dir, tmp_path):
+    """The run pauses the collector while it sets up and freezes what it holds (engine/run.py); after
+    a run that ends, or one whose set-up fails, the collector is on (or off) as before and nothing stays
+    frozen, and cyclic garbage made during the run is collectable again."""
+    import gc
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    effitrain.train(small(tiny_model_dir, tmp_path / "ok", max_steps=1))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with pytest.raises(UserError):
+        effitrain.train(small(tiny_model_dir, tmp_path / "bad", max_steps=1, metric_for_best="no-such-metric"))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        effitrain.train(small(tiny_model_dir, tmp_path / "off", max_steps=1))
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+
+
 def test_epochs_run_to_the_end_of_the_data(tiny_model_dir, tmp_path):
     metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=None, epochs=2, max_train_samples=20,
                                     batch_size=8))
