@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from effitrain.data import text
+from effitrain.engine import sharding
+
 
 def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, float]:
     """The task's metrics over the whole split, the same on every process whatever their number."""
@@ -33,9 +36,6 @@ def batch_outputs(accelerator, task, model, batch) -> tuple:
     shards and gathers it; only the padding computed is less. Not with FSDP, whose every forward is a
     collective (the processes' pieces would not pair up), nor on accelerators, where padding costs
     little until the device is full (not measured there)."""
-    from effitrain.data import text
-    from effitrain.engine import sharding
-
     if accelerator.device.type != "cpu" or sharding.is_sharded(model):
         return task.eval_outputs(model, batch)
     pieces, order = text.trimmed_pieces(batch)
@@ -44,7 +44,8 @@ def batch_outputs(accelerator, task, model, batch) -> tuple:
     outputs = tuple(torch.cat(column) for column in zip(*(task.eval_outputs(model, piece) for piece in pieces)))
     if order is None:
         return outputs
-    return tuple(column[torch.argsort(order).to(column.device)] for column in outputs)
+    places = torch.argsort(order)  # where each row of the batch sits among the pieces' rows
+    return tuple(column[places.to(column.device)] for column in outputs)
 
 
 class Evaluator:
