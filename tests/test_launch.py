@@ -3,6 +3,7 @@ and a job's user error is one stderr line with the exit code kept (also under --
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from effitrain import cli, devices, launch
+from effitrain import cli, devices, launch, outputs
 
 HOOKED_CLI = str(Path(__file__).parent / "hooks" / "patched_cli.py")
 
@@ -209,6 +210,88 @@ def test_a_signal_stops_a_launched_job_cleanly(tiny_model_dir, tmp_path, sig, wh
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
     assert (checkpoints / "step-2" / "trainer_state.json").is_file()
     assert not list(out.rglob(".tmp-*"))
+
+
+@pytest.mark.slow  # two workers train until their second save, about 30 s
+def test_workers_follow_a_launcher_killed_outright(tiny_model_dir, tmp_path):
+    """SIGKILL (kill -9, the out-of-memory killer) leaves the launcher no time to stop its workers, which
+    torch's agent starts in sessions of their own: each gets SIGTERM at its launcher's death and unwinds as
+    on any SIGTERM, mid-save here: the folder released, the complete checkpoint kept, the partial one gone."""
+    from test_sharding import descendants
+
+    out = tmp_path / "out"
+    command = [HOOKED_CLI, "--save-pause", 30, "--", "launch", "--nproc", 2, "--", "train", "--model",
+               tiny_model_dir, "--max-steps", 1000, "--max-train-samples", 64, "--max-eval-samples", 8,
+               "--batch-size", 4, "--save-every", 2, "--output-dir", out]
+    job = subprocess.Popen([sys.executable, *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    checkpoints, deadline = out / "checkpoints", time.monotonic() + 120
+    workers = []
+    try:
+        while not ((checkpoints / "step-2").is_dir() and list(checkpoints.glob(".tmp-step-*"))):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=30)[1][-3000:]
+            time.sleep(0.1)
+        workers = descendants(job.pid)
+        assert len(workers) == 2, workers
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)  # (not communicate: the workers hold its pipes open while they run)
+        deadline = time.monotonic() + 60  # well within the hook's 30 s pause had they waited it out
+        while any(map(running, workers)):
+            assert time.monotonic() < deadline, "a worker kept running after its launcher was killed"
+            time.sleep(0.1)
+    finally:
+        for pid in [job.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate(timeout=30)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
+    assert not list(out.rglob(".tmp-*"))
+    assert not (out / outputs.LOCK).exists()  # released: a run removes its lock file as it ends
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe never here)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def pdeathsig() -> int:
+    import ctypes
+
+    value = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(value), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return value.value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_follows_its_launcher_only(monkeypatch):
+    """The launcher is the parent: the death signal is set. A live process of that id that is not the
+    parent (variables copied from a worker's environment): nothing. A launcher already gone: SIGTERM now."""
+    import ctypes
+
+    sent = []
+    monkeypatch.setattr(launch.os, "kill", lambda pid, sig: sent.append((pid, sig)) if sig else None)
+    try:
+        monkeypatch.setenv(launch.LAUNCHER_PID, str(os.getppid()))
+        launch.end_with_launcher()
+        assert (pdeathsig(), sent) == (signal.SIGTERM, [])
+    finally:
+        ctypes.CDLL(None).prctl(launch.PR_SET_PDEATHSIG, 0, 0, 0, 0)  # this test process follows nobody
+    monkeypatch.setenv(launch.LAUNCHER_PID, str(os.getpid()))  # alive, not the parent
+    launch.end_with_launcher()
+    assert (pdeathsig(), sent) == (0, [])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(launch, "_alive", lambda pid: pid != gone.pid)
+    monkeypatch.setenv(launch.LAUNCHER_PID, str(gone.pid))
+    launch.end_with_launcher()
+    assert sent == [(os.getpid(), signal.SIGTERM)]
+    monkeypatch.setenv(launch.LAUNCHER_PID, "not a pid")
+    launch.end_with_launcher()
+    assert len(sent) == 1
 
 
 # ---- Clusters: Slurm and Kubernetes settings from the environment ---------------------------------

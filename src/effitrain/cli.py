@@ -423,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         quiet_import_warnings()
     with _signals_unwind() as received:
         try:
+            if _launcher_speaks():  # a launched worker: it ends if its launcher dies
+                from effitrain import launch
+
+                launch.end_with_launcher()
             args = build_parser().parse_args(argv)
             return COMMANDS[args.command](args)
         except (SystemExit, GeneratorExit):  # --help, --version

@@ -21,6 +21,9 @@ from effitrain.errors import UserError
 WORKER_PROGRAM = ["-m", "effitrain"]
 # Set in the workers' environment: they leave the one line to this launcher.
 LAUNCHED = "EFFITRAIN_LAUNCHED"
+# The launcher's process id, in the workers' environment: a worker ends when that process dies.
+LAUNCHER_PID = "EFFITRAIN_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Commands of one process: N copies would print N times the same answer.
 ONE_PROCESS = ("predict", "inspect", "plan")
 
@@ -382,6 +385,7 @@ def launch(args, command: list[str]) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     os.environ[LAUNCHED] = "1"
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     if not args.debug:
         quiet_torchrun()
     try:
@@ -396,6 +400,42 @@ def launch(args, command: list[str]) -> int:
                           "node have ended (a run saving checkpoints resumes with --resume auto)",
                           128 + err.sigval) from err
     return 0
+
+
+def end_with_launcher() -> None:
+    """In a worker of `effitrain launch`: SIGTERM when the launcher dies, however it dies (SIGKILL, the
+    out-of-memory killer), so the worker unwinds as on any SIGTERM (its latest complete checkpoint kept, a
+    save in progress removed, the output folder released) instead of training on alone and holding the
+    folder's lock: torch's agent starts each worker in a session of its own, out of reach of a signal to
+    the launcher's process group, and no agent is left to forward one. Linux's PR_SET_PDEATHSIG, which
+    fires when the thread that started the worker ends: torch's agent starts them from its main thread.
+    A launcher already gone is noticed here; a live process of that id that is not the parent means the
+    variables were copied from a worker's environment (nothing to follow)."""
+    try:
+        launcher = int(os.environ.get(LAUNCHER_PID, ""))
+    except ValueError:
+        return
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    if os.getppid() == launcher:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() == launcher:  # still alive after the call: the signal will come when it dies
+            return
+    elif _alive(launcher):
+        return
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before this worker could follow it
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 class LaunchEnded(Exception):
