@@ -8,8 +8,8 @@ and save the model and tokenizer: the time from the process's start to the saved
 
 The Trainer runs at its best equal settings (`trainer-best`): its length-grouped sampler
 (`train_sampling_strategy="group_by_length"`, transformers' LengthGroupedSampler, whose order effitrain's
-sampler gives; seeded here as effitrain seeds its own, so both train on the same batches), fused AdamW (`optim="adamw_torch_fused"`, the kernel effitrain uses), the same precision
-(`bf16=True` for bf16), evaluation batch 128. `--trainer-defaults` adds the Trainer as its
+sampler gives; seeded here as effitrain seeds its own, so both train on the same batches), fused AdamW
+(`optim="adamw_torch_fused"`, the kernel effitrain uses), the same precision (`bf16=True` for bf16), evaluation batch 128. `--trainer-defaults` adds the Trainer as its
 documentation sets it up (`trainer`: random order, TrainingArguments' defaults, evaluation batch 8).
 effitrain runs with its own defaults. The notes printed at the end list where the sides differ.
 
@@ -584,34 +584,31 @@ def summary_rows(results: dict, precision: str, sides: list[str]) -> list[tuple]
 WIDTH_BUCKETS = ((1, 16), (17, 32), (33, 64), (65, 10**9))
 
 
-def width_rows(results: dict, precision: str, sides: list[str]) -> list[tuple] | None:
+def width_rows(results: dict, precision: str, sides: list[str]) -> tuple[list[tuple], list[str]] | None:
     """Where the time goes by batch width: each step's median seconds over the runs, summed over the
-    steps whose batch is padded to a width in each bucket, per side, and the Trainer's over effitrain's.
-    None if a run lacks its step times or the sides' batches differ in width."""
-    per_side, widths_seen = {}, set()
-    for side in sides:
-        runs = results[(side, precision)]
-        if any(not run.get("step_seconds") or not run.get("step_widths") for run in runs):
-            return None
-        steps = min(len(run["step_seconds"]) for run in runs)
-        per_side[side] = [statistics.median(run["step_seconds"][i] for run in runs) for i in range(steps)]
-        widths_seen.add(tuple(runs[0]["step_widths"][:steps]))
-    if len(widths_seen) != 1:
+    steps whose batch is padded to a width in each bucket, per side, and each Trainer side's over
+    effitrain's. Only the sides that trained on effitrain's batches (not `trainer`'s random order); None
+    if a run lacks its step times."""
+    runs_of = {side: results[(side, precision)] for side in sides}
+    if any(not run.get("step_seconds") or not run.get("step_widths") for runs in runs_of.values() for run in runs):
         return None
-    widths = widths_seen.pop()
+    padded = runs_of["effitrain"][0]["step_widths"]
+    sides = [side for side in sides if all(run["step_widths"] == padded for run in runs_of[side])]
+    per_side = {side: [statistics.median(run["step_seconds"][i] for run in runs_of[side])
+                       for i in range(min(len(run["step_seconds"]) for run in runs_of[side]))] for side in sides}
     rows = []
     for low, high in (*WIDTH_BUCKETS, (1, 10**9)):
-        steps = [i for i, w in enumerate(widths) if low <= w <= high and all(i < len(t) for t in per_side.values())]
+        steps = [i for i, w in enumerate(padded) if low <= w <= high and all(i < len(t) for t in per_side.values())]
         if not steps:
             continue
         label = "all" if (low, high) == (1, 10**9) else f"{low}-{high}" if high < 10**9 else f">= {low}"
         sums = {side: sum(per_side[side][i] for i in steps) for side in sides}
         rows.append((f"{label} tokens", str(len(steps)), *(f"{sums[side]:.2f} s" for side in sides),
                      *(f"{sums[side] / sums['effitrain']:.2f}x" for side in sides[:-1])))
-    return rows
+    return rows, sides
 
 
-def print_width_table(rows: list[tuple], precision: str, sides: list[str]) -> None:
+def print_width_table(rows: list[tuple], sides: list[str], precision: str) -> None:
     header = (f"batch width, {precision}", "steps", *(f"{side} steps" for side in sides),
               *(f"{side} / effitrain" for side in sides[:-1]))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -648,10 +645,10 @@ def compare(args) -> None:
           "saved model: from the process's start (interpreter, imports) to the model saved; to exit: to the "
           "process's end (the interpreter's teardown added)")
     for precision in args.precision:
-        rows = width_rows(results, precision, sides)
-        if rows:
+        by_width = width_rows(results, precision, sides)
+        if by_width and len(by_width[1]) > 1:
             print()
-            print_width_table(rows, precision, sides)
+            print_width_table(*by_width, precision)
     print("step time by batch width: each optimizer step's wall clock (forward to zero_grad, not the batch's "
           "loading), its median over the runs, summed over the steps whose batch is padded to that width")
     busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
