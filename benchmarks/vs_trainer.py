@@ -460,7 +460,7 @@ def run_effitrain(args) -> dict:
         "saved_at": saved_at,
         "tokens": tokens,
         "step_seconds": step_seconds,
-        "step_widths": widths(batches, args.steps) if counters else None,
+        "step_widths": widths(batches, args.steps),
         "dtype": observed.get("dtype"),
         "head_checksum": observed.get("head_checksum"),
         "settings": {
@@ -609,16 +609,17 @@ def width_rows(results: dict, precision: str, sides: list[str]) -> tuple[list[tu
 
 
 def print_width_table(rows: list[tuple], sides: list[str], precision: str) -> None:
-    header = (f"batch width, {precision}", "steps", *(f"{side} steps" for side in sides),
-              *(f"{side} / effitrain" for side in sides[:-1]))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print_columns((f"batch width, {precision}", "steps", *(f"{side} steps" for side in sides),
+                   *(f"{side} / effitrain" for side in sides[:-1])), rows)
 
 
 def print_table(rows: list[tuple]) -> None:
-    header = ("", "samples/s of each run", "median samples/s", "peak RSS", "seconds to saved model", "to exit",
-              "test acc")
+    print_columns(("", "samples/s of each run", "median samples/s", "peak RSS", "seconds to saved model", "to exit",
+                   "test acc"), rows)
+
+
+def print_columns(header: tuple, rows: list[tuple]) -> None:
+    """The first column left-aligned, the others right-aligned, each as wide as its widest cell."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
@@ -644,13 +645,14 @@ def compare(args) -> None:
     print("samples/s: steps x batch / seconds of the training loop; peak RSS: at the end of training; seconds to "
           "saved model: from the process's start (interpreter, imports) to the model saved; to exit: to the "
           "process's end (the interpreter's teardown added)")
-    for precision in args.precision:
-        by_width = width_rows(results, precision, sides)
-        if by_width and len(by_width[1]) > 1:
-            print()
-            print_width_table(*by_width, precision)
-    print("step time by batch width: each optimizer step's wall clock (forward to zero_grad, not the batch's "
-          "loading), its median over the runs, summed over the steps whose batch is padded to that width")
+    tables = [(by_width, precision) for precision in args.precision
+              if (by_width := width_rows(results, precision, sides)) and len(by_width[1]) > 1]
+    for by_width, precision in tables:
+        print()
+        print_width_table(*by_width, precision)
+    if tables:
+        print("step time by batch width: each optimizer step's wall clock (forward to zero_grad, not the batch's "
+              "loading), its median over the runs, summed over the steps whose batch is padded to that width")
     busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
     if any(b is not None and b > 0.1 for b in busy):
         print(f"\nWARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "

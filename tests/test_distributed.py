@@ -104,6 +104,11 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
 def test_a_killed_worker_ends_the_job_within_60_seconds(tiny_model_dir, tmp_path):
     import os
     import signal

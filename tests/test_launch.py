@@ -217,7 +217,7 @@ def test_workers_follow_a_launcher_killed_outright(tiny_model_dir, tmp_path):
     """SIGKILL (kill -9, the out-of-memory killer) leaves the launcher no time to stop its workers, which
     torch's agent starts in sessions of their own: each gets SIGTERM at its launcher's death and unwinds as
     on any SIGTERM, mid-save here: the folder released, the complete checkpoint kept, the partial one gone."""
-    from test_sharding import descendants
+    from test_distributed import descendants
 
     out = tmp_path / "out"
     command = [HOOKED_CLI, "--save-pause", 30, "--", "launch", "--nproc", 2, "--", "train", "--model",

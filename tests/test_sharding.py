@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_jsonl, read_weights
-from test_distributed import TINY_GPT2, children, torchrun
+from test_distributed import TINY_GPT2, descendants, torchrun
 from test_resume import finished, read_log
 
 import effitrain
@@ -97,11 +97,6 @@ def kill_when_logged(job: subprocess.Popen, out, step: int) -> None:
                 time.sleep(0.05)
     finally:
         os.close(lock)
-
-
-def descendants(pid: int) -> list[int]:
-    found = children(pid)
-    return found + [grandchild for child in found for grandchild in descendants(child)]
 
 
 def launch(nproc: int, args: list, out, resume: bool = False) -> subprocess.Popen:
