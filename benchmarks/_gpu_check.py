@@ -35,7 +35,7 @@ def validate_effitrain(argv: list[str]) -> None:
     if args.command == "launch":  # what launch.launch checks before it starts torchrun
         import os
 
-        from effitrain import launch
+        from effitrain.commands import launch
 
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv  # as cli.cmd_launch reads it
         if hasattr(launch, "resolve"):  # flags left out are taken from a cluster's environment

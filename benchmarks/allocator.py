@@ -47,18 +47,22 @@ def peak_mib() -> float:
 
 def child(precision: str) -> dict:
     import torch
+    from dropout import make_step  # benchmarks/dropout.py: the same training step
+    from first_token_head import (  # and its batches and evaluation forward
+        batch_of,
+        make_eval,
+    )
     from transformers import AutoModelForSequenceClassification
 
-    from dropout import make_step  # benchmarks/dropout.py: the same training step
-    from first_token_head import batch_of, make_eval  # and its batches and evaluation forward
-    from effitrain import fast_dropout, first_token_head, models
-    from effitrain.engine import allocator, optim
+    from effitrain.engine import optim
+    from effitrain.models import loading
+    from effitrain.speedups import allocator, dropout, first_token_head
 
     kept = allocator.keep_freed_memory()
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(models.resolve("default")), num_labels=2,
+    model = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
                                                                attn_implementation="sdpa")
-    fast_dropout.apply(model)
+    dropout.apply(model)
     first_token_head.apply(model)
     model.train()
 

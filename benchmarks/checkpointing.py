@@ -21,18 +21,20 @@ def one_run(batch_size: int, length: int, steps: int, checkpointing: bool) -> di
     """Fixed random token batches, fixed seed: the same arithmetic with and without checkpointing."""
     import torch
 
-    from effitrain import models, tasks
+    from effitrain import tasks
     from effitrain.engine import optim
+    from effitrain.models import loading
+    from effitrain.runtime import libraries
 
-    models.quiet_libraries(False)
+    libraries.quiet_libraries(False)
     torch.manual_seed(0)
-    model = tasks.get("sequence-classification").build_model(models.ModelSource(models.resolve("default")), ["ham", "spam"], None)
+    model = tasks.get("sequence-classification").build_model(loading.ModelSource(loading.resolve("default")), ["ham", "spam"], None)
     model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if checkpointing:
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     model.train()
     optimizer = optim.adamw(model, 1e-5, 0.01)
     generator = torch.Generator().manual_seed(1)

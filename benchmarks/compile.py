@@ -68,13 +68,15 @@ def shape_worker(policy: str, precision: str, steps: int, batch_size: int) -> di
     import torch
     from torch.utils.data import DataLoader
 
-    from effitrain import models, tasks
+    from effitrain import tasks
     from effitrain.config import TrainConfig
     from effitrain.data import text
     from effitrain.engine import compilation, optim, sharding
+    from effitrain.models import loading
+    from effitrain.runtime import libraries
 
-    models.quiet_libraries(False)
-    task, config, source = tasks.get("sequence-classification"), TrainConfig(), models.resolve_source("default")
+    libraries.quiet_libraries(False)
+    task, config, source = tasks.get("sequence-classification"), TrainConfig(), loading.resolve_source("default")
     tokenizer = task.load_processor(source)
     loaded = task.load_data(config)
     encoded = task.preprocess(loaded.splits, tokenizer, config, loaded.base_dir)

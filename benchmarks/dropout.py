@@ -63,17 +63,18 @@ def variants() -> dict:
     """name -> (model, optimizer), all from the same initial weights."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import fast_dropout, first_token_head, models, onednn_linear
     from effitrain.engine import optim
+    from effitrain.models import loading
+    from effitrain.speedups import dropout, first_token_head, onednn_linear
 
     torch.manual_seed(0)
-    base = AutoModelForSequenceClassification.from_pretrained(str(models.resolve("default")), num_labels=2,
+    base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
                                                               attn_implementation="sdpa")
     built = {}
     for name, switches in VARIANTS.items():
         model = copy.deepcopy(base)
         if switches is not None:
-            fast_dropout.apply(model, layers=switches[0], attention=switches[1])
+            dropout.apply(model, layers=switches[0], attention=switches[1])
         if name == "effitrain":
             first_token_head.apply(model)
             onednn_linear.apply(model)
@@ -117,7 +118,7 @@ def shares(step) -> tuple[dict, float]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.keep_freed_memory:
-        from effitrain.engine import allocator
+        from effitrain.speedups import allocator
 
         assert allocator.keep_freed_memory()
     torch.manual_seed(1)

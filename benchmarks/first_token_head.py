@@ -26,7 +26,6 @@ import statistics
 import time
 
 import torch
-
 from dropout import make_step  # benchmarks/dropout.py: the same training step
 
 
@@ -45,12 +44,13 @@ def copies() -> dict:
     """name -> model, both from the same initial weights, with effitrain's dropout."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import fast_dropout, first_token_head, models
+    from effitrain.models import loading
+    from effitrain.speedups import dropout, first_token_head
 
     torch.manual_seed(0)
-    base = AutoModelForSequenceClassification.from_pretrained(str(models.resolve("default")), num_labels=2,
+    base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
                                                               attn_implementation="sdpa")
-    fast_dropout.apply(base)
+    dropout.apply(base)
     pruned = copy.deepcopy(base)
     assert first_token_head.apply(pruned)
     return {"whole": base, "first-token": pruned}

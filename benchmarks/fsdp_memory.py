@@ -55,11 +55,14 @@ def child(model_name, task, micro, length, optimizer, checkpointing, accumulatio
     import torch
     import torch.distributed as dist
 
-    from effitrain import models, tasks
+    from effitrain import tasks
     from effitrain.engine import optim, sharding
-    from effitrain.planning import plan, simulate
+    from effitrain.models import loading
+    from effitrain.planning import planner as plan
+    from effitrain.planning import simulate
+    from effitrain.runtime import libraries
 
-    models.quiet_libraries(debug=False)
+    libraries.quiet_libraries(debug=False)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     config = plan.model_config(model_name, task)
@@ -72,7 +75,7 @@ def child(model_name, task, micro, length, optimizer, checkpointing, accumulatio
     model = simulate.build(task, config)
     model.train()
     if checkpointing:
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     if strategy == "fsdp":
         model = sharding.shard(model, torch.device("cpu"), WORLD, "no", reshard_after_forward=True)
         no_sync = lambda: sharding.no_sync(model)  # noqa: E731
@@ -95,7 +98,7 @@ def child(model_name, task, micro, length, optimizer, checkpointing, accumulatio
 
 
 def predict(model_name, task, micro, length, optimizer, checkpointing, accumulation, strategy):
-    from effitrain.planning import plan
+    from effitrain.planning import planner as plan
 
     shapes = plan.model_shapes(task, model_name)
     planner = plan.Planner(shapes, length, "cpu", world_size=WORLD, strategy=strategy)
@@ -111,7 +114,7 @@ def main() -> int:
         child(*json.loads(args.child))
         return 0
 
-    from effitrain.models import quiet_libraries
+    from effitrain.runtime.libraries import quiet_libraries
 
     quiet_libraries(debug=False)
     print(f"{'model':8} {'b x len':>9} {'optimizer':9} {'ckpt':4} {'acc':>3} {'strategy':8} {'predicted':>10} "

@@ -34,7 +34,8 @@ RUNS = ("single", "ddp", "fsdp")
 
 def build_tiny_model(path: Path) -> Path:
     """tests/conftest.py's tiny_model_dir, as a plain function."""
-    from effitrain.models import default_model_dir, quiet_import_warnings, quiet_libraries
+    from effitrain.models.loading import default_model_dir
+    from effitrain.runtime.libraries import quiet_import_warnings, quiet_libraries
 
     quiet_import_warnings()
     import torch

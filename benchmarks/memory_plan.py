@@ -79,12 +79,14 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
     `saved`: the folder QLoRA loads (a save_pretrained of the model)."""
     import torch
 
-    from effitrain import adapters, models, tasks
+    from effitrain import tasks
     from effitrain.engine import optim
-    from effitrain.planning import plan, simulate
+    from effitrain.models import adapters, loading
+    from effitrain.planning import planner, simulate
+    from effitrain.runtime import libraries
 
-    models.quiet_libraries(debug=False)
-    config = plan.model_config(model_name, task)
+    libraries.quiet_libraries(debug=False)
+    config = planner.model_config(model_name, task)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
@@ -111,9 +113,9 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
         model = simulate.build(task, config).to(device)
     model.train()
     if checkpointing:
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     if peft != "none":
-        model = adapters.apply(model, tasks.get(task), plan.Peft(peft))
+        model = adapters.apply(model, tasks.get(task), planner.Peft(peft))
         model.train()
     optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
     dtype = simulate.AUTOCAST_DTYPES.get(precision)
@@ -130,13 +132,13 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
 
 
 def predict(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation, peft, device, cache):
-    from effitrain.planning import plan
+    from effitrain.planning import planner
 
     key = (model_name, task, length, device, peft)
     if key not in cache:
-        shapes = plan.model_shapes(task, model_name, peft=None if peft == "none" else plan.Peft(peft))
-        cache[key] = plan.Planner(shapes, length, device)
-    estimate = cache[key].estimate(plan.Setting(precision, optimizer, checkpointing, micro, accumulation))
+        shapes = planner.model_shapes(task, model_name, peft=None if peft == "none" else planner.Peft(peft))
+        cache[key] = planner.Planner(shapes, length, device)
+    estimate = cache[key].estimate(planner.Setting(precision, optimizer, checkpointing, micro, accumulation))
     phases = cache[key].phases(precision, checkpointing, micro)
     return estimate, phases.forward_heap_churn
 
@@ -168,7 +170,7 @@ def main() -> int:
         _calibrate(rows)
         return 0
 
-    from effitrain.models import quiet_libraries
+    from effitrain.runtime.libraries import quiet_libraries
 
     quiet_libraries(debug=False)
     rows, cache = [], {}
@@ -211,16 +213,16 @@ def _saved(config, folder: str) -> str | None:
     (here, not in the measured process: building it there would raise the baseline)."""
     from pathlib import Path
 
-    from effitrain import models
-    from effitrain.planning import plan, simulate
+    from effitrain.models import loading
+    from effitrain.planning import planner, simulate
 
     if config[8] != "qlora":
         return None
     if config[0] == DEFAULT:
-        return str(models.default_model_dir())
+        return str(loading.default_model_dir())
     path = Path(folder) / config[0].replace(":", "_").replace(",", "_").replace("=", "-")
     if not path.exists():
-        simulate.build(config[1], plan.model_config(config[0], config[1])).save_pretrained(str(path))
+        simulate.build(config[1], planner.model_config(config[0], config[1])).save_pretrained(str(path))
     return str(path)
 
 

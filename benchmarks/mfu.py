@@ -108,11 +108,11 @@ def train_steps(model, optimizer, batch, steps: int, device) -> tuple[float, flo
 def measure(model, dims: dict, device, checkpointing: bool, warmup: int, steps: int, peak: float | None) -> dict:
     import torch
 
-    from effitrain import models
     from effitrain.engine import optim
+    from effitrain.models import loading
 
     if checkpointing:
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     model.train()
     optimizer = optim.adamw(model, lr=1e-4, weight_decay=0.01)
     generator = torch.Generator().manual_seed(0)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    from effitrain.models import quiet_import_warnings, quiet_libraries
+    from effitrain.runtime.libraries import quiet_import_warnings, quiet_libraries
 
     quiet_import_warnings()
     import torch

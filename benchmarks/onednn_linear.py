@@ -24,8 +24,10 @@ import os
 import timeit
 
 import torch
-
-from first_token_head import logit_differences, timed_copies  # the same copies' measurements
+from first_token_head import (  # the same copies' measurements
+    logit_differences,
+    timed_copies,
+)
 
 
 def parse_args(argv=None):
@@ -66,12 +68,13 @@ def products(tokens: int) -> None:
 def copies() -> dict:
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import fast_dropout, first_token_head, models, onednn_linear
+    from effitrain.models import loading
+    from effitrain.speedups import dropout, first_token_head, onednn_linear
 
     torch.manual_seed(0)
-    base = AutoModelForSequenceClassification.from_pretrained(str(models.resolve("default")), num_labels=2,
+    base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
                                                               attn_implementation="sdpa")
-    fast_dropout.apply(base)
+    dropout.apply(base)
     first_token_head.apply(base)
     routed = copy.deepcopy(base)
     by_itself = onednn_linear.preferred()

@@ -33,10 +33,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import models, tasks
+from effitrain import tasks
 from effitrain.config import TrainConfig
 from effitrain.data import packing, text
 from effitrain.engine import optim
+from effitrain.models import loading
+from effitrain.runtime import libraries
 
 TASK = "sequence-classification"
 
@@ -109,7 +111,7 @@ def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
     """Samples/s and real tokens/s over `steps` optimizer steps after WARMUP_STEPS untimed ones."""
     task = tasks.get(TASK)
     torch.manual_seed(seed)
-    model = task.build_model(models.resolve_source("default"), labels, tokenizer)
+    model = task.build_model(loading.resolve_source("default"), labels, tokenizer)
     model.train()
     optimizer = optim.adamw(model, LR, WEIGHT_DECAY)
     batches = iter(loader)
@@ -148,7 +150,7 @@ def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
 
 
 def machine() -> str:
-    from effitrain.devices import cpu_name
+    from effitrain.runtime.devices import cpu_name
 
     cpu = cpu_name()
     return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
@@ -156,10 +158,10 @@ def machine() -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    models.quiet_libraries(False)
+    libraries.quiet_libraries(False)
     import transformers
 
-    tokenizer = models.load_tokenizer(models.resolve("default"))
+    tokenizer = loading.load_tokenizer(loading.resolve("default"))
     # effitrain train's split of the built-in data: stratified, test then validation held out, by seed.
     config = TrainConfig(data="sms-spam", validation_split=0.1, test_split=0.1, seed=args.seed)
     splits = tasks.get(config.task).load_data(config).splits

@@ -28,7 +28,7 @@ import argparse
 import time
 
 import effitrain
-from effitrain.evaluate import evaluate
+from effitrain.commands.evaluate import evaluate
 
 MODEL = "gpt2:n_layer=2,n_embd=64,n_head=2,n_positions=64"
 COMMON = dict(task="causal-lm", max_length=64, batch_size=16, log_every=20, warmup_ratio=0.0, overwrite=True)
@@ -41,7 +41,7 @@ def random_llama(out: str, steps: int) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     torch.manual_seed(0)

@@ -50,9 +50,10 @@ def live_between_steps(model, optimizer) -> int:
 def build(method: str, checkpointing: bool):
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import adapters, tasks
+    from effitrain import tasks
     from effitrain.config import TrainConfig
-    from effitrain.models import default_model_dir
+    from effitrain.models import adapters
+    from effitrain.models.loading import default_model_dir
 
     task = tasks.get("sequence-classification")
     options = {}
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
     args = parser.parse_args()
-    from effitrain.models import quiet_import_warnings
+    from effitrain.runtime.libraries import quiet_import_warnings
 
     quiet_import_warnings()
     rows, full = [], {}

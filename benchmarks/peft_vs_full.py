@@ -17,7 +17,7 @@ Each run is a fresh subprocess, one after the other (never in parallel), so that
 and threads are its own. The subprocess is the `effitrain train` command itself (`effitrain.__main__`)
 started through this script (`--child`), which only observes: it wraps
 `effitrain.engine.run.announce` (called right before the first step) and
-`effitrain.engine.evaluate.evaluate` (first called right after the last step, for validation) to take
+`effitrain.engine.evaluator.evaluate` (first called right after the last step, for validation) to take
 the resident set and the CPU use of all processes at the start and the end of training. Everything
 else comes from the run's metrics.json and its output folders.
 
@@ -135,7 +135,7 @@ def memory_now() -> dict:
 
 def run_child(result: Path, train_argv: list[str]) -> int:
     """`effitrain train ARGS` in this process, with the two observers; writes what they saw to `result`."""
-    from effitrain.engine import evaluate as evaluation
+    from effitrain.engine import evaluator as evaluation
     from effitrain.engine import run as engine_run
 
     seen: dict = {}
@@ -309,7 +309,7 @@ def environment() -> str:
 
     import torch
 
-    from effitrain.devices import cpu_name
+    from effitrain.runtime.devices import cpu_name
 
     names = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
     from importlib import metadata

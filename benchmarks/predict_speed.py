@@ -3,7 +3,7 @@
   plain      AutoTokenizer + AutoModelForSequenceClassification, texts sorted by length (characters),
              batches of --batch-size (128), tokenizer(batch, padding=True, truncation=True),
              torch.inference_mode, softmax: what a user writes by hand
-  predict    effitrain.predict.predict(model_dir, texts[, batch_size]) (the Python function), with
+  predict    effitrain.commands.predict.predict(model_dir, texts[, batch_size]) (the Python function), with
              effitrain's default batch size and any --predict-batch-size given
   cli        (with --cli) `python -m effitrain predict --model DIR --input texts.jsonl` in a fresh
              process, stdout to a file: start-up, loading, prediction and printing
@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 
 import effitrain
-from effitrain import models
-from effitrain.predict import BATCH_SIZE, predict
+from effitrain.commands.predict import BATCH_SIZE, predict
+from effitrain.models import loading
+from effitrain.runtime import libraries
 from effitrain.tasks.classification import Classification
 
 
@@ -85,7 +86,7 @@ def short_texts(n: int) -> tuple[list[str], str]:
 def save_default_classifier(folder: Path) -> Path:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    source = str(models.default_model_dir())
+    source = str(loading.default_model_dir())
     torch.manual_seed(0)  # the new head's weights
     model = AutoModelForSequenceClassification.from_pretrained(
         source, num_labels=2, id2label={0: "ham", 1: "spam"}, label2id={"ham": 0, "spam": 1})
@@ -189,7 +190,7 @@ def agreement(reference, other) -> dict:
 
 
 def machine() -> str:
-    from effitrain.devices import cpu_name
+    from effitrain.runtime.devices import cpu_name
 
     text = f"{cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, torch {torch.__version__}"
     if torch.cuda.is_available():
@@ -241,7 +242,7 @@ def report(figures: dict, n: int) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    models.quiet_libraries(False)
+    libraries.quiet_libraries(False)
     if args.threads:
         torch.set_num_threads(args.threads)
     texts, source = short_texts(args.n)

@@ -30,7 +30,7 @@ Each optimizer step is also timed (forward to zero_grad, without loading the bat
 on_step_begin -> on_step_end, effitrain's StepRunner.run), and the parent sums the steps by the width the
 batch is padded to: where each side's time goes.
 Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training. For effitrain
-that moment is taken by wrapping `effitrain.engine.evaluate.evaluate` (first called right after the
+that moment is taken by wrapping `effitrain.engine.evaluator.evaluate` (first called right after the
 loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
 The wrappers only observe: they return what the wrapped functions return.
 
@@ -113,7 +113,7 @@ def cpu_share(start, end) -> dict:
 def machine() -> str:
     import torch
 
-    from effitrain.devices import cpu_name
+    from effitrain.runtime.devices import cpu_name
 
     cpu = cpu_name()
     text = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
@@ -183,14 +183,21 @@ def run_trainer(args, best: bool) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainingArguments, set_seed)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+        set_seed,
+    )
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from effitrain import devices, models
+    from effitrain.models import loading
+    from effitrain.runtime import devices, libraries
 
-    models.quiet_libraries(False)  # no load reports / progress bars from datasets and transformers
-    model_path = models.resolve("default")
+    libraries.quiet_libraries(False)  # no load reports / progress bars from datasets and transformers
+    model_path = loading.resolve("default")
     # Same order as effitrain's loop: seed, tokenizer, data, tokenization, then the model (and its new head).
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
@@ -346,7 +353,7 @@ def run_effitrain(args) -> dict:
 
     import effitrain
     from effitrain import tasks
-    from effitrain.engine import evaluate as evaluation
+    from effitrain.engine import evaluator as evaluation
     from effitrain.engine import optim
 
     observed: dict = {}

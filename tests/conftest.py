@@ -49,7 +49,7 @@ def tokenizer():
     """The packaged all-MiniLM-L6-v2 tokenizer (read-only: shared by the session)."""
     from transformers import AutoTokenizer
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     return AutoTokenizer.from_pretrained(str(default_model_dir()))
 
@@ -60,7 +60,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     that runs which see the same examples compute the same arithmetic."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))

@@ -1,4 +1,4 @@
-"""engine/allocator.py: on glibc, a CPU run's large blocks come from malloc's heap (reused step after
+"""speedups/allocator.py: on glibc, a CPU run's large blocks come from malloc's heap (reused step after
 step) instead of fresh mappings, and glibc's settings are put back when the run ends."""
 
 import ctypes
@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from effitrain.engine import allocator
+from effitrain.speedups import allocator
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 BLOCK = 48 * 1024 * 1024  # above glibc's largest mmap threshold (32 MiB): mapped on its own by default

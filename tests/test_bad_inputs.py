@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from effitrain.devices import has_accelerator
+from effitrain.runtime.devices import has_accelerator
 
 
 def snapshot(folder):
@@ -57,7 +57,7 @@ def workdir(tiny_model_dir, tmp_path_factory):
 
 def write_report_cases(root):
     """Runs of two tasks for `effitrain report`, and a page of the user's that --out must not replace."""
-    from effitrain.outputs import MARKER
+    from effitrain.outputs.run_folder import MARKER
 
     for name, task in (("cls-run", "sequence-classification"), ("lm-run", "causal-lm")):
         (root / name).mkdir()
@@ -72,7 +72,7 @@ def write_output_cases(root, tiny_model_dir):
     """Folders --overwrite must not empty, and weights that do not fit their config."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from effitrain.outputs import MARKER
+    from effitrain.outputs.run_folder import MARKER
 
     (root / "notes").mkdir()
     (root / "notes" / "ideas.txt").write_text("mine")

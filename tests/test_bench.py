@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from effitrain import bench
+from effitrain.commands import bench
 from effitrain.errors import UserError
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    bench.add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
 
 
 def fake(name: str, status: str = "ok", **metrics) -> dict:
@@ -87,7 +87,7 @@ def test_train_command_and_extra_flags(tmp_path):
 
 
 def test_default_matrix_skips_emulated_bf16(monkeypatch):
-    from effitrain import devices
+    from effitrain.runtime import devices
 
     monkeypatch.setattr(devices, "has_accelerator", lambda: False)
     monkeypatch.setattr(devices, "cpu_has_fast_bf16", lambda: False)
@@ -177,11 +177,11 @@ def test_matrix_decides_recommended_from_the_baseline(tmp_path, monkeypatch, cap
 
 def test_unknown_variant_and_busy_output_dir_are_refused(tmp_path):
     with pytest.raises(UserError, match="unknown variant"):
-        bench.run(parse("--variants", "turbo", "--output-dir", str(tmp_path / "b")))
+        bench.main(parse("--variants", "turbo", "--output-dir", str(tmp_path / "b")))
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "bench.json").write_text("{}")
     with pytest.raises(UserError, match="already holds files"):
-        bench.run(parse("--variants", "baseline", "--output-dir", str(tmp_path / "b")))
+        bench.main(parse("--variants", "baseline", "--output-dir", str(tmp_path / "b")))
     assert (tmp_path / "b" / "bench.json").read_text() == "{}"
 
 
@@ -189,7 +189,7 @@ def test_bench_runs_two_variants_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     args = parse("--model", str(tiny_model_dir), "--variants", "baseline,grad-accum", "--steps", "2",
                  "--extra", "--max-train-samples 64 --max-eval-samples 16", "--output-dir", str(out))
-    assert bench.run(args) == 0, capsys.readouterr()
+    assert bench.main(args) == 0, capsys.readouterr()
     printed = capsys.readouterr().out
     assert "[1/2] baseline: effitrain train" in printed and "[2/2] grad-accum: done in" in printed
     data = json.loads((out / "bench.json").read_text())
@@ -202,7 +202,7 @@ def test_bench_runs_two_variants_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert baseline["metrics"]["steps"] == accum["metrics"]["steps"] == 2
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "grad-accum" / "metrics.json").is_file()
-    # report.html compares the variants (report.py), with the curves as a PNG beside it; each variant's own too
+    # report.html compares the variants (report/), with the curves as a PNG beside it; each variant's own too
     page = (out / "report.html").read_text()
     assert "What differs" in page and "grad-accum" in page and "baseline" in page
     assert (out / "report-curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -210,7 +210,7 @@ def test_bench_runs_two_variants_end_to_end(tiny_model_dir, tmp_path, capsys):
 
 
 def test_machine_memory_is_the_ram_on_cpu_and_a_gpu_size_or_none_on_cuda():
-    from effitrain import devices
+    from effitrain.runtime import devices
 
     assert bench.machine_memory_bytes("cpu") == devices.total_memory_bytes()
     gpu = bench.machine_memory_bytes("cuda")

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from effitrain.devices import has_accelerator
+from effitrain.runtime.devices import has_accelerator
 
 CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="the refusal is for machines without an accelerator")
 FRESH = pytest.mark.fresh_process  # a row run as `python -m effitrain`; the others through cli.main here

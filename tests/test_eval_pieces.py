@@ -10,7 +10,7 @@ import torch
 
 from effitrain import tasks
 from effitrain.data import text
-from effitrain.engine import evaluate
+from effitrain.engine import evaluator
 
 TEXTS = ["ok", "a much longer message that has quite a few more tokens in it, and then a few more again",
          "see you at eight", "free prize! call now", "no", "the meeting moved to thursday afternoon because of it",
@@ -27,7 +27,11 @@ def padded(tokenizer, texts=TEXTS, side="right", labels=True):
 
 
 def tiny(kind: str, tokenizer):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+    )
 
     sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
     torch.manual_seed(0)
@@ -84,7 +88,7 @@ def test_pieces_give_the_outputs_of_the_whole_batch(tokenizer, kind, side):
         batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     with torch.inference_mode():
         whole = task.eval_outputs(model, batch)
-        pieced = evaluate.batch_outputs(CPU, task, model, batch)
+        pieced = evaluator.batch_outputs(CPU, task, model, batch)
     for a, b in zip(whole, pieced):
         assert a.shape == b.shape
         if a.dtype.is_floating_point:

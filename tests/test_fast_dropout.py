@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from effitrain import fast_dropout
+from effitrain.speedups import dropout as fast_dropout
 
 
 def tiny_bert(dropout: float = 0.1, **overrides):

@@ -1,13 +1,13 @@
-"""first_token_head.py: a sequence classifier whose last layer computes only the first token's row gives
+"""speedups/first_token_head.py: a sequence classifier whose last layer computes only the first token's row gives
 the logits, the loss and the gradients of the whole model, and is applied only where that holds."""
 
 import copy
 
 import pytest
 import torch
-
-from effitrain import fast_dropout, first_token_head
 from test_packing import features, tiny_model
+
+from effitrain.speedups import dropout, first_token_head
 
 
 def padded_batch(tokenizer, pairs: bool = False) -> dict:
@@ -29,9 +29,9 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict
 
 
 @pytest.mark.parametrize("model_type", sorted(first_token_head.ENCODERS))
-@pytest.mark.parametrize("attention", ["sdpa", "eager", fast_dropout.ATTENTION])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", dropout.ATTENTION])
 def test_logits_loss_and_gradients_equal_the_whole_model(tokenizer, model_type, attention):
-    fast_dropout.register()
+    dropout.register()
     whole = tiny_model(model_type, tokenizer, attention).train()  # dropout off in the tiny config
     pruned = copy.deepcopy(whole)
     assert first_token_head.apply(pruned)

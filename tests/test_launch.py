@@ -15,7 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from effitrain import cli, devices, launch, outputs
+from effitrain import cli
+from effitrain.commands import env, launch
+from effitrain.outputs import run_folder
+from effitrain.runtime import distributed
 
 HOOKED_CLI = str(Path(__file__).parent / "hooks" / "patched_cli.py")
 
@@ -66,11 +69,11 @@ def test_train_with_stray_launcher_variables_is_one_line_within_seconds(tiny_mod
         assert job.returncode == 2, stderr[-3000:]
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("effitrain: error: launcher variables "), stderr[-3000:]
-        assert f"RANK={rank}" in lines[0] and "WORLD_SIZE=2" in lines[0] and f"within {devices.JOIN_SECONDS} s" in lines[0]
+        assert f"RANK={rank}" in lines[0] and "WORLD_SIZE=2" in lines[0] and f"within {distributed.JOIN_SECONDS} s" in lines[0]
         assert "fix: unset them (unset RANK LOCAL_RANK WORLD_SIZE MASTER_ADDR MASTER_PORT)" in lines[0]
         assert "effitrain launch" in lines[0]
         assert not (tmp_path / f"rank{rank}").exists()  # refused before writing anything
-    assert time.monotonic() - start < devices.JOIN_SECONDS + 45  # start-up of two processes on 2 busy cores
+    assert time.monotonic() - start < distributed.JOIN_SECONDS + 45  # start-up of two processes on 2 busy cores
 
 
 def test_incomplete_launcher_variables_are_refused_at_once(monkeypatch):
@@ -83,7 +86,7 @@ def test_incomplete_launcher_variables_are_refused_at_once(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(UserError, match=r"ask for 2 processes but are incomplete \(need RANK, MASTER_ADDR\)"):
-        devices.init_process_group(timedelta(seconds=5))
+        distributed.init_process_group(timedelta(seconds=5))
 
 
 def test_a_master_port_taken_by_another_program_is_one_line(monkeypatch, capfd):
@@ -100,7 +103,7 @@ def test_a_master_port_taken_by_another_program_is_one_line(monkeypatch, capfd):
                             "MASTER_PORT": str(taken.getsockname()[1])}.items():
             monkeypatch.setenv(name, value)
         with pytest.raises(UserError, match=r"port \d+ of 127.0.0.1 is taken by another program.*fix: unset them"):
-            devices.init_process_group(timedelta(seconds=5))
+            distributed.init_process_group(timedelta(seconds=5))
     assert capfd.readouterr().err == ""  # c10d's own logs are kept off stderr
 
 
@@ -151,7 +154,7 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_code(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(cli.COMMANDS, "env", interrupted)
+    monkeypatch.setattr(env, "main", interrupted)
     assert cli.main(["env", "--debug"]) == 130
     assert "KeyboardInterrupt" in capsys.readouterr().err
     assert cli.main(["env"]) == 130
@@ -170,7 +173,7 @@ def test_sigterm_unwinds_a_command_with_exit_143_and_the_handlers_come_back(monk
             unwound.append(True)
         return 0
 
-    monkeypatch.setitem(cli.COMMANDS, "env", terminated)
+    monkeypatch.setattr(env, "main", terminated)
     start = time.monotonic()
     assert cli.main(["env"]) == 143
     assert time.monotonic() - start < 4 and unwound == [True]
@@ -246,7 +249,7 @@ def test_workers_follow_a_launcher_killed_outright(tiny_model_dir, tmp_path):
         job.communicate(timeout=30)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
     assert not list(out.rglob(".tmp-*"))
-    assert not (out / outputs.LOCK).exists()  # released: a run removes its lock file as it ends
+    assert not (out / run_folder.LOCK).exists()  # released: a run removes its lock file as it ends
 
 
 def running(pid: int) -> bool:
@@ -384,7 +387,7 @@ def test_pytorchjob_and_torchrun_style_environments(monkeypatch):
 
 def test_a_launched_workers_stray_variables_are_not_a_cluster():
     """What `stray()` leaves in a shell (LOCAL_RANK next to WORLD_SIZE) counts processes, not nodes: launch
-    ignores it as before, and torchrun replaces it in the workers; `train` alone refuses it (devices.py)."""
+    ignores it as before, and torchrun replaces it in the workers; `train` alone refuses it (runtime/distributed.py)."""
     env = {k: v for k, v in stray(1, 29500).items() if not k.startswith(("SLURM_", "PET_"))}
     assert settings(env, nproc=2) == ((2, 1, 0, None, None), None)
     assert settings(env) == settings({}) == settings({"WORLD_SIZE": "2", "RANK": "1"}) == ((1, 1, 0, None, None), None)

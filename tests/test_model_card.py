@@ -3,8 +3,8 @@
 import pytest
 from huggingface_hub import ModelCard
 
-from effitrain import model_card
 from effitrain.config import TrainConfig
+from effitrain.outputs import model_card
 
 
 def result(**overrides) -> dict:

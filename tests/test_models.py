@@ -3,24 +3,25 @@ import shutil
 import pytest
 import torch
 
-from effitrain import models, tasks
+from effitrain import tasks
 from effitrain.errors import UserError
+from effitrain.models import loading
 
 CLASSIFY = tasks.get("sequence-classification")
 
 
 def load_classifier(path, labels):
     """A pretrained directory with a head sized for `labels`: the builder `effitrain train` uses."""
-    return CLASSIFY.build_model(models.ModelSource(path), labels, processor=None)
+    return CLASSIFY.build_model(loading.ModelSource(path), labels, processor=None)
 
 
 def test_default_resolves_to_the_packaged_checkpoint():
-    path = models.resolve("default")
+    path = loading.resolve("default")
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
 def test_local_directory_resolves(tiny_model_dir):
-    assert models.resolve(str(tiny_model_dir)) == tiny_model_dir
+    assert loading.resolve(str(tiny_model_dir)) == tiny_model_dir
 
 
 @pytest.mark.parametrize("name, needle", [
@@ -29,19 +30,19 @@ def test_local_directory_resolves(tiny_model_dir):
 ])
 def test_unknown_models_are_user_errors(name, needle):
     with pytest.raises(UserError, match=needle):
-        models.resolve(name)
+        loading.resolve(name)
 
 
 def test_directory_without_safetensors_is_refused(tiny_model_dir, tmp_path):
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
     torch.save({}, tmp_path / "pytorch_model.bin")
     with pytest.raises(UserError, match="only pickle weights"):
-        models.resolve(str(tmp_path))
+        loading.resolve(str(tmp_path))
 
 
 def test_directory_without_config_is_refused(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
-        models.resolve(str(tmp_path))
+        loading.resolve(str(tmp_path))
 
 
 def test_head_is_sized_and_named_from_the_labels(tiny_model_dir):
@@ -55,7 +56,7 @@ def test_head_is_sized_and_named_from_the_labels(tiny_model_dir):
 def test_parameter_counts(tiny_model_dir):
     model = load_classifier(tiny_model_dir, ["a", "b"])
     model.bert.pooler.dense.weight.requires_grad_(False)
-    counts = models.parameter_counts(model)
+    counts = loading.parameter_counts(model)
     emb = model.bert.embeddings
     expected_embedding = sum(m.weight.numel() for m in (emb.word_embeddings, emb.position_embeddings,
                                                         emb.token_type_embeddings))
@@ -65,10 +66,10 @@ def test_parameter_counts(tiny_model_dir):
 
 
 def test_meta_model_has_the_real_shapes_without_memory(tiny_model_dir):
-    meta = CLASSIFY.build_on_meta(models.load_config(tiny_model_dir))
+    meta = CLASSIFY.build_on_meta(loading.load_config(tiny_model_dir))
     real = load_classifier(tiny_model_dir, ["a", "b"])
     assert all(p.device.type == "meta" for p in meta.parameters())
-    assert models.parameter_counts(meta) == models.parameter_counts(real)
+    assert loading.parameter_counts(meta) == loading.parameter_counts(real)
 
 
 def test_model_without_a_classification_head_is_refused(tmp_path):
@@ -85,9 +86,9 @@ def test_pickle_weights_are_refused_unless_allowed_and_then_load(tiny_model_dir,
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
     torch.save(load_file(str(tiny_model_dir / "model.safetensors")), tmp_path / "pytorch_model.bin")
     with pytest.raises(UserError, match="only pickle weights .*--allow-pickle"):
-        models.resolve(str(tmp_path))
-    source = models.resolve_source(str(tmp_path), allow_pickle=True)
-    tokenizer = CLASSIFY.load_processor(models.ModelSource(tiny_model_dir))
+        loading.resolve(str(tmp_path))
+    source = loading.resolve_source(str(tmp_path), allow_pickle=True)
+    tokenizer = CLASSIFY.load_processor(loading.ModelSource(tiny_model_dir))
     model = CLASSIFY.build_model(source, ["a", "b"], tokenizer)
     expected = load_file(str(tiny_model_dir / "model.safetensors"))
     torch.testing.assert_close(model.bert.embeddings.word_embeddings.weight,
@@ -106,7 +107,7 @@ def test_inspect_builds_the_model_of_the_task_it_is_asked_for(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "lm"), "--task", "causal-lm", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     expected = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100))
-    assert shown["parameters"] == models.parameter_counts(expected)
+    assert shown["parameters"] == loading.parameter_counts(expected)
     assert main(["inspect", str(tmp_path / "lm"), "--task", "sequence-classification", "--json"]) == 0
     classifier = json.loads(capsys.readouterr().out)["parameters"]
     assert classifier["total"] != shown["parameters"]["total"]
@@ -121,11 +122,11 @@ def test_inspect_builds_the_model_of_the_task_it_is_asked_for(tmp_path, capsys):
 ])
 def test_model_specs_with_bad_values_are_refused(spec, needle):
     with pytest.raises(UserError, match=needle):
-        models.resolve_source(spec)
+        loading.resolve_source(spec)
 
 
 def test_shapes_that_do_not_fit_are_refused_before_building():
-    config = models.resolve_source("bert:hidden_size=30,num_attention_heads=4").config
+    config = loading.resolve_source("bert:hidden_size=30,num_attention_heads=4").config
     with pytest.raises(UserError, match="does not build a BertForSequenceClassification: The hidden size \\(30\\)"):
         CLASSIFY.check_supported(config)
 
@@ -137,7 +138,7 @@ def test_negative_sizes_in_a_config_file_are_refused(tiny_model_dir, tmp_path):
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -2}))
     with pytest.raises(UserError, match="`num_hidden_layers: -2`, which must be >= 0"):
-        CLASSIFY.check_supported(models.load_config(tmp_path / "m"))
+        CLASSIFY.check_supported(loading.load_config(tmp_path / "m"))
 
 
 def test_unknown_model_type_in_a_directory_is_named_before_any_tokenizer(tiny_model_dir, tmp_path):
@@ -146,10 +147,10 @@ def test_unknown_model_type_in_a_directory_is_named_before_any_tokenizer(tiny_mo
     shutil.copytree(tiny_model_dir, tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "nosuchmodel"}))
     with pytest.raises(UserError, match="model_type `nosuchmodel`, which transformers .* does not know"):
-        models.resolve(str(tmp_path / "m"))
+        loading.resolve(str(tmp_path / "m"))
     (tmp_path / "m" / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="is not a valid JSON file"):
-        models.resolve(str(tmp_path / "m"))
+        loading.resolve(str(tmp_path / "m"))
 
 
 def test_a_model_of_another_kind_is_named_before_its_processor(tmp_path):
@@ -158,14 +159,14 @@ def test_a_model_of_another_kind_is_named_before_its_processor(tmp_path):
     ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                                         intermediate_size=8)).save_pretrained(tmp_path / "vit")
     with pytest.raises(UserError, match="model type `vit` has no sequence-classification head"):
-        CLASSIFY.load_processor(models.ModelSource(tmp_path / "vit"))  # not "has no tokenizer"
+        CLASSIFY.load_processor(loading.ModelSource(tmp_path / "vit"))  # not "has no tokenizer"
 
 
 def test_a_local_path_typo_is_not_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "runs" / "model").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="model path runs/modle does not exist \\(the folder runs does\\).*model"):
-        models.resolve("runs/modle")
+        loading.resolve("runs/modle")
 
 
 @pytest.mark.parametrize("spec, limit", [
@@ -175,12 +176,12 @@ def test_a_local_path_typo_is_not_a_hub_id(tmp_path, monkeypatch):
     ("llama:max_position_embeddings=16", None),  # rotary: no hard limit
 ])
 def test_position_limits(spec, limit):
-    config = models.resolve_source(spec).config
-    assert models.position_limit(config) == limit
+    config = loading.resolve_source(spec).config
+    assert loading.position_limit(config) == limit
     if limit is not None:
-        models.check_length(config, limit, "--max-length")
+        loading.check_length(config, limit, "--max-length")
         with pytest.raises(UserError, match=f"--max-length {limit + 1} is longer than the {limit} positions"):
-            models.check_length(config, limit + 1, "--max-length")
+            loading.check_length(config, limit + 1, "--max-length")
 
 
 @pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root reads folders whatever their mode")
@@ -189,6 +190,6 @@ def test_unreadable_model_folder_is_named(tiny_model_dir, tmp_path):
     (tmp_path / "m").chmod(0)
     try:
         with pytest.raises(UserError, match="cannot be read \\(permission denied\\)"):
-            models.resolve(str(tmp_path / "m"))
+            loading.resolve(str(tmp_path / "m"))
     finally:
         (tmp_path / "m").chmod(0o755)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from effitrain import onednn_linear
+from effitrain.speedups import onednn_linear
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="torch built without oneDNN")
 

@@ -17,9 +17,10 @@ from test_bad_inputs import snapshot
 from test_train import small
 
 import effitrain
-from effitrain import outputs
 from effitrain.engine.step import StepResult, StepRunner
 from effitrain.errors import UserError
+from effitrain.outputs import files as outputs_files
+from effitrain.outputs import run_folder, sinks
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_overwrite_refuses_a_run_holding_foreign_files_or_the_runs_own_inputs(ti
     with pytest.raises(UserError, match=r"holds files effitrain did not write \(notes.txt\)"):
         effitrain.train(small(tiny_model_dir, out, overwrite=True))
     assert (out / "notes.txt").read_text() == "mine"
-    assert not (out / outputs.LOCK).exists()
+    assert not (out / run_folder.LOCK).exists()
 
 
 def test_a_failed_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier_run, monkeypatch):
@@ -82,7 +83,7 @@ def test_a_failed_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier_ru
     monkeypatch.undo()
     metrics = effitrain.train(small(tiny_model_dir, out, overwrite=True, max_steps=2))
     assert metrics["steps"] == 2 and json.loads((out / "metrics.json").read_text())["steps"] == 2
-    assert not (out / outputs.PREVIOUS).exists() and not (out / outputs.LOCK).exists()
+    assert not (out / run_folder.PREVIOUS).exists() and not (out / run_folder.LOCK).exists()
 
 
 def cli(*args) -> subprocess.Popen:
@@ -111,7 +112,7 @@ def test_a_signalled_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier
         assert job.returncode == 143 and stderr.strip().splitlines() == ["effitrain: stopped by SIGTERM"], stderr
         assert snapshot(out) == before
         return
-    assert (out / outputs.PREVIOUS).is_dir()  # killed mid-replacement: the earlier run is set aside
+    assert (out / run_folder.PREVIOUS).is_dir()  # killed mid-replacement: the earlier run is set aside
     again = cli_here("train", "--model", tiny_model_dir, "--output-dir", out)  # the next run, in this process
     assert again.returncode == 2 and "already holds an effitrain run" in again.stderr, again.stderr
     assert "put the earlier run back" in again.stdout
@@ -138,7 +139,7 @@ def test_a_held_lock_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, 
 
     out = tmp_path / "out"
     out.mkdir()
-    lock = out / outputs.LOCK
+    lock = out / run_folder.LOCK
     lock.write_text(json.dumps({"pid": 4242, "host": "gpu-node-7", "started": "2026-12-03 09:00:00"}))
     with open(lock) as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the other run's process holds it
@@ -152,16 +153,16 @@ def test_a_held_lock_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, 
 
 def test_a_lock_that_is_not_a_file_is_refused_and_a_race_has_one_winner(tmp_path):
     odd = tmp_path / "odd"
-    (odd / outputs.LOCK).mkdir(parents=True)
+    (odd / run_folder.LOCK).mkdir(parents=True)
     with pytest.raises(UserError, match="the lock file .* cannot be opened"):
-        outputs.RunDir(odd).acquire()
-    assert (odd / outputs.LOCK).is_dir()
-    first = outputs.RunDir(tmp_path / "race").acquire()
+        run_folder.RunDir(odd).acquire()
+    assert (odd / run_folder.LOCK).is_dir()
+    first = run_folder.RunDir(tmp_path / "race").acquire()
     with pytest.raises(UserError, match="another effitrain run"):
-        outputs.RunDir(tmp_path / "race").acquire()
+        run_folder.RunDir(tmp_path / "race").acquire()
     first.release(discard=True)
     assert not (tmp_path / "race").exists()
-    outputs.RunDir(tmp_path / "race").acquire().release(discard=True)
+    run_folder.RunDir(tmp_path / "race").acquire().release(discard=True)
 
 
 def test_a_user_mistake_during_the_run_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
@@ -203,11 +204,11 @@ def test_non_finite_weights_are_never_saved_as_a_model(tiny_model_dir, tmp_path,
 
 
 def test_json_outputs_are_strict_and_name_what_was_not_finite(tmp_path):
-    outputs.write_json(tmp_path / "m.json", {"test": {"loss": float("nan"), "accuracy": 0.5}, "x": [float("inf")]})
+    outputs_files.write_json(tmp_path / "m.json", {"test": {"loss": float("nan"), "accuracy": 0.5}, "x": [float("inf")]})
     written = json.loads((tmp_path / "m.json").read_text(), parse_constant=lambda name: pytest.fail(name))
     assert written == {"test": {"loss": None, "accuracy": 0.5}, "x": [None], "non_finite": ["test.loss (nan)",
                                                                                               "x[0] (inf)"]}
-    log = outputs.JsonlLog(tmp_path / "log.jsonl")
+    log = sinks.JsonlLog(tmp_path / "log.jsonl")
     log.write({"step": 1, "loss": float("-inf")})
     log.close()
     assert read_jsonl(tmp_path / "log.jsonl") == [{"step": 1, "loss": None, "non_finite": ["loss (-inf)"]}]
@@ -245,7 +246,7 @@ def test_a_signal_during_a_save_leaves_no_half_checkpoint(tiny_model_dir, tmp_pa
     out = tmp_path / "out"
     with pytest.raises(Terminated):
         effitrain.train(small(tiny_model_dir, out, max_steps=4, save_every=2))
-    assert list((out / "checkpoints").iterdir()) == [] and not (out / outputs.LOCK).exists()
+    assert list((out / "checkpoints").iterdir()) == [] and not (out / run_folder.LOCK).exists()
     assert (out / "config.yaml").exists()  # a signalled run is kept (not a user mistake), for --resume
 
 
@@ -260,7 +261,7 @@ def kill_at_step(monkeypatch, step: int) -> None:
         os.close(self.fd)  # what the kernel does for a dead process: the lock is free, nothing else changes
         self.fd = None
 
-    monkeypatch.setattr(outputs.RunDir, "fail", die)
+    monkeypatch.setattr(run_folder.RunDir, "fail", die)
 
 
 def test_resume_auto_restarts_a_run_killed_before_its_first_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
@@ -282,10 +283,10 @@ def test_overwrite_with_resume_auto_continues_the_replacing_run_after_a_kill(tin
     settings = dict(overwrite=True, resume="auto", save_every=3, max_steps=6)
     with pytest.raises(Killed):
         effitrain.train(small(tiny_model_dir, out, **settings))
-    assert (out / outputs.PREVIOUS / "metrics.json").exists() and (out / "checkpoints" / "step-3").is_dir()
+    assert (out / run_folder.PREVIOUS / "metrics.json").exists() and (out / "checkpoints" / "step-3").is_dir()
     monkeypatch.undo()
     metrics = effitrain.train(small(tiny_model_dir, out, **settings))
-    assert metrics["steps"] == 6 and not (out / outputs.PREVIOUS).exists()
+    assert metrics["steps"] == 6 and not (out / run_folder.PREVIOUS).exists()
     # Continued from its step-3 checkpoint: the log goes on from there, no step twice.
     assert [r["step"] for r in read_jsonl(out / "log.jsonl") if "loss" in r and "split" not in r] == [2, 4, 6]
 
@@ -310,7 +311,7 @@ def test_config_yaml_does_not_carry_how_its_folder_was_treated(tiny_model_dir, e
 
 def fake_run(folder, **files):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / outputs.MARKER).write_text('{"kind": "train"}')
+    (folder / run_folder.MARKER).write_text('{"kind": "train"}')
     for name, text in files.items():
         (folder / name).write_text(text)
     return folder
@@ -321,26 +322,26 @@ def test_what_counts_as_written_by_effitrain(tmp_path):
     (run / "model").mkdir()
     fake_run(run / "sub", **{"thesis.txt": "mine"})  # a folder with a marker, and the user's file in it
     (run / "link").symlink_to(tmp_path)
-    assert outputs.foreign_entries(run) == [".tmp-mynotes", "link", "sub/thesis.txt"]
+    assert run_folder.foreign_entries(run) == [".tmp-mynotes", "link", "sub/thesis.txt"]
     with pytest.raises(UserError, match="holds files effitrain did not write"):
-        outputs.RunDir(run, overwrite=True).acquire()
-    assert (run / "sub" / "thesis.txt").exists() and not (run / outputs.LOCK).exists()
+        run_folder.RunDir(run, overwrite=True).acquire()
+    assert (run / "sub" / "thesis.txt").exists() and not (run / run_folder.LOCK).exists()
 
 
 def test_a_leftover_previous_folder_never_costs_the_run_in_place(tmp_path):
     finished_ = fake_run(tmp_path / "a", **{"metrics.json": "{}", "config.yaml": "x: 1\n"})
     (finished_ / "model").mkdir()
-    (finished_ / outputs.PREVIOUS / "checkpoints").mkdir(parents=True)  # killed while deleting the replaced run
+    (finished_ / run_folder.PREVIOUS / "checkpoints").mkdir(parents=True)  # killed while deleting the replaced run
     with pytest.raises(UserError, match="already holds an effitrain run"):
-        outputs.RunDir(finished_).acquire()
+        run_folder.RunDir(finished_).acquire()
     assert (finished_ / "metrics.json").exists() and (finished_ / "model").is_dir()
-    assert not (finished_ / outputs.PREVIOUS).exists()
+    assert not (finished_ / run_folder.PREVIOUS).exists()
     linked = fake_run(tmp_path / "b", **{"config.yaml": "x: 1\n"})
     notes = tmp_path / "notes"
     fake_run(notes, **{"notes.txt": "mine"})
-    (linked / outputs.PREVIOUS).symlink_to(notes)
+    (linked / run_folder.PREVIOUS).symlink_to(notes)
     with pytest.raises(UserError, match="is not a folder effitrain wrote"):
-        outputs.RunDir(linked, overwrite=True).acquire()
+        run_folder.RunDir(linked, overwrite=True).acquire()
     assert (notes / "notes.txt").read_text() == "mine" and (linked / "config.yaml").exists()
 
 
@@ -363,9 +364,9 @@ def test_too_many_bad_steps_keep_the_log_and_best_but_write_no_model(tiny_model_
 def test_a_rank_without_a_world_is_the_main_process(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert outputs.is_main_process()
+    assert run_folder.is_main_process()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not outputs.is_main_process()
+    assert not run_folder.is_main_process()
 
 
 def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_half_model(tiny_model_dir, tmp_path, monkeypatch,

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import effitrain
-from effitrain import fast_dropout, tasks
+from effitrain import tasks
 from effitrain.data import packing, text
+from effitrain.speedups import dropout
 from effitrain.tasks import packed
 
 TEXTS = ["a short one", "a much longer sentence that has quite a few more tokens in it, and then some more",
@@ -54,10 +55,10 @@ def both(tokenizer, examples: list[dict]) -> tuple[dict, dict, list[int]]:
 
 
 @pytest.mark.parametrize("model_type", sorted(packed.ENCODERS))
-@pytest.mark.parametrize("attention", ["sdpa", "eager", fast_dropout.ATTENTION])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", dropout.ATTENTION])
 def test_packed_logits_equal_padded(tokenizer, model_type, attention):
     typed = model_type in ("bert", "electra")  # the models with two token types: text pairs
-    fast_dropout.register()
+    dropout.register()
     model = tiny_model(model_type, tokenizer, attention).eval()
     for pairs in ([False, True] if typed else [False]):
         padded, batch, order = both(tokenizer, features(tokenizer, pairs, token_types=typed))

@@ -11,10 +11,10 @@ from test_distributed import TINY_GPT2, torchrun
 from test_resume import read_log, resumed_here, train
 
 import effitrain
-from effitrain import adapters
+from effitrain.commands.evaluate import evaluate
+from effitrain.commands.predict import predict
 from effitrain.errors import UserError
-from effitrain.evaluate import evaluate
-from effitrain.predict import predict
+from effitrain.models import adapters
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def wide_model_dir(tmp_path_factory):
     """A tiny BERT 64 wide: bitsandbytes' CPU 4-bit kernels need input widths that are multiples of 64."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     path = tmp_path_factory.mktemp("tiny-bert-64")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
@@ -148,7 +148,8 @@ def test_lean_adapter_dropout_keeps_no_dropped_copies(tiny_model_dir):
     """What the backward keeps: with adapter dropout, no more than without any (the inputs are shared)."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import config as cfg, tasks
+    from effitrain import config as cfg
+    from effitrain import tasks
 
     def saved_bytes(dropout):
         torch.manual_seed(0)
@@ -240,12 +241,14 @@ def test_qlora_base_is_4bit_and_model_dir_is_the_function_that_was_trained(wide_
 def test_qlora_loads_linear_layers_in_4bit(wide_model_dir):
     from bitsandbytes.nn import Linear4bit
 
-    from effitrain import config as cfg, models, tasks
+    from effitrain import config as cfg
+    from effitrain import tasks
     from effitrain.engine import setup
+    from effitrain.models import loading
 
     config = cfg.build(None, {"model": str(wide_model_dir), "peft": "qlora"})
     task = tasks.get(config.task)
-    source = models.resolve_source(config.model)
+    source = loading.resolve_source(config.model)
     processor = task.load_processor(source)
     data = setup.Data(processor, None, None, ["ham", "spam"])
     plan = setup.RunPlan(1)
@@ -306,7 +309,8 @@ def test_an_adapter_folder_names_the_task_class_not_the_base_class(tiny_model_di
     config must name the task's class, or predict and evaluate cannot tell the task."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain import config as cfg, tasks
+    from effitrain import config as cfg
+    from effitrain import tasks
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
     model.config.architectures = ["BertModel"]
@@ -331,7 +335,7 @@ def random_llama_dir(path, hidden: int):
     model's tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     torch.manual_seed(0)

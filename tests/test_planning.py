@@ -18,7 +18,8 @@ from test_distributed import TINY_GPT2, torchrun
 import effitrain
 from effitrain.engine import memory_fit, optim
 from effitrain.errors import UserError
-from effitrain.planning import plan, simulate
+from effitrain.planning import planner as plan
+from effitrain.planning import simulate
 from effitrain.planning.sizes import parse_size
 
 SMALL_GPT2 = "gpt2:n_layer=5,n_embd=64,n_head=4,n_positions=256,vocab_size=1000"
@@ -55,7 +56,8 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
-    from effitrain import models, tasks
+    from effitrain import tasks
+    from effitrain.models import loading
 
     config = small_bert(layers=2, hidden=128)
     fake = simulate._simulate("sequence-classification", config, 8, 64, "fp32", checkpointing, split=False)
@@ -63,7 +65,7 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     model = BertForSequenceClassification(config)
     model.train()
     if checkpointing:
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     batch = simulate.example_batch("sequence-classification", config, 8, 64)
     # Padding, as real batches have: otherwise transformers sees an all-ones mask and skips building
     # the 4-d attention mask, which it cannot know on fake tensors.
@@ -221,7 +223,7 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     without a budget: same examples per step, same effective batch."""
     from transformers import AutoTokenizer
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     vocab = len(AutoTokenizer.from_pretrained(str(default_model_dir())))
     planner = plan.Planner(plan.model_shapes("causal-lm", TINY_GPT2, vocab_size=vocab), 64, "cpu")
@@ -312,7 +314,7 @@ def test_resuming_a_budgeted_run_keeps_what_its_plan_chose(tmp_path):
     it continues with checkpointing, as its checkpoint was trained, instead of refusing to resume."""
     from transformers import AutoTokenizer
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     vocab = len(AutoTokenizer.from_pretrained(str(default_model_dir())))
     planner = plan.Planner(plan.model_shapes("causal-lm", TINY_GPT2, vocab_size=vocab), 64, "cpu")
@@ -337,7 +339,8 @@ def test_plan_with_lora_counts_states_of_the_adapters_and_head_only():
     what peft itself counts as trainable on the real model."""
     from transformers import BertForSequenceClassification
 
-    from effitrain import adapters, tasks
+    from effitrain import tasks
+    from effitrain.models import adapters
 
     lora = plan.Peft("lora")
     shapes = plan.model_shapes("sequence-classification", SMALL_BERT, peft=lora)
@@ -378,7 +381,8 @@ def test_fake_simulation_under_lora_equals_the_real_adapted_step():
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
-    from effitrain import adapters, tasks
+    from effitrain import tasks
+    from effitrain.models import adapters
 
     config, lora = small_bert(layers=2, hidden=128), plan.Peft("lora")
     fake = simulate._simulate("sequence-classification", config, 8, 64, "fp32", False, split=False, peft=lora)

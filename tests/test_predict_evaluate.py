@@ -307,7 +307,7 @@ def plain_forward(model_dir, text, pair=None) -> list[float]:
 def test_predict_equals_a_plain_forward_whatever_the_batch(tiny_model_dir):
     """Texts of very different lengths (one token to past the 512-token cut), single and paired, in
     batches of 1, 3 and 64: each text's label and scores are those of the text alone, unpadded."""
-    from effitrain.predict import predict
+    from effitrain.commands.predict import predict
     from effitrain.tasks.base import PredictOptions
 
     texts = ["hi", "free entry in a weekly competition to win cup final tickets " * 3, "ok " * 700,
@@ -330,7 +330,7 @@ def test_predict_equals_a_plain_forward_whatever_the_batch(tiny_model_dir):
 
 
 def test_texts_with_and_without_a_pair_in_one_input_file(tmp_path, tiny_model_dir):
-    from effitrain.predict import predict
+    from effitrain.commands.predict import predict
 
     rows = [{"text": "one", "text_pair": "two"}, {"text": "three " * 50}, {"text": "four", "text_pair": "five six"}]
     path = tmp_path / "mixed.jsonl"
@@ -348,10 +348,17 @@ def other_models(tmp_path_factory):
     """Causal LMs (GPT-2, Llama) and a masked LM built from configs, saved with save_pretrained, with the
     packaged tokenizer."""
     import torch
-    from transformers import (AutoTokenizer, BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM)
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
-    from effitrain.models import default_model_dir
+    from effitrain.models.loading import default_model_dir
 
     root = tmp_path_factory.mktemp("other-tasks")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))

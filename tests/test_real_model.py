@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 def test_real_model_learns_spam_and_reloads_with_plain_transformers(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from effitrain.predict import predict
+    from effitrain.commands.predict import predict
 
     metrics = effitrain.train(dict(output_dir=str(tmp_path / "run"), max_train_samples=640, max_eval_samples=200,
                                    max_length=64))

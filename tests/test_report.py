@@ -1,4 +1,4 @@
-"""effitrain report (report.py): the page of one run and of several, read back in a real browser
+"""effitrain report (report/): the page of one run and of several, read back in a real browser
 (Debian's headless Chromium, driven by selenium; `make test` installs both), and its pieces in process:
 reading runs as far as they got, the table of differences, the checks of --out."""
 
@@ -14,8 +14,11 @@ import pytest
 from conftest import run_cli
 
 import effitrain
-from effitrain import outputs, report
 from effitrain.errors import UserError
+from effitrain.outputs import run_folder
+from effitrain.report import page as report_page
+from effitrain.report import runs as report_runs
+from effitrain.report import svg
 
 SMALL = dict(max_train_samples=96, max_eval_samples=40, max_steps=6, eval_every=2, log_every=1, batch_size=16,
              max_length=64, lr=1e-3, warmup_ratio=0.0)
@@ -39,7 +42,7 @@ def test_train_writes_the_page_and_the_confusion_matrix(runs):
     assert 'content="effitrain report"' in page and "Loss (train: solid, validation: dashed)" in page
     assert "<script" not in page and "http://" not in page and "https://" not in page  # loads nothing
     assert not list(a.glob("report-*.png"))  # train writes the page alone (matplotlib costs ~0.5 s per run)
-    assert outputs.foreign_entries(a) == []  # --overwrite may replace it
+    assert run_folder.foreign_entries(a) == []  # --overwrite may replace it
     metrics = json.loads((a / "metrics.json").read_text())
     matrix = metrics["test_confusion_matrix"]
     assert matrix["labels"] == metrics["labels"] == ["ham", "spam"]
@@ -57,7 +60,7 @@ def test_a_memory_plan_is_shown_against_the_measured_peak(runs, tmp_path):
                               "peak 0.50 GiB", "predicted_peak_bytes": metrics["peak_memory_bytes"] // 4,
                               "in_use_bytes": metrics["peak_memory_bytes"] // 4}  # the peak: 2x the prediction
     (planned / "metrics.json").write_text(json.dumps(metrics))
-    page = report.render(report.find_runs([str(planned)]))
+    page = report_page.render(report_runs.find_runs([str(planned)]))
     assert "Memory plan (--memory-budget)" in page and "predicted peak (memory plan)" in page
     assert "<td>measured vs predicted</td><td>+100.0%</td>" in page
 
@@ -164,7 +167,7 @@ def test_two_runs_compared_in_chromium(runs, browser, tmp_path):
 
 # --- reading runs, in process ----------------------------------------------------------------------
 
-def copy_run(source: Path, target: Path, keep=("config.yaml", "log.jsonl", "metrics.json", outputs.MARKER)) -> Path:
+def copy_run(source: Path, target: Path, keep=("config.yaml", "log.jsonl", "metrics.json", run_folder.MARKER)) -> Path:
     target.mkdir()
     for name in keep:
         shutil.copy(source / name, target / name)
@@ -172,25 +175,25 @@ def copy_run(source: Path, target: Path, keep=("config.yaml", "log.jsonl", "metr
 
 
 def test_a_killed_run_is_reported_as_far_as_it_got(runs, tmp_path):
-    killed = copy_run(runs / "a", tmp_path / "killed", keep=("config.yaml", "log.jsonl", outputs.MARKER))
+    killed = copy_run(runs / "a", tmp_path / "killed", keep=("config.yaml", "log.jsonl", run_folder.MARKER))
     lines = (killed / "log.jsonl").read_text().splitlines()
     (killed / "log.jsonl").write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # killed mid-line
-    (killed / outputs.LOCK).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname()}))
-    run = report.read_run(killed)
+    (killed / run_folder.LOCK).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname()}))
+    run = report_runs.read_run(killed)
     assert run.status == "stopped" and run.steps and run.final("steps") == run.steps[-1]["step"]
     assert any("stopped before it ended" in note for note in run.notes)
     assert any("1 line(s) of log.jsonl could not be read" in note for note in run.notes)
-    assert "stopped" in report.render([run])
+    assert "stopped" in report_page.render([run])
 
 
 def test_a_run_still_training_and_one_without_evaluations(runs, tmp_path):
-    live = copy_run(runs / "a", tmp_path / "live", keep=("config.yaml", outputs.MARKER))
+    live = copy_run(runs / "a", tmp_path / "live", keep=("config.yaml", run_folder.MARKER))
     (live / "log.jsonl").write_text(json.dumps({"step": 1, "epoch": 0.1, "loss": 0.7, "lr": 1e-3}) + "\n")
-    (live / outputs.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-    run = report.read_run(live)
+    (live / run_folder.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    run = report_runs.read_run(live)
     assert run.status == "training" and any("still training" in note for note in run.notes)
     assert any("no evaluation logged yet" in note for note in run.notes)
-    page = report.render([run])
+    page = report_page.render([run])
     assert "(training)" in page and "Evaluations" not in page
 
 
@@ -200,33 +203,33 @@ def test_a_resumed_log_keeps_the_later_record_of_a_step(tmp_path):
     records = [{"step": 1, "loss": 0.9, "lr": 1}, {"step": 2, "loss": 0.8, "lr": 1}, {"step": 2, "loss": 0.5, "lr": 1},
                {"step": 2, "split": "validation", "loss": 0.7}, {"step": 0, "memory_plan": "m", "pieces": 1}]
     (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    run = report.read_run(run_dir)
+    run = report_runs.read_run(run_dir)
     assert [r["loss"] for r in run.steps] == [0.9, 0.5] and len(run.evals) == 1 and len(run.events) == 1
 
 
 def test_differences_hold_only_what_differs(runs):
-    a, b = report.find_runs([str(runs / "a"), str(runs / "b")])
-    header, rows = report.differences([a, b])
+    a, b = report_runs.find_runs([str(runs / "a"), str(runs / "b")])
+    header, rows = report_page.differences([a, b])
     assert header == ["", "a", "b"]
     table = {row[0]: row[1:] for row in rows}
     assert table["lr"] == ["0.001", "0.0005"] and table["batch_size"] == ["16", "8"]
     assert "output_dir" not in table and "model" not in table and "seed" not in table  # same, or no setting
     assert "plan.grad_accum" not in table and "max_steps" not in table
-    assert table["steps"] == ["6", "6"] and table["test accuracy"][0] == report.number(a.metrics["test"]["accuracy"])
+    assert table["steps"] == ["6", "6"] and table["test accuracy"][0] == svg.number(a.metrics["test"]["accuracy"])
     assert table["peak memory"][1].endswith("x)") and "x)" not in table["peak memory"][0]  # ratio to the first
 
 
 def test_find_runs_expands_a_bench_and_reports_a_run_once(runs, tmp_path, capsys):
     bench = tmp_path / "bench"
     bench.mkdir()
-    (bench / outputs.MARKER).write_text('{"kind": "bench"}')
+    (bench / run_folder.MARKER).write_text('{"kind": "bench"}')
     for when, name in enumerate(("grad-accum", "baseline")):
         copy_run(runs / "a", bench / name)
-        os.utime(bench / name / outputs.MARKER, (1e9 + when, 1e9 + when))
-    assert [r.name for r in report.find_runs([str(bench)])] == ["grad-accum", "baseline"]  # the order they ran in
+        os.utime(bench / name / run_folder.MARKER, (1e9 + when, 1e9 + when))
+    assert [r.name for r in report_runs.find_runs([str(bench)])] == ["grad-accum", "baseline"]  # the order they ran in
     (bench / "bench.json").write_text(json.dumps({"variants": [{"name": "baseline"}, {"name": "grad-accum"}]}))
-    assert [r.name for r in report.find_runs([str(bench)])] == ["baseline", "grad-accum"]  # bench.json's
-    assert len(report.find_runs([str(runs / "a"), str(runs / "a") + "/"])) == 1
+    assert [r.name for r in report_runs.find_runs([str(bench)])] == ["baseline", "grad-accum"]  # bench.json's
+    assert len(report_runs.find_runs([str(runs / "a"), str(runs / "a") + "/"])) == 1
     assert "given more than once" in capsys.readouterr().out
 
 
@@ -235,39 +238,39 @@ def test_runs_of_different_tasks_and_things_that_are_not_runs_are_refused(runs, 
     (lm / "config.yaml").write_text((lm / "config.yaml").read_text().replace(
         "task: sequence-classification", "task: causal-lm"))
     with pytest.raises(UserError, match="different tasks"):
-        report.find_runs([str(runs / "a"), str(lm)])
+        report_runs.find_runs([str(runs / "a"), str(lm)])
     (tmp_path / "empty").mkdir()
     for given, needle in ((tmp_path / "empty", "is not an effitrain run"), (tmp_path / "nope", "does not exist"),
                           (runs / "a" / "metrics.json", f"is a file, not a run folder; fix: pass its folder"),
                           (runs / "a" / "model", f"fix: pass the run's folder: effitrain report {runs / 'a'}")):
         with pytest.raises(UserError, match=needle.replace("(", r"\(")):
-            report.find_runs([str(given)])
+            report_runs.find_runs([str(given)])
 
 
 def test_out_is_checked_before_anything_is_written(runs, tmp_path):
     a = str(runs / "a")
-    report.check_page(runs / "a" / "report.html", [a])  # the run's own page, written again
+    report_page.check_page(runs / "a" / "report.html", [a])  # the run's own page, written again
     for out, needle in ((runs / "b" / "report.html", "is inside the effitrain run"),
                         (runs / "a" / "mine.html", "is inside the effitrain run"),
                         (runs / "a" / "model" / "r.html", "is inside the effitrain run"),
                         (tmp_path, "is a folder"), (tmp_path / "r.txt", "does not end in .html"),
                         (tmp_path / "no" / "r.html", "no folder")):
         with pytest.raises(UserError, match=needle):
-            report.check_page(out, [a])
+            report_page.check_page(out, [a])
     (tmp_path / "notes.html").write_text("<p>mine</p>")
     with pytest.raises(UserError, match="already exists and is not an effitrain report"):
-        report.check_page(tmp_path / "notes.html", [a])
+        report_page.check_page(tmp_path / "notes.html", [a])
     (tmp_path / "r-curves.png").write_bytes(b"\x89PNG mine")
     with pytest.raises(UserError, match="r-curves.png already exists"):
-        report.check_page(tmp_path / "r.html", [a])
+        report_page.check_page(tmp_path / "r.html", [a])
 
 
 def test_pngs_are_written_beside_the_page_and_replaced_next_time(runs, tmp_path):
     out = tmp_path / "one.html"
-    page, pngs = report.write([str(runs / "a")], str(out))
+    page, pngs = report_page.write([str(runs / "a")], str(out))
     assert page == out and sorted(p.name for p in pngs) == ["one-confusion.png", "one-curves.png"]
-    assert all(report.written_by_report(p) for p in (out, *pngs))
-    assert report.write([str(runs / "a")], str(out))[0] == out  # its own files: replaced
+    assert all(report_page.written_by_report(p) for p in (out, *pngs))
+    assert report_page.write([str(runs / "a")], str(out))[0] == out  # its own files: replaced
 
 
 def test_a_report_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, capsys):
@@ -276,8 +279,8 @@ def test_a_report_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise ValueError("no room\nfor this")
 
-    monkeypatch.setattr(report, "render", broken)
-    report.write_for_run(tmp_path)
+    monkeypatch.setattr(report_page, "render", broken)
+    report_page.write_for_run(tmp_path)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning: no report" in err and "no room for this" in err
     assert not (tmp_path / "report.html").exists()
@@ -289,17 +292,17 @@ def test_a_report_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch
                                            (1e-6, 5e-6, [1e-6, 2e-6, 3e-6, 4e-6, 5e-6]),
                                            (0.6926, 0.6931, [0.6926, 0.6927, 0.6928, 0.6929, 0.693, 0.6931])])
 def test_ticks_are_round_and_cover_the_values(lo, hi, ticks):
-    assert report.nice_ticks(lo, hi) == pytest.approx(ticks)
+    assert svg.nice_ticks(lo, hi) == pytest.approx(ticks)
     step = ticks[1] - ticks[0]
-    assert len({report.tick_text(t, step) for t in ticks}) == len(ticks)  # no two labels alike
+    assert len({svg.tick_text(t, step) for t in ticks}) == len(ticks)  # no two labels alike
 
 
 def test_long_logs_are_thinned_and_a_broken_matrix_is_left_out(tmp_path):
     records = [{"step": i, "loss": 1 / i, "lr": 1e-3} for i in range(1, 5002)]
-    points = report.curve(records, "loss")
-    assert len(points) <= report.MAX_POINTS + 1 and points[0][0] == 1 and points[-1][0] == 5001
+    points = svg.curve(records, "loss")
+    assert len(points) <= svg.MAX_POINTS + 1 and points[0][0] == 1 and points[-1][0] == 5001
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     (tmp_path / "metrics.json").write_text(json.dumps({"labels": ["a", "b"], "test": {"accuracy": 1.0},
                                                        "test_confusion_matrix": {"labels": ["a", "b"], "counts": [[1]]}}))
-    run = report.read_run(tmp_path)
-    assert any("no confusion matrix" in note for note in run.notes) and 'data-chart="confusion"' not in report.render([run])
+    run = report_runs.read_run(tmp_path)
+    assert any("no confusion matrix" in note for note in run.notes) and 'data-chart="confusion"' not in report_page.render([run])

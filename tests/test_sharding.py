@@ -18,9 +18,9 @@ from test_distributed import TINY_GPT2, descendants, torchrun
 from test_resume import finished, read_log
 
 import effitrain
-from effitrain import outputs
 from effitrain.engine import checkpoint, sharding
 from effitrain.errors import UserError
+from effitrain.outputs import run_folder
 
 
 def flags(**settings) -> list:
@@ -85,7 +85,7 @@ def kill_when_logged(job: subprocess.Popen, out, step: int) -> None:
     assert workers, "no worker was found to kill"
     # Their exits may lag the launcher's on a loaded machine: the folder's lock is released when the
     # last of them has closed its files.
-    lock = os.open(Path(out) / outputs.LOCK, os.O_RDWR)
+    lock = os.open(Path(out) / run_folder.LOCK, os.O_RDWR)
     try:
         deadline = time.time() + 60
         while True:
@@ -170,7 +170,10 @@ def test_blocks_are_the_outermost_no_split_modules_and_a_model_without_them_is_r
     with pytest.raises(UserError, match="has none") as error:
         sharding.check_shardable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert "--strategy ddp" in error.value.fix
-    from transformers import DistilBertConfig, DistilBertForSequenceClassification  # names no blocks: found anyway
+    from transformers import (  # names no blocks: found anyway
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+    )
 
     distil = DistilBertForSequenceClassification(DistilBertConfig(dim=32, hidden_dim=64, n_layers=3, n_heads=2))
     assert [type(b).__name__ for b in sharding.blocks(distil)] == ["TransformerBlock"] * 3
@@ -194,7 +197,7 @@ def test_an_example_hashes_the_same_in_any_micro_batch():
 def test_the_planner_counts_whole_gradients_held_while_fsdp_accumulates():
     """Under fsdp the micro-batches before a step's last keep their gradients whole (no reduce-scatter):
     measured -15.4% without this term (benchmarks/fsdp_memory.py, accumulation 2)."""
-    from effitrain.planning import plan
+    from effitrain.planning import planner as plan
 
     shapes = plan.model_shapes("causal-lm", TINY_GPT2)
     planner = plan.Planner(shapes, 64, "cpu", world_size=2, strategy="fsdp")

@@ -27,10 +27,11 @@ def test_sentence_pairs_mrpc_style(tiny_model_dir, tmp_path):
                          text_pair_column="#2 String", label_column="Quality", max_steps=4, batch_size=4)
     assert metrics["labels"] == ["0", "1"] and metrics["steps"] == 4
 
-    from effitrain import tasks
-    from effitrain.data import text
-    from effitrain.config import TrainConfig
     from transformers import AutoTokenizer
+
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+    from effitrain.data import text
 
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     config = TrainConfig(data=str(path), text_column="#1 String", text_pair_column="#2 String",
@@ -119,7 +120,7 @@ def test_packed_loss_equals_unpacked_mean_token_loss():
 
     from effitrain import tasks
     from effitrain.data import text
-    from effitrain.models import config_for, default_model_dir
+    from effitrain.models.loading import config_for, default_model_dir
 
     LM = tasks.get("causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
@@ -146,8 +147,8 @@ def test_packed_loss_equals_unpacked_mean_token_loss():
 def test_preprocessing_is_cached_and_reused(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from effitrain.config import TrainConfig
     from effitrain import tasks
+    from effitrain.config import TrainConfig
     from effitrain.data import text
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -9,9 +9,10 @@ import torch
 from conftest import read_jsonl, read_weights
 
 import effitrain
-from effitrain import devices, tasks
+from effitrain import tasks
 from effitrain.engine import optim, precision
 from effitrain.errors import UserError
+from effitrain.runtime import devices
 
 
 def fake_step(optimizer, model):
@@ -22,9 +23,9 @@ def fake_step(optimizer, model):
 
 @pytest.fixture(scope="module")
 def default_model():
-    from effitrain import models
+    from effitrain.models import loading
 
-    source = models.ModelSource(models.resolve("default"))
+    source = loading.ModelSource(loading.resolve("default"))
     return tasks.get("sequence-classification").build_model(source, ["ham", "spam"], None)
 
 

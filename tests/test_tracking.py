@@ -15,8 +15,8 @@ from test_distributed import torchrun
 
 import effitrain
 from effitrain import config as cfg
-from effitrain import outputs, tracking
 from effitrain.errors import UserError
+from effitrain.outputs import run_folder, tracking
 
 ALL = "tensorboard,trackio,mlflow"
 TRAIN = ["loss", "lr", "grad_norm", "samples_per_second", "tokens_per_second", "peak_memory_bytes"]
@@ -125,7 +125,7 @@ def test_records_become_scalars_and_the_config_flat_hyperparameters(tmp_path):
 
 def test_stores_are_run_folders():
     """--overwrite replaces a run with trackers (and refuses a folder with other files)."""
-    assert set(tracking.STORES.values()) <= outputs.RUN_FOLDERS
+    assert set(tracking.STORES.values()) <= run_folder.RUN_FOLDERS
 
 
 def test_every_tracker_holds_the_log_then_overwrite_replaces_them(tiny_model_dir, tmp_path, network_attempts):

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from conftest import read_jsonl, read_weights
+from safetensors.torch import load_file
 
 import effitrain
 from effitrain.errors import UserError
@@ -89,7 +89,7 @@ def test_saved_model_loads_with_plain_transformers(finished_run):
 def test_predict_agrees_with_plain_transformers(finished_run):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from effitrain.predict import predict
+    from effitrain.commands.predict import predict
 
     out, _ = finished_run
     texts = ["WINNER!! Claim your free prize now, call 09061701461", "see you at lunch?", "ok"]

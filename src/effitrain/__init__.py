@@ -17,7 +17,7 @@ def train(config: TrainConfig | dict[str, Any] | str | Path | None = None) -> di
 
     `config` is a TrainConfig, a dict of its keys, or the path of a YAML file. Bad input raises UserError.
     """
-    from effitrain import runs
+    from effitrain.commands import train as runs
     from effitrain.config import from_any
 
     return runs.train(from_any(config), config if isinstance(config, (str, Path)) else None)

@@ -167,6 +167,24 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def add_flags(parser, fields: list[dataclasses.Field], default_notes: dict[str, str] | None = None) -> None:
+    """One flag per config field (bools get --no-...), for train and every command that shares its flags;
+    absent flags stay absent, so that a YAML file or train's defaults fill them."""
+    import argparse
+
+    types = field_types()
+    for f in fields:
+        kind, _ = base_type(types[f.name])
+        default = f" (default: {f.default})" if f.default is not None else ""
+        default = (default_notes or {}).get(f.name, default)
+        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default}
+        if kind is bool:
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **common)
+        else:
+            parser.add_argument(flag(f.name), type=kind, choices=f.metadata.get("choices"),
+                                metavar=f.name.upper(), **common)
+
+
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
 

@@ -72,7 +72,7 @@ def main() -> int:
         inject_out_of_memory(hooks.oom_above, hooks.oom_rank)
     if hooks.save_pause:
         pause_saves(hooks.save_pause)
-    from effitrain import launch
+    from effitrain.commands import launch
 
     launch.WORKER_PROGRAM = [__file__, *argv[:split], "--"]
     from effitrain.cli import main as cli_main

@@ -63,7 +63,11 @@ def check(path: str, max_duration: float | None) -> None:
 
 def feature_extractor(model_dir, model_type: str):
     """The checkpoint's own extractor, or the family default for a model trained from a config."""
-    from transformers import AutoFeatureExtractor, ASTFeatureExtractor, Wav2Vec2FeatureExtractor
+    from transformers import (
+        ASTFeatureExtractor,
+        AutoFeatureExtractor,
+        Wav2Vec2FeatureExtractor,
+    )
 
     # Without torchaudio, transformers builds AST's Kaldi mel bank in numpy and warns that the lowest of the
     # 128 filters are empty at 16 kHz; Kaldi's fbank (which AST was trained on) has the same empty filters.

@@ -13,10 +13,10 @@ import re
 import shutil
 from pathlib import Path
 
-from effitrain import outputs
 from effitrain.config import LORA_SETTINGS, TrainConfig
 from effitrain.engine import sharding
 from effitrain.errors import UserError
+from effitrain.outputs import files as outputs_files
 
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
 # depends on the number of steps): resuming with others would not continue the run. The micro-batch,
@@ -80,7 +80,7 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
             sharding.save(tmp / sharding.SHARDED_FOLDER, *sharded)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            (tmp / "trainer_state.json").write_text(outputs.json_text({**state, "step": step}, indent=1))
+            (tmp / "trainer_state.json").write_text(outputs_files.json_text({**state, "step": step}, indent=1))
             _fsync_tree(tmp)
             if final.exists():
                 shutil.rmtree(final)

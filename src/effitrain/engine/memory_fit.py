@@ -18,8 +18,8 @@ import os
 import torch
 
 from effitrain.config import TrainConfig
-from effitrain.engine import allocator
 from effitrain.errors import UserError
+from effitrain.speedups import allocator
 
 # torch.OutOfMemoryError since torch 2.5; torch.cuda's before (the README promises torch >= 2.4).
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -40,7 +40,7 @@ def release_cached(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     else:
-        allocator.give_back()  # what glibc kept at its heap's top for reuse (engine/allocator.py)
+        allocator.give_back()  # what glibc kept at its heap's top for reuse (speedups/allocator.py)
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:
@@ -54,7 +54,8 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 
 def budget_bytes(config: TrainConfig, device: torch.device) -> int:
-    from effitrain.planning import plan, sizes
+    from effitrain.planning import planner as plan
+    from effitrain.planning import sizes
 
     if config.memory_budget != "auto":
         return sizes.parse_size(config.memory_budget)
@@ -82,7 +83,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     import torch.distributed as dist
 
     from effitrain import tasks
-    from effitrain.planning import plan
+    from effitrain.planning import planner as plan
 
     in_use = in_use_bytes(device)
     budget = budget_bytes(config, device)

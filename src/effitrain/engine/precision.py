@@ -16,7 +16,7 @@ def choose(requested: str) -> tuple[str, str]:
     """(accelerate's mixed_precision: no | bf16 | fp16, the reason in words)."""
     import torch
 
-    from effitrain.devices import bf16_matmul_speedup, has_accelerator
+    from effitrain.runtime.devices import bf16_matmul_speedup, has_accelerator
 
     cuda = torch.cuda.is_available()
     if requested == "fp16" and not cuda:
@@ -54,7 +54,7 @@ def auto_on_cpu() -> tuple[str, str]:
     the same machine always makes the same choice."""
     import os
 
-    from effitrain.devices import cpu_has_fast_bf16
+    from effitrain.runtime.devices import cpu_has_fast_bf16
 
     if os.environ.get(AUTO_ON_CPU) == "fp32":
         return "no", f"auto: fp32 ({AUTO_ON_CPU}=fp32)"

@@ -1,7 +1,7 @@
 """A training run, top to bottom: set up, loop over the steps (log, evaluate, checkpoint), test, save,
 report. Each concern is a piece of its own: setup.py (the Run), step.py (one optimizer step),
-state.py (the counters a checkpoint keeps), evaluate.py (validation, best, early stopping),
-checkpoint.py (saving and resuming), saving.py (model/, best/), report.py (metrics.json)."""
+state.py (the counters a checkpoint keeps), evaluator.py (validation, best, early stopping),
+checkpoint.py (saving and resuming), saving.py (model/, best/), summary.py (metrics.json)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import contextlib
 import math
 import time
 
-from effitrain import model_card
 from effitrain.config import TrainConfig
-from effitrain.devices import cpu_name, peak_memory_bytes
-from effitrain.engine import evaluate as evaluation
-from effitrain.engine import compilation, optim, report, saving
+from effitrain.engine import compilation, optim, saving, summary
+from effitrain.engine import evaluator as evaluation
 from effitrain.engine.checkpoint import Checkpointer
-from effitrain.engine.evaluate import Evaluator
+from effitrain.engine.evaluator import Evaluator
 from effitrain.engine.setup import Run, setup
 from effitrain.engine.state import TrainState, process_age_seconds
 from effitrain.engine.step import StepRunner
 from effitrain.errors import Diverged
+from effitrain.outputs import model_card
+from effitrain.runtime.devices import cpu_name, peak_memory_bytes
 
 
 def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
@@ -62,7 +62,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
         log_record(job, state, split="test", **test)
         if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
             raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
-        result = report.metrics(job, state, test, stopped_early,
+        result = summary.metrics(job, state, test, stopped_early,
                                 confusion=job.task.confusion_matrix(gathered, job.data.label_names))
         with state.timed("saving"):
             saving.save_model(job, job.out_dir / "model")
@@ -70,7 +70,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
                 saving.save_model(job, job.out_dir / "adapter", adapter=True)
         result["wall_seconds"] = state.wall_seconds()
         result["wall_seconds_by_phase"] = state.seconds_by_phase((result["compile"] or {}).get("seconds", 0.0))
-        report.write(job, result)
+        summary.write(job, result)
         if job.accelerator.is_main_process:
             # The folder chosen (a launched run without --output-dir names it on process 0 only).
             model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
@@ -258,7 +258,7 @@ def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
     with state.timed("evaluation"):
         improved = evaluator.validate(job.model, state)
     log_record(job, state, split="validation", **state.validation)
-    write(job, bar, f"step {state.step} validation: {report.short(state.validation)}")
+    write(job, bar, f"step {state.step} validation: {summary.short(state.validation)}")
     if improved and job.keeps_best:
         with state.timed("saving"):
             saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone

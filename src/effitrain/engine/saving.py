@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from effitrain import adapters
 from effitrain.engine import sharding
+from effitrain.models import adapters
 
 
 def save_model(run, folder: Path, adapter: bool = False) -> None:

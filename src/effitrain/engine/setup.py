@@ -17,12 +17,24 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from effitrain import adapters, fast_dropout, first_token_head, models, onednn_linear, outputs, tasks, tracking
+from effitrain import tasks
 from effitrain.config import TrainConfig
 from effitrain.data import text
-from effitrain.devices import make_accelerator
-from effitrain.engine import allocator, checkpoint, communication, compilation, memory_fit, optim, precision, sharding
+from effitrain.engine import (
+    checkpoint,
+    communication,
+    compilation,
+    memory_fit,
+    optim,
+    precision,
+    sharding,
+)
 from effitrain.errors import UserError
+from effitrain.models import adapters, loading
+from effitrain.outputs import files, run_folder, sinks, tracking
+from effitrain.runtime import libraries
+from effitrain.runtime.distributed import make_accelerator
+from effitrain.speedups import allocator, dropout, first_token_head, onednn_linear
 
 
 @dataclass
@@ -66,7 +78,7 @@ class Run:
     stand_in: dict  # a one-example micro-batch for processes that lack one at the end of an epoch
     sizes: list[int]  # micro-batches per process in each step of an epoch
     out_dir: Path
-    log: outputs.RunLog  # log.jsonl, and the trackers of --report-to
+    log: sinks.RunLog  # log.jsonl, and the trackers of --report-to
     resume_from: Path | None = None
     resume_state: dict | None = None
     wire: communication.Counter = field(default_factory=communication.Counter)
@@ -104,15 +116,15 @@ class Run:
         self.accelerator.print(message)
 
 
-def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.RunDir | None) -> Run:
+def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folder.RunDir | None) -> Run:
     """Everything a run needs; `cleanup` gets what must be closed even if the run raises. `run_dir`: the
     output folder process 0 holds (checked and locked by runs.train; None on the other processes)."""
     from accelerate.utils import set_seed
 
-    models.quiet_libraries(config.debug)
+    libraries.quiet_libraries(config.debug)
     task = tasks.get(config.task)
     # Fail on the cheap checks before loading anything heavy.
-    source = models.resolve_source(config.model, config.allow_pickle)
+    source = loading.resolve_source(config.model, config.allow_pickle)
     source.allow_partial = config.allow_partial_load
     tracking.check_installed(config)
     allocator.bound_primitive_cache()  # before this process's first bf16 matmul (choose may time one)
@@ -143,7 +155,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: outputs.R
     compiled = compile_model(model, config, cleanup)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
-    log = outputs.RunLog(outputs.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
+    log = sinks.RunLog(sinks.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
                          tracking.start(accelerator, config, out_dir, plan.to_dict()))
     cleanup.callback(log.close)
     run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
@@ -161,7 +173,7 @@ def compile_model(model, config: TrainConfig, cleanup: contextlib.ExitStack) -> 
     return watch
 
 
-def trackers(config: TrainConfig, run_dir: outputs.RunDir | None) -> list:
+def trackers(config: TrainConfig, run_dir: run_folder.RunDir | None) -> list:
     """--report-to's trackers, on the main process only (the others log nothing); they start once the
     output folder is claimed. Resuming, they continue from the checkpoint's step."""
     if run_dir is None or config.report_to == "none":
@@ -228,7 +240,7 @@ def check_pinned(config: TrainConfig, plan: RunPlan) -> None:
     """A plan written by a run with these settings: what they resolve to here must be what it says,
     and what it chose must be a choice the memory planner could make from them (a flag changed since
     the plan was written, or a hand-edited plan, is refused rather than half applied)."""
-    from effitrain.planning.plan import LIGHTER
+    from effitrain.planning.planner import LIGHTER
 
     pinned, budget = config.plan, config.memory_budget is not None
     possible = {
@@ -260,7 +272,7 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
         options = {"quantization_config": adapters.quantization_config(plan.precision, head),
                    "device_map": {"": device}}
     model = task.build_model(source, data.label_names, data.processor, options)
-    fast_dropout.apply(model)  # CPUs: the same dropout, its masks drawn at less cost
+    dropout.apply(model)  # CPUs: the same dropout, its masks drawn at less cost
     if not config.packing:  # packed rows: the head reads each example's first token, not each row's
         first_token_head.apply(model)  # a classifier's last layer computes only the row its head reads
     if device.type == "cpu":
@@ -268,14 +280,14 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
     if plan.gradient_checkpointing:
         # Non-reentrant: with a frozen body (LoRA) the reentrant kind would train nothing ("element 0 of
         # tensors does not require grad", peft #137): its recomputed inputs would not require gradients.
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     if config.peft != "none":
         model = adapters.apply(model, task, config)
     model.train()
     return model
 
 
-def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, run_dir: outputs.RunDir | None) -> Path:
+def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, run_dir: run_folder.RunDir | None) -> Path:
     from accelerate.utils import broadcast_object_list
 
     # Every process must write to the same directory: the one the main process holds.
@@ -289,7 +301,7 @@ def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, run_dir: o
         # another --output-dir must not replace or resume what is there).
         written = {**config.to_dict(), "output_dir": str(out_dir), "overwrite": False, "resume": None,
                    "plan": plan.to_dict()}
-        outputs.write_yaml(out_dir / "config.yaml", written)
+        files.write_yaml(out_dir / "config.yaml", written)
     accelerator.wait_for_everyone()
     return out_dir
 

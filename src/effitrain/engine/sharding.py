@@ -102,7 +102,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 def full_state_dict(model: torch.nn.Module) -> dict:
     """The whole weights, on the CPU of process 0 (empty elsewhere); a collective: every process calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from effitrain import models, tasks
+from effitrain import tasks
 from effitrain.config import ALL_LINEAR
+from effitrain.models import loading
 
 # glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
 # keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
@@ -193,7 +194,7 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
                 model = build(task, config)
                 model.train()
                 if checkpointing:
-                    models.enable_gradient_checkpointing(model)
+                    loading.enable_gradient_checkpointing(model)
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
@@ -206,7 +207,7 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
     which is trained, nor what transformers keeps in full precision: tied and output embeddings)."""
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    from effitrain import adapters
+    from effitrain.models import adapters
 
     with torch.device("meta"):
         model = build(task, config)
@@ -218,7 +219,7 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
                      if not any(name == k or name.startswith(f"{k}.") for k in keep)]
     model.train()
     if checkpointing:
-        models.enable_gradient_checkpointing(model)
+        loading.enable_gradient_checkpointing(model)
     layers = dict(model.named_modules())
     quantized = {name: layers[name] for name in quantized}
     return adapters.apply(model, tasks.get(task), peft), quantized

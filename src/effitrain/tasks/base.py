@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from effitrain import models
 from effitrain.errors import UserError
+from effitrain.models import loading
 
 
 class Task:
@@ -47,7 +47,7 @@ class Task:
         """The task has a head for this model type, and the config builds one (sizes that fit together):
         checked on the meta device, so a wrong setting is one line before anything loads."""
         self.check_head(model_config)
-        models.check_sizes(model_config, f"model type `{model_config.model_type}`")
+        loading.check_sizes(model_config, f"model type `{model_config.model_type}`")
         self.build_on_meta(copy.deepcopy(model_config))
 
     def check_head(self, model_config) -> None:
@@ -58,8 +58,8 @@ class Task:
                             f"pass a model that {self.auto_class_name} supports, or another --task")
 
     @staticmethod
-    def source_config(source: models.ModelSource):
-        return source.config if source.config is not None else models.load_config(source.path)
+    def source_config(source: loading.ModelSource):
+        return source.config if source.config is not None else loading.load_config(source.path)
 
     def build_on_meta(self, model_config):
         """The task's model from a config, without allocating weights (counts, inspect)."""
@@ -74,10 +74,10 @@ class Task:
                 raise
             name = self.auto_class._model_mapping[type(model_config)].__name__
             raise UserError(f"model type `{model_config.model_type}` with these settings does not build a {name}: "
-                            f"{models.first_line(err)}", "change the model's settings (e.g. hidden_size a multiple "
+                            f"{loading.first_line(err)}", "change the model's settings (e.g. hidden_size a multiple "
                             "of num_attention_heads, sizes > 0)")
 
-    def build_model(self, source: models.ModelSource, labels: list[str] | None, processor,
+    def build_model(self, source: loading.ModelSource, labels: list[str] | None, processor,
                     load_options: dict | None = None):
         """Pretrained weights with a fresh head sized for `labels`, or random initialisation from a config.
         `load_options`: more for from_pretrained (QLoRA's quantization_config and device_map)."""
@@ -91,15 +91,15 @@ class Task:
         config = copy.deepcopy(self.source_config(source))
         self.check_supported(config)
         if source.pretrained:
-            with models.loading(source.path):
+            with loading.loading(source.path):
                 # A checkpoint fine-tuned on other labels keeps its body and gets a new head.
                 # Safetensors whenever they exist; pickle only where resolve() let it through (--allow-pickle).
                 # Mismatched shapes are reported, not raised: check_loaded decides what may differ.
                 model, info = auto.from_pretrained(str(source.path), ignore_mismatched_sizes=True,
-                                                   use_safetensors=models.has_safetensors(source.path),
+                                                   use_safetensors=loading.has_safetensors(source.path),
                                                    local_files_only=True, output_loading_info=True, **head,
                                                    **(load_options or {}))
-            models.check_loaded(model, info, source, new_head=bool(head))
+            loading.check_loaded(model, info, source, new_head=bool(head))
         else:
             for key, value in head.items():
                 setattr(config, key, value)
@@ -130,8 +130,8 @@ class Task:
         """--max-length within the model's positions (read from --model's config; no weights loaded)."""
         if not self.is_text:
             return
-        source = models.resolve_source(config.model, config.allow_pickle)
-        models.check_length(self.source_config(source), config.max_length, "--max-length")
+        source = loading.resolve_source(config.model, config.allow_pickle)
+        loading.check_length(self.source_config(source), config.max_length, "--max-length")
 
     def sequence_length(self, config, processor) -> int:
         """The longest input a micro-batch can hold (the planner's sequence length)."""

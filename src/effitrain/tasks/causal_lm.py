@@ -7,8 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from effitrain import models
 from effitrain.errors import UserError
+from effitrain.models import loading
 from effitrain.tasks.base import Task
 
 
@@ -21,9 +21,9 @@ class CausalLM(Task):
     higher_is_better = ("token_accuracy",)
 
     # -- models ------------------------------------------------------------------------------------
-    def load_processor(self, source: models.ModelSource):
+    def load_processor(self, source: loading.ModelSource):
         self.check_head(self.source_config(source))
-        return models.load_text_tokenizer(source)
+        return loading.load_text_tokenizer(source)
 
     def adapt_config(self, config, processor) -> None:
         config.vocab_size = len(processor)

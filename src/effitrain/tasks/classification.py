@@ -7,9 +7,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from effitrain import models
 from effitrain.data import packing
 from effitrain.errors import UserError
+from effitrain.models import loading
 from effitrain.tasks import packed
 from effitrain.tasks.base import Task, digest
 
@@ -32,10 +32,10 @@ class Classification(Task):
         """As every task; --packing also only for the model types whose packed forward is exact."""
         super().check_config(config)
         if config.packing:
-            packed.check_model(self.source_config(models.resolve_source(config.model, config.allow_pickle)))
+            packed.check_model(self.source_config(loading.resolve_source(config.model, config.allow_pickle)))
 
     # -- models ------------------------------------------------------------------------------------
-    def load_processor(self, source: models.ModelSource):
+    def load_processor(self, source: loading.ModelSource):
         """Tokenizer, image processor or feature extractor. A model built from a config has none of its
         own: text models then use the default model's WordPiece tokenizer."""
         from effitrain.data import audio, image
@@ -43,8 +43,8 @@ class Classification(Task):
         config = self.source_config(source)
         self.check_head(config)
         if self.is_text:
-            return models.load_text_tokenizer(source)
-        with models.loading(source.path or "config"):
+            return loading.load_text_tokenizer(source)
+        with loading.loading(source.path or "config"):
             if self.modality == "image":
                 return image.image_processor(source.path, config)
             return audio.feature_extractor(source.path, config.model_type)

@@ -54,9 +54,13 @@ def logits(model, batch: dict) -> torch.Tensor:
 def block_diagonal(segments: torch.Tensor, implementation: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The [rows, 1, width, width] mask, ready-made (transformers passes a 4D mask on as it is), of the
     kind the attention implementation's own masks are: booleans (True: attend) where transformers builds
-    SDPA's masks for it (sdpa, and effitrain_sdpa of fast_dropout.py), 0 or the dtype's minimum added to
+    SDPA's masks for it (sdpa, and effitrain_sdpa of speedups/dropout.py), 0 or the dtype's minimum added to
     the scores where it builds eager ones. Others (flash attention takes no 4D mask) are refused."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        eager_mask,
+        sdpa_mask,
+    )
 
     kind = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation)
     if kind not in (sdpa_mask, eager_mask):

@@ -186,9 +186,9 @@ def counts(model) -> dict[str, int]:
     if is_adapted(model):
         trainable, total = model.get_nb_trainable_parameters()
         return {"trainable": trainable, "total": total}
-    from effitrain import models
+    from effitrain.models import loading
 
-    every = models.parameter_counts(model)
+    every = loading.parameter_counts(model)
     return {"trainable": every["trainable"], "total": every["total"]}
 
 
@@ -317,7 +317,7 @@ def base_of(path: Path) -> Path:
     """The base model an adapter folder was trained on (peft's base_model_name_or_path)."""
     import json
 
-    from effitrain import models
+    from effitrain.models import loading
 
     try:
         base = json.loads((Path(path) / ADAPTER_MARK).read_text()).get("base_model_name_or_path")
@@ -328,7 +328,7 @@ def base_of(path: Path) -> Path:
         raise UserError(f"the adapter in {path} was trained on a model built from a config, which has no "
                         "saved base weights", f"use the merged model: {Path(path).parent / 'model'}")
     try:
-        return models.resolve(base)
+        return loading.resolve(base)
     except UserError as err:
         raise UserError(f"the base model of the adapter in {path} ({base}) cannot be loaded: {err.problem}",
                         f"restore it there, or use the merged model {Path(path).parent / 'model'}")
@@ -339,14 +339,14 @@ def load_for_inference(path: Path, task):
     adapter applied with PeftModel.from_pretrained, then merged (inference needs no separate adapter)."""
     from peft import PeftModel
 
-    from effitrain import models
+    from effitrain.models import loading
 
     base = base_of(path)
-    config = models.load_config(path)
-    with models.loading(base):
+    config = loading.load_config(path)
+    with loading.loading(base):
         model = task.auto_class.from_pretrained(str(base), config=config, local_files_only=True,
                                                 ignore_mismatched_sizes=True,
-                                                use_safetensors=models.has_safetensors(base))
-    with models.loading(path):
+                                                use_safetensors=loading.has_safetensors(base))
+    with loading.loading(path):
         adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER)
     return adapted.merge_and_unload()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from effitrain import adapters, models, tasks
+from effitrain import tasks
+from effitrain.models import adapters, loading
 
 
 @dataclass
@@ -20,12 +21,12 @@ class SavedModel:
 def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None = None) -> tuple[Path, object]:
     """The directory and its task (refused when it is not `expected_task`); reads config.json only, so
     that bad inputs are refused before any weights load."""
-    path = models.resolve(model_dir, allow_pickle)
-    return path, tasks.for_model_config(models.load_config(path), str(path), expected_task)
+    path = loading.resolve(model_dir, allow_pickle)
+    return path, tasks.for_model_config(loading.load_config(path), str(path), expected_task)
 
 
 def load(path: Path, task) -> SavedModel:
-    processor = task.load_processor(models.ModelSource(path))
+    processor = task.load_processor(loading.ModelSource(path))
     return SavedModel(path, task, processor, build(path, task, processor).eval())
 
 
@@ -34,7 +35,7 @@ def build(path: Path, task, processor):
     run) is applied to its base model and merged."""
     if adapters.is_adapter_dir(path):
         return adapters.load_for_inference(path, task)
-    return task.build_model(models.ModelSource(path), None, processor)
+    return task.build_model(loading.ModelSource(path), None, processor)
 
 
 def text_max_length(processor, model_config) -> int:

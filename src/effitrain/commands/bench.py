@@ -66,7 +66,8 @@ KEPT_METRICS = tuple(key for key, _, _ in MEASURES) + (
     "optimizer_state_bytes", "train_seconds", "steps", "precision", "device")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_parser(commands) -> None:
+    parser = commands.add_parser("bench", help="measure each efficiency technique against a baseline")
     parser.add_argument("--model", default="default", help="as for `effitrain train` (default: default)")
     parser.add_argument("--task", default="sequence-classification", help="as for `effitrain train`")
     parser.add_argument("--data", default="sms-spam", help="as for `effitrain train` (default: sms-spam)")
@@ -87,9 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pass --debug to the runs and show all their output")
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     """Run the matrix, print the table, write bench.json and bench.png. 0 when every variant ran, else 1."""
-    from effitrain import outputs
+    from effitrain.outputs import files, run_folder
 
     check_args(args)
     extra = parse_extra(args.extra)
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     for name in names:  # a setting that cannot work fails now, not after the other variants ran
         variant_settings(name, args.batch_size)
     inputs = (args.model, args.data, *(flag for flag in extra if not flag.startswith("-")))
-    held = outputs.RunDir(args.output_dir, args.overwrite, inputs=inputs, kind="bench").acquire()
+    held = run_folder.RunDir(args.output_dir, args.overwrite, inputs=inputs, kind="bench").acquire()
     bench_dir = held.path
     try:
         skipped = {} if explicit else default_skips(names)
@@ -107,9 +108,10 @@ def run(args: argparse.Namespace) -> int:
         add_ratios(results)
         print()
         print(format_table(results))
-        outputs.write_json(bench_dir / "bench.json", report(args, extra, results))
+        files.write_json(bench_dir / "bench.json", report(args, extra, results))
         chart = write_chart(bench_dir / "bench.png", results)
-        from effitrain import report as page  # not bench.report, which makes bench.json
+        from effitrain.report import page
+        from effitrain.report.runs import PAGE
 
         if any(r["status"] == "ok" for r in results):  # report.html: the variants compared; never raises
             page.write_for_run(bench_dir, pngs=True)
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     held.succeed()
     print(f"\nwrote {bench_dir / 'bench.json'}" + (f", {chart}" if chart else "")
-          + (f" and {bench_dir / page.PAGE}" if (bench_dir / page.PAGE).is_file() else ""))
+          + (f" and {bench_dir / PAGE}" if (bench_dir / PAGE).is_file() else ""))
     return 0 if all(r["status"] != "failed" for r in results) else 1
 
 
@@ -165,7 +167,7 @@ def default_skips(names: list[str]) -> dict[str, str]:
     """Variants left out of the default matrix because they would run for ages here. Only bf16 on a CPU
     without bf16 units: emulated bf16 is 80-350x slower than fp32 (devices.cpu_has_fast_bf16). Naming it
     in --variants runs it anyway."""
-    from effitrain import devices
+    from effitrain.runtime import devices
 
     if "bf16" in names and not devices.has_accelerator() and not devices.cpu_has_fast_bf16():
         return {"bf16": "this CPU emulates bf16 (no AVX-512 BF16 or AMX), many times slower; "
@@ -232,7 +234,7 @@ def needs_checkpointing(baseline: dict | None, memory_bytes: int | None) -> tupl
 def machine_memory_bytes(device_type: str | None) -> int | None:
     """What the baseline's peak is measured against: the GPU's memory when it trained on CUDA (its peak
     is torch.cuda's peak allocation), else the RAM (its peak is the process's resident set)."""
-    from effitrain import devices
+    from effitrain.runtime import devices
 
     if device_type == "cuda":
         # Asked in a throwaway process: CUDA set up here would hold GPU memory through the next variant.

@@ -77,7 +77,7 @@ def check_numbers(args) -> None:
 # between jobs sharing a node (the rule of several tools: 15000 + job id mod 20000).
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000
 # Set by a launcher in each process it starts, never by a scheduler for a node: next to them, WORLD_SIZE
-# and RANK count processes (a shell left with a launched worker's variables, devices.py), not nodes.
+# and RANK count processes (a shell left with a launched worker's variables, runtime/distributed.py), not nodes.
 PROCESS_LEVEL = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 NODE_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
 MAX_HOSTS = 100_000  # a node list expanding to more is garbage, not a cluster
@@ -228,7 +228,7 @@ def from_torchrun_env(env: Mapping[str, str], want_nproc: bool = True) -> Cluste
     is the number of pods and RANK the pod's index. So without PET_NNODES, WORLD_SIZE and RANK are read
     as node count and node rank when MASTER_ADDR is set too and no launcher's per-process variable
     (LOCAL_RANK...) says they count processes: a shell left with a launched worker's variables is not a
-    cluster (devices.py deals with those in `train`). The newer operators' WORLD_SIZE (pods x
+    cluster (runtime/distributed.py deals with those in `train`). The newer operators' WORLD_SIZE (pods x
     nprocPerNode) is never read."""
     addr = env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR") or None
     port_name = _first(env, "PET_MASTER_PORT", "MASTER_PORT")
@@ -444,3 +444,28 @@ class LaunchEnded(Exception):
     def __init__(self, line: str, exit_code: int):
         self.line, self.exit_code = line, exit_code
         super().__init__(line)
+
+
+def add_parser(commands) -> None:
+    launch = commands.add_parser("launch", help="run a command on several processes and machines (torchrun)",
+                                 description="effitrain launch [options] -- train ... Under Slurm (srun, one task "
+                                 "per node) or a Kubeflow PyTorchJob the node flags come from the environment; "
+                                 "flags given win.")
+    # None: not given, so launch.resolve may take it from the cluster's environment.
+    launch.add_argument("--nproc", type=int, help="processes on this node (one per GPU, or CPU workers; default "
+                                                  "PET_NPROC_PER_NODE, else 1)")
+    launch.add_argument("--nnodes", type=int, help="number of machines (default from Slurm or PyTorchJob, else 1)")
+    launch.add_argument("--node-rank", type=int, help="this machine's number, 0 for the master (default from the "
+                                                      "environment, else 0)")
+    launch.add_argument("--master-addr", default=None, help="address of node 0 (default from the environment, "
+                                                            "else 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on all nodes "
+                                                                      "(default from the environment)")
+    launch.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
+    launch.add_argument("--debug", action="store_true")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the effitrain command and its flags")
+
+
+def main(args) -> int:
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    return launch(args, command)

@@ -7,19 +7,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from effitrain import outputs
+from effitrain import config as cfg
 from effitrain.config import TrainConfig
 from effitrain.errors import Diverged, UserError
+from effitrain.outputs import run_folder
 
 
 def train(config: TrainConfig, config_file: str | None = None, command: bool = False) -> dict:
     """Run one training job; returns the metrics written to metrics.json. `command`: run by the
     `effitrain` command, whose process start counts as the run's start-up (imports, arguments)."""
-    from effitrain import models
     from effitrain.data import sources
     from effitrain.engine import checkpoint
+    from effitrain.models import loading
 
-    models.check_local(config.model, config.allow_pickle)  # paths first: no library needed to refuse them
+    loading.check_local(config.model, config.allow_pickle)  # paths first: no library needed to refuse them
     for flag, source in (("--data", config.data), ("--validation-file", config.validation_file),
                          ("--test-file", config.test_file)):
         if source is not None:
@@ -30,9 +31,9 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
         if done is not None:
             return done
     run_dir = None
-    if outputs.is_main_process():  # the other processes write into the folder process 0 holds
+    if run_folder.is_main_process():  # the other processes write into the folder process 0 holds
         inputs = (config.data, config.validation_file, config.test_file, config.model, config_file, config.resume)
-        run_dir = outputs.RunDir(out, config.overwrite, inputs=inputs)
+        run_dir = run_folder.RunDir(out, config.overwrite, inputs=inputs)
         run_dir.acquire(config.resume, lambda: checkpoint.find(run_dir.path, config.resume) if config.resume else None)
     try:  # the CLI turns SIGINT and SIGTERM into exceptions (cli._signals_unwind): they come here too
         from effitrain import tasks
@@ -46,9 +47,9 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
         raise
     if run_dir is not None:
         try:
-            from effitrain import report
+            from effitrain.report import page
 
-            report.write_for_run(run_dir.path)  # report.html: never fails the run
+            page.write_for_run(run_dir.path)  # report.html: never fails the run
         finally:
             run_dir.succeed()
     return result
@@ -59,7 +60,7 @@ def finished_run(config: TrainConfig, out: Path) -> dict | None:
     done); refused if the settings differ from the run's."""
     from effitrain.engine.checkpoint import MUST_MATCH, same_setting
 
-    if not (outputs.finished(out) and (out / "config.yaml").is_file()):
+    if not (run_folder.finished(out) and (out / "config.yaml").is_file()):
         return None
     import yaml
 
@@ -76,6 +77,22 @@ def finished_run(config: TrainConfig, out: Path) -> dict | None:
             raise UserError(f"--resume auto: the run in {out} has finished, with {key}={earlier[key]!r} (this "
                             f"command has {now.get(key)!r})", "pass its settings to see it finished, --overwrite to "
                             "train it again, or another --output-dir")
-    if outputs.is_main_process():
+    if run_folder.is_main_process():
         print(f"the run in {out} has already finished (metrics.json); nothing to resume")
     return metrics
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("train", help="fine-tune a model (defaults: all-MiniLM-L6-v2 on SMS spam)")
+    parser.add_argument("--config", help="YAML file whose keys are these flags' names with underscores; "
+                                         "flags given here override it")
+    cfg.add_flags(parser, cfg.cli_fields())
+
+
+def main(args) -> int:
+    values = vars(args).copy()
+    values.pop("command")
+    config_file = values.pop("config", None)
+    file_values = cfg.load_yaml(config_file) if config_file else {}
+    train(cfg.build(file_values, values), config_file, command=True)
+    return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 # metric name in metrics.json -> (model-index metric type, display name)
 METRIC_TYPES = {"accuracy": ("accuracy", "Accuracy"), "f1_macro": ("f1", "F1 (macro)"), "loss": ("loss", "Loss"),
                 "perplexity": ("perplexity", "Perplexity"), "token_accuracy": ("accuracy", "Token accuracy")}
@@ -16,7 +15,7 @@ COUNTS = ("samples", "tokens")  # evaluation counts, not metrics
 def base_model(model: str) -> str | None:
     """The Hub id the run started from, when there is one: the default model's, or a --model that names
     a cached Hub id. A local folder or a model built from a config has none."""
-    from effitrain.models import DEFAULT_MODEL_HUB_ID
+    from effitrain.models.loading import DEFAULT_MODEL_HUB_ID
 
     if model == "default":
         return DEFAULT_MODEL_HUB_ID
@@ -113,7 +112,7 @@ def results_table(result: dict) -> list[str]:
 
 def render(config: dict, result: dict, facts: dict) -> str:
     """The card's text. `facts`: what metrics.json does not say (pipeline_tag, hardware, is_text)."""
-    from effitrain.devices import versions
+    from effitrain.runtime.libraries import versions
 
     name = Path(config["output_dir"]).name
     best = result.get("best") or {}

@@ -1,31 +1,20 @@
-"""What the hardware is and what it does fast: the facts behind `effitrain env` and the precision choice."""
+"""Processes training together: launcher variables, joining the process group (bounded, with one
+line when a peer never comes), the Accelerator, and accelerate's DeepSpeed plugin."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import platform
-import resource
 import sys
-from importlib import metadata
-from pathlib import Path
+
+from effitrain.runtime import devices
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
 # Processes not started by torchrun (no agent waits for their peers) must all meet within this time:
 # stray launcher variables in a shell would otherwise make a plain `train` wait for peers that never come.
 JOIN_SECONDS = 10
-LIBRARIES = ("effitrain", "torch", "transformers", "accelerate", "datasets", "safetensors",
-             "bitsandbytes", "torchao")
-
-
-def has_accelerator() -> bool:
-    import torch
-
-    if hasattr(torch, "accelerator"):  # torch >= 2.6
-        return torch.accelerator.is_available()
-    mps = getattr(torch.backends, "mps", None)
-    xpu = getattr(torch, "xpu", None)
-    return torch.cuda.is_available() or bool(mps and mps.is_available()) or bool(xpu and xpu.is_available())
 
 
 def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", zero_stage: int = 2,
@@ -34,7 +23,7 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
     multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
     `ddp_timeout` bounds how long a collective waits for a dead or stuck peer; `log_with`: experiment
-    trackers (tracking.py)."""
+    trackers (outputs/tracking.py)."""
     from datetime import timedelta
 
     from accelerate import Accelerator
@@ -49,7 +38,7 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
         # (out of memory) would leave the others waiting in it.
         handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
     fresh_accelerator_state()
-    return Accelerator(cpu=not has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
+    return Accelerator(cpu=not devices.has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
                        log_with=log_with or None, **strategy_plugins(strategy, zero_stage, max_grad_norm))
 
 
@@ -203,7 +192,7 @@ def strategy_plugins(strategy: str, zero_stage: int, max_grad_norm: float = 1.0)
 
     if strategy in ("ddp", "fsdp"):
         return {}
-    if not has_accelerator():
+    if not devices.has_accelerator():
         raise UserError(f"--strategy {strategy} needs GPUs (accelerate runs DeepSpeed on accelerators only, and on a "
                         "CPU would silently fall back to DDP)", "use --strategy fsdp (sharded) or ddp on CPUs")
     try:
@@ -217,160 +206,3 @@ def strategy_plugins(strategy: str, zero_stage: int, max_grad_norm: float = 1.0)
     return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=zero_stage, gradient_accumulation_steps=1,
                                                 gradient_clipping=max_grad_norm or None,
                                                 zero3_save_16bit_model=True)}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def bf16_matmul_speedup(size: int = 384, repeats: int = 5) -> float:
-    """fp32 time / bf16 time of a matmul on this CPU (> 1: bf16 is faster). About 0.1 s."""
-    import time
-
-    import torch
-
-    def timed(dtype):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b  # warm-up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        return time.perf_counter() - start
-
-    return timed(torch.float32) / timed(torch.bfloat16)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls are only fast on CPUs with native bf16 units (AVX-512 BF16 or AMX); on AVX2 they
-    are emulated, 80-350x slower than fp32 on this project's machines."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def total_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def peak_memory_bytes(device) -> int:
-    """Peak allocated accelerator memory, or the process's peak resident set on CPU."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def versions() -> dict[str, str | None]:
-    found = {}
-    for name in LIBRARIES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def report() -> dict:
-    """Everything `effitrain env` prints, as data. It never joins a process group: with launcher
-    variables for several processes set, it reports them and the device accelerate would take, instead
-    of waiting for peers (which, with stray variables, never come)."""
-    import torch
-
-    info: dict = {
-        **what_accelerate_detects(),
-        "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                "memory_bytes": total_memory_bytes(), "fast_bf16": cpu_has_fast_bf16()},
-        "gpus": [],
-    }
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            capability = (props.major, props.minor)
-            info["gpus"].append({
-                "index": i, "name": props.name, "memory_bytes": props.total_memory,
-                "compute_capability": f"{props.major}.{props.minor}",
-                # Tensor cores: fp16 from Volta (7.0), bf16 from Ampere (8.0).
-                "fp16": True, "fp16_fast": capability >= (7, 0),
-                "bf16": capability >= (8, 0), "bf16_fast": capability >= (8, 0),
-            })
-    on_gpu = bool(info["gpus"])
-    info["precision"] = {
-        "bf16_supported": info["gpus"][0]["bf16"] if on_gpu else True,
-        "bf16_fast": info["gpus"][0]["bf16_fast"] if on_gpu else cpu_has_fast_bf16(),
-        "fp16_supported": on_gpu,
-        "fp16_fast": info["gpus"][0]["fp16_fast"] if on_gpu else False,
-    }
-    info["distributed_env"] = launcher_variables()
-    info["started_by_torchrun"] = started_by_torchrun()
-    info["python"] = platform.python_version()
-    info["versions"] = versions()
-    return info
-
-
-def what_accelerate_detects() -> dict:
-    """The Accelerator's device and mode; without building one when that would join a process group."""
-    world = launcher_world_size()
-    if world < 2:
-        accelerator = make_accelerator()
-        return {"device": str(accelerator.device), "device_type": accelerator.device.type,
-                "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-                "num_processes": accelerator.num_processes}
-    import torch
-
-    device = torch.device("cpu")
-    if has_accelerator():
-        kind = torch.accelerator.current_accelerator().type if hasattr(torch, "accelerator") else "cuda"
-        device = torch.device(kind, int(os.environ.get("LOCAL_RANK", "0") or 0))
-    return {"device": str(device), "device_type": device.type,
-            "distributed_type": "NOT_JOINED", "num_processes": world}
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.1f} GiB"
-
-
-def format_report(info: dict) -> str:
-    yes = {True: "yes", False: "no"}
-    cpu, precision = info["cpu"], info["precision"]
-    lines = [
-        f"device            {info['device']} ({info['distributed_type']}, {info['num_processes']} process(es))",
-        f"cpu               {cpu['name']}, {cpu['cores']} cores, {_gib(cpu['memory_bytes'])}, "
-        f"torch threads {cpu['torch_threads']}",
-    ]
-    if not info["gpus"]:
-        lines.append("gpus              none (training runs on the CPU)")
-    for gpu in info["gpus"]:
-        lines.append(f"gpu {gpu['index']}             {gpu['name']}, {_gib(gpu['memory_bytes'])}, "
-                     f"compute capability {gpu['compute_capability']}")
-    lines += [
-        f"bf16              supported {yes[precision['bf16_supported']]}, fast {yes[precision['bf16_fast']]}",
-        f"fp16              supported {yes[precision['fp16_supported']]}, fast {yes[precision['fp16_fast']]}",
-        "distributed env   " + (" ".join(f"{k}={v}" for k, v in info["distributed_env"].items()) or "none set"),
-    ]
-    if info["num_processes"] > 1 and not info["started_by_torchrun"]:
-        lines.append(f"                  these make train and evaluate wait up to {JOIN_SECONDS} s for "
-                     f"{info['num_processes'] - 1} other process(es), then stop; unset them to run one process, "
-                     "or start all with `effitrain launch`")
-    lines += [
-        f"python            {info['python']}",
-    ]
-    lines += [f"{name:<18}{version or 'not installed'}" for name, version in info["versions"].items()]
-    return "\n".join(lines)

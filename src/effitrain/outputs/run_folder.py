@@ -2,30 +2,41 @@
 tools rely on. effitrain only ever removes what it wrote: `--overwrite` replaces an earlier effitrain
 run (recognised by its marker file, holding nothing else) and nothing else, moving it aside until the
 new run has succeeded."""
-
 from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from effitrain.errors import UserError
+from effitrain.outputs import files
 
 MARKER = ".effitrain-run"  # written into every run folder: what --overwrite may replace
+
+
 LOCK = ".effitrain.lock"  # held (flock) by the run writing into the folder; says its pid and host
+
+
 PREVIOUS = ".effitrain-previous"  # the run being replaced, until the new one has succeeded
+
+
 MOVING = PREVIOUS + ".partial"  # the earlier run while it is being moved aside
+
+
 DELETING = ".tmp-previous"  # a replaced run being deleted
+
+
 # What runs write. --overwrite removes these and nothing else; a folder's contents are the writer's
 # (save_pretrained's, save_state's). Nested runs (bench variants) carry their own marker.
 RUN_FILES = {"config.yaml", "log.jsonl", "metrics.json", "bench.json", "bench.png", MARKER, LOCK,
-             "report.html", "report-curves.png", "report-confusion.png"}  # report.py's page and PNGs
+             "report.html", "report-curves.png", "report-confusion.png"}  # report/'s page and PNGs
+
+
 RUN_FOLDERS = {"model", "best", "adapter", "checkpoints", PREVIOUS, MOVING, DELETING, ".tmp-model", ".tmp-best",
                ".tmp-adapter", "tb", "trackio", "mlruns"}  # the last three: tracking.STORES
 
@@ -142,7 +153,7 @@ class RunDir:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner = read_json(lock)
+                owner = files.read_json(lock)
                 os.close(fd)
                 where = (f" (pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('started')})"
                          if owner else "")
@@ -185,7 +196,7 @@ class RunDir:
         entries = [e for e in self.path.iterdir() if e.name != LOCK]
         if not entries or self.resume:
             return
-        marker = read_json(self.path / MARKER) if (self.path / MARKER).is_file() else None
+        marker = files.read_json(self.path / MARKER) if (self.path / MARKER).is_file() else None
         what = ("files" if marker is None else "an effitrain bench" if marker.get("kind") == "bench"
                 else "an effitrain run")
         # --resume auto with no checkpoint yet: a run killed before its first one starts again in its folder.
@@ -223,7 +234,7 @@ class RunDir:
                 if entry.name not in (LOCK, MOVING):
                     entry.rename(moving / entry.name)
             moving.rename(self.path / PREVIOUS)
-        write_json(self.path / MARKER, {"kind": self.kind, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+        files.write_json(self.path / MARKER, {"kind": self.kind, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     def succeed(self) -> None:
         if self.replacing:
@@ -296,82 +307,3 @@ def _remove(entry: Path) -> None:
         shutil.rmtree(entry)
     else:
         entry.unlink(missing_ok=True)
-
-
-def read_json(path: Path, notes: list[str] | None = None) -> dict:
-    """A JSON object file, or {} (missing, unreadable, not an object); `notes` gets why one could not be read."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        value = None
-        if notes is not None:
-            notes.append(f"{path.name} cannot be read ({str(err).splitlines()[0]})")
-    return value if isinstance(value, dict) else {}
-
-
-def finite(data: Any) -> tuple[Any, list[str]]:
-    """`data` with every NaN or infinite float replaced by None, and the places replaced ("test.loss"):
-    strict JSON has no NaN or Infinity, and a reader must not take a missing value for a number."""
-    replaced: list[str] = []
-
-    def walk(value: Any, where: str) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            replaced.append(f"{where} ({value})")
-            return None
-        if isinstance(value, dict):
-            return {key: walk(item, f"{where}.{key}" if where else str(key)) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]
-        return value
-
-    return walk(data, ""), replaced
-
-
-def json_text(data: Any, indent: int | None = None, ensure_ascii: bool = True) -> str:
-    """Strict JSON: non-finite numbers become null, listed under `non_finite` (objects only)."""
-    clean, replaced = finite(data)
-    if replaced and isinstance(clean, dict):
-        clean["non_finite"] = replaced
-    return json.dumps(clean, indent=indent, allow_nan=False, ensure_ascii=ensure_ascii)
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.write_text(json_text(data, indent=2) + "\n")
-
-
-def write_yaml(path: Path, data: dict) -> None:
-    import yaml
-
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
-class RunLog:
-    """The run's log: each record goes to every sink (log.jsonl's JsonlLog, tracking.TrackerLog)."""
-
-    def __init__(self, *sinks):
-        self.sinks = [sink for sink in sinks if sink is not None]
-
-    def write(self, record: dict) -> None:
-        for sink in self.sinks:
-            sink.write(record)
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-
-
-class JsonlLog:
-    """log.jsonl: one JSON object per line, flushed at once so a crash keeps every line written."""
-
-    def __init__(self, path: Path | None):
-        self.file = open(path, "a", buffering=1) if path is not None else None
-
-    def write(self, record: dict) -> None:
-        if self.file is not None:
-            self.file.write(json_text(record) + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()

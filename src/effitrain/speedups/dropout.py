@@ -170,7 +170,10 @@ def apply(model: torch.nn.Module, layers: bool = True, attention: bool = True) -
 def register() -> None:
     """`effitrain_sdpa` in transformers' attention (and attention-mask) registries: SDPA's masks."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
 
     if ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION, attention)
@@ -181,7 +184,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
               is_causal: bool | None = None, **kwargs):
     """transformers' attention-function signature. While training with dropout on a CPU: softmax(q k^T
     scale + mask) with dropout, times v (what SDPA's math path computes); otherwise SDPA itself."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import (
+        repeat_kv,
+        sdpa_attention_forward,
+    )
 
     unusual = any(v is not None and k not in _PLAIN_KWARGS for k, v in kwargs.items())
     if not dropout or not module.training or query.device.type != "cpu" or unusual:

@@ -21,9 +21,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from effitrain import models, tasks
+from effitrain import tasks
 from effitrain.config import TrainConfig
 from effitrain.errors import UserError
+from effitrain.models import loading
 from effitrain.planning import simulate
 
 GiB = 2**30
@@ -148,13 +149,13 @@ def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | N
     replaces the vocabulary of a model built from a config (as `train` does with the tokenizer's)."""
     from transformers import AutoConfig
 
-    source = models.resolve_source(model, allow_pickle=True)  # only the config is read
+    source = loading.resolve_source(model, allow_pickle=True)  # only the config is read
     if source.config is not None:
         config = source.config
         if vocab_size is not None:
             config.vocab_size = vocab_size
     else:
-        with models.loading(source.path):
+        with loading.loading(source.path):
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     config.num_labels = num_labels
     if tasks.get(task).is_text and getattr(config, "pad_token_id", None) is None:
@@ -234,7 +235,7 @@ class Planner:
                  strategy: str = "ddp", zero_stage: int = 2):
         self.shapes, self.seq_len, self.device = shapes, seq_len, device
         if tasks.get(shapes.task).is_text:
-            models.check_length(shapes.config, seq_len, "--seq-len")
+            loading.check_length(shapes.config, seq_len, "--seq-len")
         self.world_size, self.strategy, self.zero_stage = world_size, strategy, zero_stage
         # What the strategy shards across the processes (nothing with one process).
         self._fsdp = strategy == "fsdp" and world_size > 1
@@ -318,7 +319,7 @@ class Planner:
     def half_speedup(self) -> float:
         if self._half_speedup is None:
             if self.device == "cpu":
-                from effitrain.devices import bf16_matmul_speedup
+                from effitrain.runtime.devices import bf16_matmul_speedup
 
                 self._half_speedup = bf16_matmul_speedup()
             else:
@@ -390,7 +391,7 @@ def available_bytes(device: str) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    from effitrain.devices import total_memory_bytes
+    from effitrain.runtime.devices import total_memory_bytes
 
     return int((total_memory_bytes() or 8 * GiB) * 0.8)
 

@@ -1,0 +1,42 @@
+"""`effitrain inspect`: a model's configuration and parameter counts, and the device Accelerator would take."""
+
+from __future__ import annotations
+
+import json
+
+from effitrain import config as cfg
+
+
+def add_parser(commands) -> None:
+    inspect = commands.add_parser("inspect", help="show a model's configuration and parameter counts")
+    inspect.add_argument("model", nargs="?", default="default", help="default, a directory or a cached hub id")
+    inspect.add_argument("--task", default="sequence-classification", choices=cfg.TASKS)
+    inspect.add_argument("--json", action="store_true", help="print the counts and device as JSON")
+    inspect.add_argument("--debug", action="store_true")
+
+
+def main(args) -> int:
+    from effitrain import tasks
+    from effitrain.models import loading
+    from effitrain.runtime import libraries
+    from effitrain.runtime.distributed import make_accelerator
+
+    libraries.quiet_libraries(args.debug)
+    task = tasks.get(args.task)
+    path = loading.resolve(args.model)
+    model_config = loading.load_config(path)
+    task.check_supported(model_config)
+    model = task.build_on_meta(model_config)
+    counts = loading.parameter_counts(model)
+    device = str(make_accelerator().device)
+    if args.json:
+        print(json.dumps({"model": str(path), "config": model.config.to_dict(), "parameters": counts,
+                          "device": device}))
+        return 0
+    print(f"model: {path}")
+    print(model.config)
+    print(f"parameters: {counts['total']:,} total, {counts['trainable']:,} trainable, "
+          f"{counts['embedding']:,} in embeddings ({args.task}"
+          + (f" head for {model.config.num_labels} labels)" if task.has_labels else ")"))
+    print(f"Accelerator would train on: {device}")
+    return 0

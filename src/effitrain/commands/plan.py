@@ -1,0 +1,106 @@
+"""`effitrain plan`: the peak memory per device of each combination of techniques, predicted on fake
+tensors before anything is loaded, and the fastest combination that fits the budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from effitrain import config as cfg
+from effitrain.errors import UserError
+
+
+def add_parser(commands) -> None:
+    plan = commands.add_parser("plan", help="predict peak memory per device for each combination of techniques, "
+                                            "and recommend the fastest that fits",
+                               description="Predict the peak memory of training, per device, before loading "
+                                           "anything: the model is built on fake tensors.")
+    plan.add_argument("--model", default="default", help="what `train --model` takes: default, a directory, a "
+                                                         "cached hub id, a config.json, or model_type:key=value,...")
+    plan.add_argument("--task", default="sequence-classification", choices=cfg.TASKS)
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples)")
+    plan.add_argument("--batch-size", type=int, default=16, help="examples per device per optimizer step; "
+                                                                 "split into micro-batches x accumulation")
+    plan.add_argument("--memory", default=None, help="the budget per device, e.g. 8GiB (default: what is free "
+                                                     "on the device now)")
+    plan.add_argument("--world-size", type=int, default=1, help="processes (devices) training together")
+    plan.add_argument("--strategy", default="ddp", choices=cfg.STRATEGIES)
+    plan.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
+    plan.add_argument("--device", choices=("cpu", "cuda"), default=None, help="plan for this device "
+                                                                              "(default: the one here)")
+    plan.add_argument("--precision", action="append", choices=("fp32", "bf16", "fp16"),
+                      help="only these precisions (repeatable; default fp32 and bf16)")
+    plan.add_argument("--optim", action="append", choices=cfg.OPTIMIZERS,
+                      help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
+    plan.add_argument("--num-labels", type=int, default=2)
+    plan.add_argument("--peft", choices=cfg.PEFT_METHODS, default="none", help="plan LoRA or QLoRA adapters as "
+                      "`train --peft` applies them: only the adapters and the head have gradients and optimizer "
+                      "states; qlora stores the base's linear weights in 4 bits")
+    plan.add_argument("--lora-r", type=int, default=cfg.TrainConfig.lora_r)
+    plan.add_argument("--lora-dropout", type=float, default=cfg.TrainConfig.lora_dropout)
+    plan.add_argument("--lora-target-modules", default=cfg.TrainConfig.lora_target_modules)
+    plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
+    plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
+    plan.add_argument("--debug", action="store_true")
+
+
+def main(args) -> int:
+    from effitrain.planning import sizes
+
+    for name in ("seq_len", "batch_size", "world_size", "num_labels"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}",
+                            f"pass a positive --{name.replace('_', '-')}")
+    if args.memory is not None:
+        sizes.parse_size(args.memory)  # a mistake answers before torch is imported
+    import torch
+
+    from effitrain.planning import planner as plan
+    from effitrain.runtime import devices, libraries
+
+    libraries.quiet_libraries(args.debug)
+    device = args.device or ("cuda" if devices.has_accelerator() else "cpu")
+    if args.memory is None and device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda on a machine without a CUDA GPU: there is no free memory to read",
+                        "pass the GPU's memory, e.g. --memory 80GiB")
+    budget = sizes.parse_size(args.memory) if args.memory else plan.available_bytes(device)
+    # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
+    # which is what a text model built from a config gets there.
+    shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))
+    planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
+    rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"],
+                                   args.optim or ["adamw", "adamw-8bit", "adafactor", "sgd"],
+                                   [False, True] if shapes.supports_checkpointing else [False],
+                                   budget, args.all)
+    best = plan.recommend(rows)
+    if args.json:
+        print(json.dumps({"model": args.model, "task": args.task, "peft": args.peft, "parameters": shapes.parameters,
+                          "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes,
+                          "seq_len": args.seq_len, "batch_size": args.batch_size,
+                          "world_size": args.world_size, "strategy": args.strategy, "device": device,
+                          "budget": budget, "rows": [r.to_dict() for r in rows],
+                          "recommended": best.to_dict() if best else None}))
+        return 0
+    print(f"{args.model} ({args.task}): {shapes.parameters:,} parameters, {shapes.trainable:,} trainable; "
+          f"{args.batch_size} x {args.seq_len} per {device} device per step, {args.world_size} process(es) "
+          f"({args.strategy}); budget {budget / plan.GiB:.2f} GiB per device. GiB per device:")
+    print(plan.format_table(rows, best))
+    if best is None:
+        print("nothing fits: raise --memory, shorten --seq-len, add processes with --strategy fsdp, "
+              "or use a smaller model")
+    else:
+        s = best.setting
+        print(f"recommended: --precision {s.precision} --optim {s.optimizer} --batch-size {s.micro_batch} "
+              f"--grad-accum {s.accumulation}" + (" --gradient-checkpointing" if s.checkpointing else "")
+              + f" ({best.total / plan.GiB:.2f} GiB, {best.relative_speed:.2f}x the speed of fp32 AdamW)")
+    return 0
+
+
+def _plan_peft(args: argparse.Namespace):
+    """`plan --peft` and the --lora-* flags, checked as `train` checks them."""
+    from effitrain.planning import planner as plan
+
+    config = cfg.TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_dropout=args.lora_dropout,
+                             lora_target_modules=args.lora_target_modules, strategy=args.strategy)
+    cfg.validate(config)
+    return plan.Peft.of(config)

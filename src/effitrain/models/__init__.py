@@ -1,0 +1,2 @@
+"""Models: found and loaded offline (loading), LoRA/QLoRA adapters through peft (adapters), saved
+models read back for predict and evaluate (saved)."""

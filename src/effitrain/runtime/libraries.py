@@ -1,0 +1,46 @@
+"""The libraries effitrain runs on: their versions (env, the model card) and their logging, kept quiet
+unless --debug so that a user error stays one line."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+
+def quiet_libraries(debug: bool) -> None:
+    """transformers prints a load report and progress bars, torchao and torch warn at import: keep them
+    for --debug only, so that a user error stays one line on stderr."""
+    import datasets
+    import transformers
+
+    if not debug:
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+        quiet_import_warnings()
+
+
+def quiet_import_warnings() -> None:
+    """Libraries that log warnings when merely imported (torchao's optional kernels, torch's pytree,
+    bitsandbytes looking for its CPU kernel on the Hub through `kernels`), and peft's use of a name
+    transformers has deprecated."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+LIBRARIES = ("effitrain", "torch", "transformers", "accelerate", "datasets", "safetensors",
+             "bitsandbytes", "torchao")
+
+
+def versions() -> dict[str, str | None]:
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
