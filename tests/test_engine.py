@@ -320,8 +320,11 @@ def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tin
         return real(model, batch)
 
     monkeypatch.setattr(task, "loss_sum", failing)
-    real_close = sinks.JsonlLog.close
+    from effitrain.outputs.console import Console
+
+    real_close, real_bar_close = sinks.JsonlLog.close, Console.close
     monkeypatch.setattr(sinks.JsonlLog, "close", lambda self: (closed.append("log"), real_close(self)))
+    monkeypatch.setattr(Console, "close", lambda self: (closed.append("bar"), real_bar_close(self)))
     from accelerate import Accelerator
 
     real_end = Accelerator.end_training
@@ -329,5 +332,5 @@ def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tin
     with pytest.raises(ValueError, match="boom"):
         effitrain.train({"model": str(tiny_model_dir), "max_train_samples": 32, "max_eval_samples": 8,
                          "batch_size": 4, "log_every": 1, "output_dir": str(tmp_path / "o")})
-    assert closed == ["log", "accelerator"]
+    assert closed == ["log", "bar", "accelerator"]  # the console is a sink of the log
     assert [r["step"] for r in __import__("conftest").read_jsonl(tmp_path / "o" / "log.jsonl")] == [1, 2]

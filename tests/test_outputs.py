@@ -39,15 +39,15 @@ def earlier_run(one_step_run, tmp_path):
     return out, snapshot(out)
 
 
-def fail_at_step(monkeypatch, step: int, error: BaseException) -> None:
-    real = StepRunner.run
+class FailAtStep:
+    """A callback that raises `error` as step `step` begins."""
 
-    def run(self, group, at):
-        if at == step:
-            raise error
-        return real(self, group, at)
+    def __init__(self, step: int, error: BaseException):
+        self.step, self.error = step, error
 
-    monkeypatch.setattr(StepRunner, "run", run)
+    def on_step_begin(self, state, group):
+        if state.step + 1 == self.step:
+            raise self.error
 
 
 def test_overwrite_never_empties_a_folder_that_is_not_a_run(tiny_model_dir, tmp_path):
@@ -76,11 +76,10 @@ def test_overwrite_refuses_a_run_holding_foreign_files_or_the_runs_own_inputs(ti
 
 def test_a_failed_overwrite_puts_the_earlier_run_back(tiny_model_dir, earlier_run, monkeypatch):
     out, before = earlier_run
-    fail_at_step(monkeypatch, 2, RuntimeError("the new run crashed"))
     with pytest.raises(RuntimeError, match="crashed"):
-        effitrain.train(small(tiny_model_dir, out, overwrite=True, max_steps=3))
+        effitrain.train(small(tiny_model_dir, out, overwrite=True, max_steps=3),
+                        callbacks=[FailAtStep(2, RuntimeError("the new run crashed"))])
     assert snapshot(out) == before
-    monkeypatch.undo()
     metrics = effitrain.train(small(tiny_model_dir, out, overwrite=True, max_steps=2))
     assert metrics["steps"] == 2 and json.loads((out / "metrics.json").read_text())["steps"] == 2
     assert not (out / run_folder.PREVIOUS).exists() and not (out / run_folder.LOCK).exists()
@@ -167,9 +166,9 @@ def test_a_lock_that_is_not_a_file_is_refused_and_a_race_has_one_winner(tmp_path
 
 def test_a_user_mistake_during_the_run_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "new" / "out"
-    fail_at_step(monkeypatch, 1, UserError("a mistake found in the first step", "fix it"))
     with pytest.raises(UserError, match="first step"):
-        effitrain.train(small(tiny_model_dir, out))
+        effitrain.train(small(tiny_model_dir, out),
+                        callbacks=[FailAtStep(1, UserError("a mistake found in the first step", "fix it"))])
     assert not (tmp_path / "new").exists()  # the folders it created, gone: the corrected command is not refused
 
 
@@ -254,21 +253,22 @@ class Killed(BaseException):
     """Stands for SIGKILL: the run stops where it is, and nothing of its own clean-up runs."""
 
 
-def kill_at_step(monkeypatch, step: int) -> None:
-    fail_at_step(monkeypatch, step, Killed())
+def kill_at_step(monkeypatch, step: int) -> FailAtStep:
+    """A callback that kills the run as step `step` begins."""
 
     def die(self, user_mistake):
         os.close(self.fd)  # what the kernel does for a dead process: the lock is free, nothing else changes
         self.fd = None
 
     monkeypatch.setattr(run_folder.RunDir, "fail", die)
+    return FailAtStep(step, Killed())
 
 
 def test_resume_auto_restarts_a_run_killed_before_its_first_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    kill_at_step(monkeypatch, 2)
+    killed = kill_at_step(monkeypatch, 2)
     with pytest.raises(Killed):
-        effitrain.train(small(tiny_model_dir, out, save_every=3, resume="auto"))
+        effitrain.train(small(tiny_model_dir, out, save_every=3, resume="auto"), callbacks=[killed])
     assert (out / "log.jsonl").exists() and not (out / "checkpoints").exists()
     monkeypatch.undo()
     assert effitrain.train(small(tiny_model_dir, out, save_every=3, resume="auto"))["steps"] == 6  # the same command
@@ -279,10 +279,10 @@ def test_overwrite_with_resume_auto_continues_the_replacing_run_after_a_kill(tin
     """A restart loop (`launch --max-restarts`) with --overwrite --resume auto: the first start replaces the
     earlier run, the restarts continue the new one; the earlier run stays aside until it succeeds."""
     out, before = earlier_run
-    kill_at_step(monkeypatch, 4)
+    killed = kill_at_step(monkeypatch, 4)
     settings = dict(overwrite=True, resume="auto", save_every=3, max_steps=6)
     with pytest.raises(Killed):
-        effitrain.train(small(tiny_model_dir, out, **settings))
+        effitrain.train(small(tiny_model_dir, out, **settings), callbacks=[killed])
     assert (out / run_folder.PREVIOUS / "metrics.json").exists() and (out / "checkpoints" / "step-3").is_dir()
     monkeypatch.undo()
     metrics = effitrain.train(small(tiny_model_dir, out, **settings))

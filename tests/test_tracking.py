@@ -178,25 +178,19 @@ def test_two_processes_write_one_set(tiny_model_dir, tmp_path, network_attempts)
 
 
 def test_ctrl_c_closes_the_trackers_and_resume_continues_them(tiny_model_dir, tmp_path, monkeypatch):
-    from effitrain.engine import run as engine
+    class InterruptedAfterStep5:
+        def on_step_end(self, state, result):  # after the step's line is logged
+            if state.step == 5:
+                raise KeyboardInterrupt
 
-    real = engine.log_window
-
-    def interrupted_after_step_5(job, state, result, bar):
-        real(job, state, result, bar)
-        if state.step == 5:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine, "log_window", interrupted_after_step_5)
     values = settings(tiny_model_dir, tmp_path / "run", log_every=1, save_every=3)
     with pytest.raises(KeyboardInterrupt):
-        effitrain.train(values)
+        effitrain.train(values, callbacks=[InterruptedAfterStep5()])
     out = tmp_path / "run"
     [(run, _)] = mlflow_runs(out)
     assert run.info.status == "KILLED"  # closed, and not called finished
     assert [step for step, _ in tensorboard_scalars(out)["train/loss"]] == [1, 2, 3, 4, 5]
 
-    monkeypatch.setattr(engine, "log_window", real)
     effitrain.train({**values, "resume": "auto"})  # from the checkpoint of step 3: steps 4 and 5 run again
     want = expected(out)
     assert set(want["train/loss"]) == {1, 2, 3, 4, 5, 6}

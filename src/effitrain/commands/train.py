@@ -13,9 +13,10 @@ from effitrain.errors import Diverged, UserError
 from effitrain.outputs import run_folder
 
 
-def train(config: TrainConfig, config_file: str | None = None, command: bool = False) -> dict:
+def train(config: TrainConfig, config_file: str | None = None, command: bool = False, callbacks=()) -> dict:
     """Run one training job; returns the metrics written to metrics.json. `command`: run by the
-    `effitrain` command, whose process start counts as the run's start-up (imports, arguments)."""
+    `effitrain` command, whose process start counts as the run's start-up (imports, arguments).
+    `callbacks`: hooks into the loop (engine/callbacks.py)."""
     from effitrain.data import sources
     from effitrain.engine import checkpoint
     from effitrain.models import loading
@@ -40,7 +41,7 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
         from effitrain.engine.run import run
 
         tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
-        result = run(config, run_dir, command)
+        result = run(config, run_dir, command, callbacks)
     except BaseException as err:
         if run_dir is not None:  # a diverged run keeps what it wrote (log, checkpoints, best/): not a mistake to undo
             run_dir.fail(user_mistake=isinstance(err, UserError) and not isinstance(err, Diverged))

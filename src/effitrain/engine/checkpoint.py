@@ -64,7 +64,7 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | None, sharded=None) -> None:
+def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | None, sharded=None) -> Path:
     """`sharded`: (model, optimizer) of --strategy fsdp, saved as torch.distributed.checkpoint shards
     beside what accelerate saves (the schedule, RNG states)."""
     base = folder(out_dir)
@@ -94,6 +94,7 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
         for old in complete(out_dir)[:-keep_last] if keep_last else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+    return final
 
 
 def find(out_dir: Path, resume: str) -> Path | None:
@@ -124,8 +125,8 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step < self.total_steps
 
-    def save(self, step: int, trainer_state: dict) -> None:
-        save(self.accelerator, self.out_dir, step, trainer_state, self.keep_last, self.sharded)
+    def save(self, step: int, trainer_state: dict) -> Path:
+        return save(self.accelerator, self.out_dir, step, trainer_state, self.keep_last, self.sharded)
 
     def restore(self, path: Path, state, world: int, trainer_state: dict) -> None:
         """Weights, optimizer, scheduler, scaler and RNG from `path`; counters into `state`; the log

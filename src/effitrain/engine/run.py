@@ -12,6 +12,7 @@ import time
 from effitrain.config import TrainConfig
 from effitrain.engine import compilation, optim, saving, summary
 from effitrain.engine import evaluator as evaluation
+from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
 from effitrain.engine.evaluator import Evaluator
 from effitrain.engine.setup import Run, setup
@@ -19,13 +20,15 @@ from effitrain.engine.state import TrainState, process_age_seconds
 from effitrain.engine.step import StepRunner
 from effitrain.errors import Diverged
 from effitrain.outputs import model_card
+from effitrain.outputs.console import Console
 from effitrain.runtime.devices import cpu_name, peak_memory_bytes
 
 
-def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
+def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) -> dict:
     """Train, evaluate, save. Returns the metrics written to metrics.json. `run_dir`: the output folder
-    runs.train checked and locked (process 0). `command`: the process is the effitrain command, so its
-    age is the start-up (the imports and checks before this call)."""
+    commands.train checked and locked (process 0). `command`: the process is the effitrain command, so
+    its age is the start-up (the imports and checks before this call). `callbacks`: objects with hooks
+    into the loop (engine/callbacks.py)."""
     wall_start = time.perf_counter()
     start_up = process_age_seconds() if command else 0.0
     with contextlib.ExitStack() as cleanup:  # closed also when a step raises
@@ -43,15 +46,18 @@ def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
                               eval_every=config.eval_every, metric=config.metric_for_best or "loss",
                               patience=config.early_stopping_patience, threshold=config.early_stopping_threshold)
-        bar = progress_bar(job, state.step)
-        cleanup.callback(bar.close)
+        console = Console(job.total_steps, state.step, shown=job.accelerator.is_local_main_process)
+        job.log.sinks.append(console)  # closed with the log, also when a step raises
+        hooks = Callbacks([console, *callbacks])
         announce(job)
+        hooks.call("on_train_begin", job)
         # Local SGD: no gradient sync inside; leaving it averages the parameters of every process.
         with job.local_sgd or contextlib.nullcontext():
             state.add_phase("start_up", start_up)  # added to what a restored checkpoint's invocations took
             state.add_phase("set_up", time.perf_counter() - wall_start)
-            stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, bar)
-        bar.close()  # before the test and the summary, which would print on the bar's line
+            stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, hooks)
+        console.close()  # before the test and the summary, which would print on the bar's line
+        hooks.call("on_train_end", state)
         if config.keep == "best" and state.best_step is not None:
             with state.timed("saving"):
                 saving.load_weights(job, job.out_dir / "best")
@@ -66,8 +72,10 @@ def run(config: TrainConfig, run_dir=None, command: bool = False) -> dict:
                                 confusion=job.task.confusion_matrix(gathered, job.data.label_names))
         with state.timed("saving"):
             saving.save_model(job, job.out_dir / "model")
+            hooks.call("on_save", state, job.out_dir / "model")
             if job.adapted:
                 saving.save_model(job, job.out_dir / "adapter", adapter=True)
+                hooks.call("on_save", state, job.out_dir / "adapter")
         result["wall_seconds"] = state.wall_seconds()
         result["wall_seconds_by_phase"] = state.seconds_by_phase((result["compile"] or {}).get("seconds", 0.0))
         summary.write(job, result)
@@ -109,7 +117,7 @@ def card_facts(job: Run) -> dict:
 
 
 def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator, checkpointer: Checkpointer,
-          bar) -> bool:
+          hooks: Callbacks) -> bool:
     """The steps from state.step on; True if early stopping ended them."""
     groups = batches(job, state.step)
     while state.step < job.total_steps:
@@ -117,24 +125,26 @@ def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator,
         group = next(groups)
         if job.config.debug:
             log_examples(job, state.step + 1, group)
+        hooks.call("on_step_begin", state, group)
         result = runner.run(group, state.step + 1)
-        after_step(job, state, result, bar)
+        after_step(job, state, result)
         if job.local_sgd is not None:
             job.local_sgd.step()
         state.step += 1
-        bar.update(1)
         compiled = compile_seconds(job) - compiling
         state.train_seconds += time.perf_counter() - tick - compiled  # not training time: compiling, evaluation, saving
         if compiled:
-            said_compiled(job, state, compiled, bar)
+            said_compiled(job, state, compiled)
         if state.step % job.config.log_every == 0 or state.step == job.total_steps:
-            log_window(job, state, result, bar)
-        if evaluator.due(state.step) and validate(job, state, evaluator, bar):
+            log_window(job, state, result)
+        hooks.call("on_step_end", state, result)
+        if evaluator.due(state.step) and validate(job, state, evaluator, hooks):
             return True
         if checkpointer.due(state.step):
             with state.timed("saving"):
-                checkpointer.save(state.step, {"config": job.config.to_dict(), "plan": job.plan.to_dict(),
-                                               "world_size": job.world, **state.state_dict(job.reduce)})
+                path = checkpointer.save(state.step, {"config": job.config.to_dict(), "plan": job.plan.to_dict(),
+                                                      "world_size": job.world, **state.state_dict(job.reduce)})
+            hooks.call("on_save", state, path)
     return False
 
 
@@ -143,12 +153,12 @@ def compile_seconds(job: Run) -> float:
     return compilation.totals()[1] if job.compiled else 0.0
 
 
-def said_compiled(job: Run, state: TrainState, seconds: float, bar) -> None:
+def said_compiled(job: Run, state: TrainState, seconds: float) -> None:
     """A step that compiled new graphs (the first, and each new kind of input): logged and shown, since
     it pauses the run; a bounded number of times (see engine/compilation.py)."""
     graphs, total = job.compiled.since_start()
     job.log.write({"step": state.step, "compile_seconds": round(seconds, 3), "compile_graphs_so_far": graphs})
-    write(job, bar, f"step {state.step}: compiled for {seconds:.1f} s (not counted as training time; {graphs} "
+    job.log.say(f"step {state.step}: compiled for {seconds:.1f} s (not counted as training time; {graphs} "
                     f"graph(s), {total:.1f} s so far)")
 
 
@@ -193,7 +203,7 @@ def step_runner(job: Run) -> StepRunner:
                       stand_in=job.stand_in, wire=job.wire, on_retry=said_retry)
 
 
-def after_step(job: Run, state: TrainState, result, bar) -> None:
+def after_step(job: Run, state: TrainState, result) -> None:
     """Counters of a finished step; a skipped (non-finite) one is logged, and too many in a row stop
     the run with the last good weights saved."""
     state.totals += result.totals
@@ -204,7 +214,7 @@ def after_step(job: Run, state: TrainState, result, bar) -> None:
     state.skipped_steps, state.bad_in_a_row = state.skipped_steps + 1, state.bad_in_a_row + 1
     step = state.step + 1
     job.log.write({"step": step, "skipped": "non-finite loss or gradient", "grad_norm": None})
-    write(job, bar, f"step {step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
+    job.log.say(f"step {step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
     if state.bad_in_a_row >= job.config.max_bad_steps:
         # The weights now are those the last good step made, and they gave these non-finite losses:
         # not a model to hand out. Checkpoints and best/ (if any) stay, with the log.
@@ -231,7 +241,7 @@ def check_trained(job: Run, state: TrainState) -> None:
                         NON_FINITE_FIX)
 
 
-def log_window(job: Run, state: TrainState, result, bar) -> None:
+def log_window(job: Run, state: TrainState, result) -> None:
     reduce = job.reduce if job.world > 1 else None
     loss_total, item_total = state.take_window(reduce)
     examples, tokens, seconds = state.take_throughput(reduce)
@@ -239,34 +249,29 @@ def log_window(job: Run, state: TrainState, result, bar) -> None:
     loss = loss_total / item_total if item_total else None  # None: every step of the window was skipped
     per_second = examples / seconds if seconds > 0 else None
     memory = peak_memory_bytes(job.accelerator.device)  # process 0's peak so far
-    record = log_record(job, state, loss=loss, lr=job.scheduler.get_last_lr()[0],
-                        grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3),
-                        samples_per_second=per_second,
-                        tokens_per_second=tokens / seconds if job.task.is_text and seconds > 0 else None,
-                        peak_memory_bytes=memory)
+    log_record(job, state, loss=loss, lr=job.scheduler.get_last_lr()[0],
+               grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3),
+               samples_per_second=per_second,
+               tokens_per_second=tokens / seconds if job.task.is_text and seconds > 0 else None,
+               peak_memory_bytes=memory)  # the console shows it as the step's line
     state.last_loss = loss
-    shown = "-" if loss is None else f"{loss:.4f}"
-    # The live view: tqdm shows step, rate and ETA; these follow them.
-    bar.set_postfix_str(f"loss {shown}, " + (f"{per_second:.1f} samples/s, " if per_second else "")
-                        + f"peak {memory / 2**20:.0f} MiB", refresh=False)
-    write(job, bar, f"step {state.step}/{job.total_steps} epoch {record['epoch']:.2f} loss {shown} "
-                    f"lr {record['lr']:.2e} grad_norm " + ("-" if grad_norm is None else f"{grad_norm:.3f}"))
 
 
-def validate(job: Run, state: TrainState, evaluator: Evaluator, bar) -> bool:
+def validate(job: Run, state: TrainState, evaluator: Evaluator, hooks: Callbacks) -> bool:
     """Evaluate on the validation split; keep the best weights in best/ when asked; True to stop early."""
     with state.timed("evaluation"):
         improved = evaluator.validate(job.model, state)
-    log_record(job, state, split="validation", **state.validation)
-    write(job, bar, f"step {state.step} validation: {summary.short(state.validation)}")
+    log_record(job, state, split="validation", **state.validation)  # the console shows it as a line
+    hooks.call("on_evaluate", state)
     if improved and job.keeps_best:
         with state.timed("saving"):
             saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
+        hooks.call("on_save", state, job.out_dir / "best")
     stop = evaluator.should_stop(state)
     if stop:
-        write(job, bar, f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "
-                        f"{state.evals_without_improvement} evaluations (best {state.best_value:.4f} at step "
-                        f"{state.best_step})")
+        job.log.say(f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "
+                    f"{state.evals_without_improvement} evaluations (best {state.best_value:.4f} at step "
+                    f"{state.best_step})")
     return stop
 
 
@@ -274,19 +279,6 @@ def log_record(job: Run, state: TrainState, **values) -> dict:
     record = {"step": state.step, "epoch": round(state.step / job.steps_per_epoch, 4), **values}
     job.log.write(record)
     return record
-
-
-def write(job: Run, bar, message: str) -> None:
-    if job.accelerator.is_local_main_process:
-        bar.write(message)
-
-
-def progress_bar(job: Run, start: int):
-    from tqdm.auto import tqdm
-
-    # disable=None: no bar when stderr is not a terminal (CI logs), and none on other processes.
-    return tqdm(total=job.total_steps, initial=start, desc="train", unit="step", mininterval=1.0,
-                disable=None if job.accelerator.is_local_main_process else True)
 
 
 def announce(job: Run) -> None:

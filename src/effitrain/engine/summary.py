@@ -6,7 +6,7 @@ import torch
 
 from effitrain.engine import optim
 from effitrain.models import adapters
-from effitrain.outputs import files
+from effitrain.outputs import console, files
 from effitrain.runtime.devices import peak_memory_bytes
 
 
@@ -72,10 +72,6 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
     }
 
 
-def short(values: dict) -> str:
-    return " ".join(f"{k} {v:.4f}" for k, v in values.items() if k not in ("samples", "tokens"))
-
-
 def write(run, result: dict) -> None:
     if not run.accelerator.is_main_process:
         return
@@ -88,7 +84,7 @@ def write(run, result: dict) -> None:
     compiled = result.get("compile")
     compiled = (f" (compiling {compiled['graphs']} graph(s) took {compiled['seconds']:.1f} s more)"
                 if compiled else "")
-    run.accelerator.print(f"test: {short(result['test'])}\n{kept}"
+    run.accelerator.print(f"test: {console.short(result['test'])}\n{kept}"
                           f"{result['train_samples_per_second']:.1f} samples/s{compiled}, {tokens_per_s}"
                           f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB, "
                           f"{result['wall_seconds']:.1f} s in all\nsaved to {run.out_dir}")

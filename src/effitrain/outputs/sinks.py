@@ -1,5 +1,5 @@
 """The run's log and its sinks: every record goes to log.jsonl (one JSON object per line) and to
-the other sinks (trackers) the run was given."""
+the other sinks the run was given (the trackers, the console)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from effitrain.outputs import files
 
 
 class RunLog:
-    """The run's log: each record goes to every sink (log.jsonl's JsonlLog, tracking.TrackerLog)."""
+    """The run's log: each record goes to every sink (log.jsonl's JsonlLog, tracking.TrackerLog, the console)."""
 
     def __init__(self, *sinks):
         self.sinks = [sink for sink in sinks if sink is not None]
@@ -17,6 +17,12 @@ class RunLog:
     def write(self, record: dict) -> None:
         for sink in self.sinks:
             sink.write(record)
+
+    def say(self, message: str) -> None:
+        """A line for the person watching (outputs/console.py); the files keep records, not sentences."""
+        for sink in self.sinks:
+            if hasattr(sink, "say"):
+                sink.say(message)
 
     def close(self) -> None:
         for sink in self.sinks:
