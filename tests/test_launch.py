@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from effitrain import cli
-from effitrain.commands import env, launch
+from effitrain.commands import env as env_command
+from effitrain.commands import launch
 from effitrain.outputs import run_folder
 from effitrain.runtime import distributed
 
@@ -154,7 +155,7 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_code(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(env, "main", interrupted)
+    monkeypatch.setattr(env_command, "main", interrupted)
     assert cli.main(["env", "--debug"]) == 130
     assert "KeyboardInterrupt" in capsys.readouterr().err
     assert cli.main(["env"]) == 130
@@ -173,7 +174,7 @@ def test_sigterm_unwinds_a_command_with_exit_143_and_the_handlers_come_back(monk
             unwound.append(True)
         return 0
 
-    monkeypatch.setattr(env, "main", terminated)
+    monkeypatch.setattr(env_command, "main", terminated)
     start = time.monotonic()
     assert cli.main(["env"]) == 143
     assert time.monotonic() - start < 4 and unwound == [True]
