@@ -49,7 +49,7 @@ class TrainConfig:
     allow_partial_load: bool = _opt(False, "train even when the model's weights do not all fit its config "
                                     "(missing or of another shape): those start from random values; otherwise "
                                     "refused (a new head for other labels is always fine)", "model")
-    task: str = _opt("sequence-classification", "what the model learns", "model", choices=TASKS,
+    task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
                      problem="unknown task `{value}`")
     data: str = _opt("sms-spam", "a built-in (sms-spam, bbc-news, fashion-mnist, digits), a CSV/TSV/JSON/JSONL/"
                      "Parquet file, a folder from datasets' save_to_disk, or a data set id in the local "
