@@ -209,13 +209,16 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser, names: list[str | dataclasses.Field], default_notes: dict[str, str] | None = None,
-              defaults: dict[str, Any] | None = None, grouped: bool = False) -> None:
+def add_flags(parser, names: typing.Sequence[str | dataclasses.Field], default_notes: dict[str, str] | None = None,
+              defaults: dict[str, Any] | bool = False, grouped: bool = False) -> None:
     """One flag per config field (bools get --no-...), for train and every command that shares its flags;
     help and choices from the field. A flag absent from `defaults` stays absent when not given (SUPPRESS),
-    so that a YAML file or train's defaults fill it; a command that needs the value passes its default.
-    `default_notes` replace a flag's "(default: ...)"; `grouped` puts the flags under their sections."""
+    so that a YAML file or train's defaults fill it; a command that needs the value passes its default
+    (`defaults=True`: train's). `default_notes` replace a flag's "(default: ...)"; `grouped` puts the
+    flags under their sections."""
     chosen = [f if isinstance(f, dataclasses.Field) else _field(f) for f in names]
+    if defaults is True:
+        defaults = train_defaults(*(f.name for f in chosen))
     groups = {}
     if grouped:  # argparse lists groups in the order they are made: SECTIONS' order (the usage line too)
         chosen.sort(key=lambda f: SECTIONS.index(f.metadata["section"]))

@@ -69,16 +69,15 @@ KEPT_METRICS = tuple(key for key, _, _ in MEASURES) + (
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("bench", help="measure each efficiency technique against a baseline")
-    cfg.add_flags(parser, ("model", "task", "data"), defaults=cfg.train_defaults("model", "task", "data"))
+    cfg.add_flags(parser, ("model", "task", "data"), defaults=True)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per variant (default: 20)")
-    cfg.add_flags(parser, ("batch_size", "max_length", "seed"), defaults=cfg.train_defaults(
-        "batch_size", "max_length", "seed"), default_notes={
+    cfg.add_flags(parser, ("batch_size", "max_length", "seed"), defaults=True, default_notes={
         "batch_size": " of the baseline; grad-accum halves it (default: 16)",
         "seed": ", the same for every variant (default: 42)"})
     # Not train's --output-dir: the folder of all the variants' runs.
     parser.add_argument("--output-dir", default=None,
                         help="where the runs, bench.json and bench.png go (default: bench/<timestamp>)")
-    cfg.add_flags(parser, ["overwrite"], defaults=cfg.train_defaults("overwrite"))
+    cfg.add_flags(parser, ["overwrite"], defaults=True)
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--extra", default="",

@@ -20,7 +20,7 @@ def add_parser(commands) -> None:
                                             "and recommend the fastest that fits",
                                description="Predict the peak memory of training, per device, before loading "
                                            "anything: the model is built on fake tensors.")
-    cfg.add_flags(plan, SHARED_MODEL, defaults=cfg.train_defaults(*SHARED_MODEL))
+    cfg.add_flags(plan, SHARED_MODEL, defaults=True)
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples)")
     # Not train's --batch-size (a micro-batch): the planner chooses how to split these examples.
     plan.add_argument("--batch-size", type=int, default=16, help="examples per device per optimizer step; "
@@ -28,7 +28,7 @@ def add_parser(commands) -> None:
     plan.add_argument("--memory", default=None, help="the budget per device, e.g. 8GiB (default: what is free "
                                                      "on the device now)")
     plan.add_argument("--world-size", type=int, default=1, help="processes (devices) training together")
-    cfg.add_flags(plan, SHARED_STRATEGY, defaults=cfg.train_defaults(*SHARED_STRATEGY))
+    cfg.add_flags(plan, SHARED_STRATEGY, defaults=True)
     plan.add_argument("--device", choices=("cpu", "cuda"), default=None, help="plan for this device "
                                                                               "(default: the one here)")
     # Repeatable subsets of train's choices (auto is a choice made at run time, not a precision to plan).
@@ -38,7 +38,7 @@ def add_parser(commands) -> None:
     plan.add_argument("--optim", action="append", choices=cfg.meta("optim")["choices"],
                       help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
     plan.add_argument("--num-labels", type=int, default=2)
-    cfg.add_flags(plan, SHARED_PEFT, defaults=cfg.train_defaults(*SHARED_PEFT),
+    cfg.add_flags(plan, SHARED_PEFT, defaults=True,
                   default_notes={"peft": " (default: none; planned as train applies them: only the adapters "
                                          "and the head have gradients and optimizer states)"})
     plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")

@@ -88,7 +88,7 @@ def add_parser(commands) -> None:
                          help=f"inputs per forward pass (default: {BATCH_SIZE})")
     predict.add_argument("--max-length", type=int, default=None, help="text: tokens kept per input (default: the "
                                                                       "saved tokenizer's, i.e. train's --max-length)")
-    cfg.add_flags(predict, ["max_duration"], defaults=cfg.train_defaults("max_duration"))
+    cfg.add_flags(predict, ["max_duration"], defaults=True)
     predict.add_argument("--max-new-tokens", type=int, default=32, help="causal LM: tokens generated per prompt "
                                                                         "(default: 32)")
     predict.add_argument("--temperature", type=float, default=None, help="causal LM: sample at this temperature "
@@ -97,7 +97,7 @@ def add_parser(commands) -> None:
                                                                    "tokens holding this probability (default: greedy)")
     predict.add_argument("--seed", type=int, default=42, help="seed for sampling (default: 42)")
     predict.add_argument("--all-scores", action="store_true", help="classification: every label's probability")
-    cfg.add_flags(predict, ["allow_pickle"], defaults=cfg.train_defaults("allow_pickle"))
+    cfg.add_flags(predict, ["allow_pickle"], defaults=True)
     predict.add_argument("--debug", action="store_true")
 
 
