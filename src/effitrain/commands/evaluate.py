@@ -103,10 +103,10 @@ def add_parser(commands) -> None:
                                                                           "unless it is the model's (default: the "
                                                                           "model's, from its config.json)")
     evaluate.add_argument("--output", help="also write the metrics to this JSON file")
-    evaluate.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
+    cfg.add_flags(evaluate, ["allow_pickle"], defaults=True)
     evaluate.add_argument("--debug", action="store_true")
     cfg.add_flags(evaluate, [f for f in cfg.fields() if f.name in DATA_KEYS],
-                     {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
+                  {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
 
 
 def main(args) -> int:

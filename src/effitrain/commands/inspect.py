@@ -10,7 +10,7 @@ from effitrain import config as cfg
 def add_parser(commands) -> None:
     inspect = commands.add_parser("inspect", help="show a model's configuration and parameter counts")
     inspect.add_argument("model", nargs="?", default="default", help="default, a directory or a cached hub id")
-    inspect.add_argument("--task", default="sequence-classification", choices=cfg.TASKS)
+    cfg.add_flags(inspect, ["task"], defaults=True)
     inspect.add_argument("--json", action="store_true", help="print the counts and device as JSON")
     inspect.add_argument("--debug", action="store_true")
 

@@ -9,36 +9,38 @@ import json
 from effitrain import config as cfg
 from effitrain.errors import UserError
 
+# The flags plan shares with train: same meaning, same default (help and choices from the config's fields).
+SHARED_MODEL = ("model", "task")
+SHARED_STRATEGY = ("strategy", "zero_stage")
+SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
+
 
 def add_parser(commands) -> None:
     plan = commands.add_parser("plan", help="predict peak memory per device for each combination of techniques, "
                                             "and recommend the fastest that fits",
                                description="Predict the peak memory of training, per device, before loading "
                                            "anything: the model is built on fake tensors.")
-    plan.add_argument("--model", default="default", help="what `train --model` takes: default, a directory, a "
-                                                         "cached hub id, a config.json, or model_type:key=value,...")
-    plan.add_argument("--task", default="sequence-classification", choices=cfg.TASKS)
+    cfg.add_flags(plan, SHARED_MODEL, defaults=True)
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples)")
+    # Not train's --batch-size (a micro-batch): the planner chooses how to split these examples.
     plan.add_argument("--batch-size", type=int, default=16, help="examples per device per optimizer step; "
                                                                  "split into micro-batches x accumulation")
     plan.add_argument("--memory", default=None, help="the budget per device, e.g. 8GiB (default: what is free "
                                                      "on the device now)")
     plan.add_argument("--world-size", type=int, default=1, help="processes (devices) training together")
-    plan.add_argument("--strategy", default="ddp", choices=cfg.STRATEGIES)
-    plan.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
+    cfg.add_flags(plan, SHARED_STRATEGY, defaults=True)
     plan.add_argument("--device", choices=("cpu", "cuda"), default=None, help="plan for this device "
                                                                               "(default: the one here)")
-    plan.add_argument("--precision", action="append", choices=("fp32", "bf16", "fp16"),
+    # Repeatable subsets of train's choices (auto is a choice made at run time, not a precision to plan).
+    plan.add_argument("--precision", action="append",
+                      choices=[p for p in cfg.meta("precision")["choices"] if p != "auto"],
                       help="only these precisions (repeatable; default fp32 and bf16)")
-    plan.add_argument("--optim", action="append", choices=cfg.OPTIMIZERS,
+    plan.add_argument("--optim", action="append", choices=cfg.meta("optim")["choices"],
                       help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
     plan.add_argument("--num-labels", type=int, default=2)
-    plan.add_argument("--peft", choices=cfg.PEFT_METHODS, default="none", help="plan LoRA or QLoRA adapters as "
-                      "`train --peft` applies them: only the adapters and the head have gradients and optimizer "
-                      "states; qlora stores the base's linear weights in 4 bits")
-    plan.add_argument("--lora-r", type=int, default=cfg.TrainConfig.lora_r)
-    plan.add_argument("--lora-dropout", type=float, default=cfg.TrainConfig.lora_dropout)
-    plan.add_argument("--lora-target-modules", default=cfg.TrainConfig.lora_target_modules)
+    cfg.add_flags(plan, SHARED_PEFT, defaults=True,
+                  default_notes={"peft": " (default: none; planned as train applies them: only the adapters "
+                                         "and the head have gradients and optimizer states)"})
     plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
     plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
     plan.add_argument("--debug", action="store_true")
@@ -47,10 +49,9 @@ def add_parser(commands) -> None:
 def main(args) -> int:
     from effitrain.planning import sizes
 
-    for name in ("seq_len", "batch_size", "world_size", "num_labels"):
-        if getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}",
-                            f"pass a positive --{name.replace('_', '-')}")
+    cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
+    for name in ("seq_len", "world_size", "num_labels"):
+        cfg.check_value(name, getattr(args, name), {"positive": True})
     if args.memory is not None:
         sizes.parse_size(args.memory)  # a mistake answers before torch is imported
     import torch
@@ -101,6 +102,7 @@ def _plan_peft(args: argparse.Namespace):
     from effitrain.planning import planner as plan
 
     config = cfg.TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_dropout=args.lora_dropout,
-                             lora_target_modules=args.lora_target_modules, strategy=args.strategy)
+                             lora_target_modules=args.lora_target_modules, strategy=args.strategy,
+                             zero_stage=args.zero_stage)
     cfg.validate(config)
     return plan.Peft.of(config)

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from effitrain import config as cfg
 from effitrain.errors import UserError
 from effitrain.models import saved as inference
 
@@ -83,11 +84,11 @@ def add_parser(commands) -> None:
     predict.add_argument("--input", help="texts or prompts: a JSONL/CSV file with a `text` (and `text_pair`) or "
                                          "`prompt` field; images and audio: a file, a folder of files, or a "
                                          "JSONL/CSV file with a `path` (or `image`/`audio`) column")
-    predict.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass (default: 64)")
+    predict.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                         help=f"inputs per forward pass (default: {BATCH_SIZE})")
     predict.add_argument("--max-length", type=int, default=None, help="text: tokens kept per input (default: the "
                                                                       "saved tokenizer's, i.e. train's --max-length)")
-    predict.add_argument("--max-duration", type=float, default=10.0, help="audio: seconds kept per clip "
-                                                                          "(default: 10.0)")
+    cfg.add_flags(predict, ["max_duration"], defaults=True)
     predict.add_argument("--max-new-tokens", type=int, default=32, help="causal LM: tokens generated per prompt "
                                                                         "(default: 32)")
     predict.add_argument("--temperature", type=float, default=None, help="causal LM: sample at this temperature "
@@ -96,20 +97,16 @@ def add_parser(commands) -> None:
                                                                    "tokens holding this probability (default: greedy)")
     predict.add_argument("--seed", type=int, default=42, help="seed for sampling (default: 42)")
     predict.add_argument("--all-scores", action="store_true", help="classification: every label's probability")
-    predict.add_argument("--allow-pickle", action="store_true", help="accept pickle-only weights (see train)")
+    cfg.add_flags(predict, ["allow_pickle"], defaults=True)
     predict.add_argument("--debug", action="store_true")
 
 
 def main(args) -> int:
-    for name in ("max_length", "max_duration", "max_new_tokens", "temperature"):
-        value = getattr(args, name)
-        if value is not None and not 0 < value < float("inf"):  # NaN fails too
-            raise UserError(f"--{name.replace('_', '-')} must be > 0 and finite, got {value}",
-                            f"pass a positive --{name.replace('_', '-')}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}", "pass e.g. --top-p 0.9")
-    if args.seed is not None and not 0 <= args.seed < 2**32:
-        raise UserError(f"--seed must be in [0, 2**32), got {args.seed}", "pass e.g. --seed 42")
+    for name in ("max_length", "max_duration", "seed"):  # train's rules (predict's own defaults)
+        cfg.check_value(name, getattr(args, name))
+    for name in ("max_new_tokens", "temperature"):
+        cfg.check_value(name, getattr(args, name), {"positive": True})
+    cfg.check_value("top_p", args.top_p, {"within": (0, 1), "ends": "(]", "fix": "pass e.g. {flag} 0.9"})
     # Only what prediction needs is imported (torch, transformers): no datasets, no accelerate, no engine.
     from effitrain.outputs import files
     from effitrain.runtime import libraries

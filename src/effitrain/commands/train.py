@@ -87,7 +87,7 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("train", help="fine-tune a model (defaults: all-MiniLM-L6-v2 on SMS spam)")
     parser.add_argument("--config", help="YAML file whose keys are these flags' names with underscores; "
                                          "flags given here override it")
-    cfg.add_flags(parser, cfg.cli_fields())
+    cfg.add_flags(parser, cfg.cli_fields(), grouped=True)
 
 
 def main(args) -> int:

@@ -9,8 +9,6 @@ import torch
 
 from effitrain.errors import UserError
 
-OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
-
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases and normalisation weights (1-d tensors), as BERT and GPT recipes do."""

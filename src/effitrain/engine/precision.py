@@ -9,8 +9,6 @@ import warnings
 
 from effitrain.errors import UserError
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-
 
 def choose(requested: str) -> tuple[str, str]:
     """(accelerate's mixed_precision: no | bf16 | fp16, the reason in words)."""
