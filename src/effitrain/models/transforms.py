@@ -72,8 +72,8 @@ def _adapters(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
 
 PIPELINE = (
     Transform("fast-dropout", lambda s: s.speed_ups, _in_place(dropout.apply),
-              why="first: it swaps the plain model's nn.Dropout layers and attention function, which every later "
-                  "entry then calls (the first-token head's attention included)"),
+              why="on the plain model, before the adapters: its nn.Dropout layers and attention function, not the "
+                  "dropout peft adds (adapters.lean_dropout keeps peft's very masks)"),
     Transform("first-token-head", lambda s: s.speed_ups and not s.packing, _in_place(first_token_head.apply),
               why="before the adapters, which wrap the classifier it recognises by class; not with packing, "
                   "whose rows hold many examples, each read at its own first token"),
@@ -82,8 +82,8 @@ PIPELINE = (
                   "peft adds later"),
     Transform("gradient-checkpointing", lambda s: s.gradient_checkpointing,
               _in_place(loading.enable_gradient_checkpointing),
-              why="on the transformers model before peft wraps it; non-reentrant, so that a frozen body (LoRA) "
-                  "still trains (peft #137)"),
+              why="on the transformers model, whose switch it is, before peft wraps it; non-reentrant, so that "
+                  "under a frozen body (LoRA) the recomputed inputs still require gradients (peft #137)"),
     Transform("adapters", lambda s: s.peft is not None, _adapters,
               why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
                   "the entries above must not touch; before compile, whose graphs must hold them"),
