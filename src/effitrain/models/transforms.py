@@ -52,6 +52,9 @@ def compiles(config) -> bool:
 
 @dataclass(frozen=True)
 class Transform:
+    """One step of the pipeline. `applies` reads the settings only: an entry whose condition holds still
+    leaves a model it does not fit as it is (the first-token head on a decoder)."""
+
     name: str
     applies: Callable[[Settings], bool]
     apply: Callable[[torch.nn.Module, Settings], torch.nn.Module]
@@ -77,7 +80,8 @@ PIPELINE = (
     Transform("first-token-head", lambda s: s.speed_ups and not s.packing, _in_place(first_token_head.apply),
               why="before the adapters, which wrap the classifier it recognises by class; not with packing, "
                   "whose rows hold many examples, each read at its own first token"),
-    Transform("onednn-linear", lambda s: s.speed_ups and s.device_type == "cpu", _in_place(onednn_linear.apply),
+    Transform("onednn-linear", lambda s: s.speed_ups and s.device_type == "cpu" and onednn_linear.preferred(),
+              _in_place(onednn_linear.apply),
               why="before the adapters: it routes the body's nn.Linear layers, not LoRA's small matrices, which "
                   "peft adds later"),
     Transform("gradient-checkpointing", lambda s: s.gradient_checkpointing,
