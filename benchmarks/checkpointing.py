@@ -23,18 +23,20 @@ def one_run(batch_size: int, length: int, steps: int, checkpointing: bool) -> di
 
     from effitrain import tasks
     from effitrain.engine import optim
-    from effitrain.models import loading
+    from effitrain.models import loading, transforms
     from effitrain.runtime import libraries
 
     libraries.quiet_libraries(False)
     torch.manual_seed(0)
-    model = tasks.get("sequence-classification").build_model(loading.ModelSource(loading.resolve("default")), ["ham", "spam"], None)
+    task = tasks.get("sequence-classification")
+    model = task.build_model(loading.ModelSource(loading.resolve("default")), ["ham", "spam"], None)
     model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
+    # Checkpointing alone: transformers' own layers, without effitrain's CPU speed-ups.
+    model, _ = transforms.apply_all(model, transforms.Settings(task, gradient_checkpointing=checkpointing,
+                                                               speed_ups=False))
     model.train()
     optimizer = optim.adamw(model, 1e-5, 0.01)
     generator = torch.Generator().manual_seed(1)

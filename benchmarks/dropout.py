@@ -63,9 +63,10 @@ def variants() -> dict:
     """name -> (model, optimizer), all from the same initial weights."""
     from transformers import AutoModelForSequenceClassification
 
+    from effitrain import tasks
     from effitrain.engine import optim
-    from effitrain.models import loading
-    from effitrain.speedups import dropout, first_token_head, onednn_linear
+    from effitrain.models import loading, transforms
+    from effitrain.speedups import dropout
 
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
@@ -73,11 +74,10 @@ def variants() -> dict:
     built = {}
     for name, switches in VARIANTS.items():
         model = copy.deepcopy(base)
-        if switches is not None:
+        if name == "effitrain":  # what `effitrain train` applies: the whole pipeline
+            model, _ = transforms.apply_all(model, transforms.Settings(tasks.get("sequence-classification")))
+        elif switches is not None:  # a part of fast dropout alone
             dropout.apply(model, layers=switches[0], attention=switches[1])
-        if name == "effitrain":
-            first_token_head.apply(model)
-            onednn_linear.apply(model)
         model.train()
         built[name] = (model, optim.adamw(model, 1e-4, 0.01))
     return built

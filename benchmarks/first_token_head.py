@@ -44,15 +44,16 @@ def copies() -> dict:
     """name -> model, both from the same initial weights, with effitrain's dropout."""
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain.models import loading
-    from effitrain.speedups import dropout, first_token_head
+    from effitrain import tasks
+    from effitrain.models import loading, transforms
 
     torch.manual_seed(0)
-    base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
-                                                              attn_implementation="sdpa")
-    dropout.apply(base)
-    pruned = copy.deepcopy(base)
-    assert first_token_head.apply(pruned)
+    model = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
+                                                               attn_implementation="sdpa")
+    settings = transforms.Settings(tasks.get("sequence-classification"))
+    base, _ = transforms.apply_all(copy.deepcopy(model), settings, skip={"first-token-head", "onednn-linear"})
+    pruned, applied = transforms.apply_all(model, settings, skip={"onednn-linear"})
+    assert "first-token-head" in applied and "forward" in vars(pruned.bert.encoder.layer[-1])
     return {"whole": base, "first-token": pruned}
 
 

@@ -57,7 +57,7 @@ def child(model_name, task, micro, length, optimizer, checkpointing, accumulatio
 
     from effitrain import tasks
     from effitrain.engine import optim, sharding
-    from effitrain.models import loading
+    from effitrain.models import transforms
     from effitrain.planning import planner as plan
     from effitrain.planning import simulate
     from effitrain.runtime import libraries
@@ -74,8 +74,7 @@ def child(model_name, task, micro, length, optimizer, checkpointing, accumulatio
     baseline = _status("VmRSS")
     model = simulate.build(task, config)
     model.train()
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
+    model, _ = transforms.apply_all(model, simulate.settings(task, checkpointing))  # the model the planner predicts
     if strategy == "fsdp":
         model = sharding.shard(model, torch.device("cpu"), WORLD, "no", reshard_after_forward=True)
         no_sync = lambda: sharding.no_sync(model)  # noqa: E731

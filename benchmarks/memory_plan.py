@@ -81,7 +81,7 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
 
     from effitrain import tasks
     from effitrain.engine import optim
-    from effitrain.models import adapters, loading
+    from effitrain.models import adapters, transforms
     from effitrain.planning import planner, simulate
     from effitrain.runtime import libraries
 
@@ -112,11 +112,9 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
     else:
         model = simulate.build(task, config).to(device)
     model.train()
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
-    if peft != "none":
-        model = adapters.apply(model, tasks.get(task), planner.Peft(peft))
-        model.train()
+    # The model the planner predicts: its transforms, adapters included.
+    model, _ = transforms.apply_all(model, simulate.settings(task, checkpointing, planner.Peft(peft)))
+    model.train()
     optimizer_ = optim.build(optimizer, model, 1e-4, 0.01)
     dtype = simulate.AUTOCAST_DTYPES.get(precision)
     started = time.perf_counter()

@@ -108,11 +108,13 @@ def train_steps(model, optimizer, batch, steps: int, device) -> tuple[float, flo
 def measure(model, dims: dict, device, checkpointing: bool, warmup: int, steps: int, peak: float | None) -> dict:
     import torch
 
+    from effitrain import tasks
     from effitrain.engine import optim
-    from effitrain.models import loading
+    from effitrain.models import transforms
 
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
+    # Checkpointing, on transformers' own layers (effitrain's speed-ups are for CPUs).
+    settings = transforms.Settings(tasks.get("causal-lm"), device.type, checkpointing, speed_ups=False)
+    model, _ = transforms.apply_all(model, settings)
     model.train()
     optimizer = optim.adamw(model, lr=1e-4, weight_decay=0.01)
     generator = torch.Generator().manual_seed(0)

@@ -68,14 +68,15 @@ def products(tokens: int) -> None:
 def copies() -> dict:
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain.models import loading
-    from effitrain.speedups import dropout, first_token_head, onednn_linear
+    from effitrain import tasks
+    from effitrain.models import loading, transforms
+    from effitrain.speedups import onednn_linear
 
     torch.manual_seed(0)
-    base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
-                                                              attn_implementation="sdpa")
-    dropout.apply(base)
-    first_token_head.apply(base)
+    model = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
+                                                               attn_implementation="sdpa")
+    settings = transforms.Settings(tasks.get("sequence-classification"))
+    base, _ = transforms.apply_all(model, settings, skip={"onednn-linear"})
     routed = copy.deepcopy(base)
     by_itself = onednn_linear.preferred()
     os.environ[onednn_linear.SWITCH] = "onednn"  # measured whatever this CPU's maker

@@ -51,8 +51,7 @@ def build(method: str, checkpointing: bool):
     from transformers import AutoModelForSequenceClassification
 
     from effitrain import tasks
-    from effitrain.config import TrainConfig
-    from effitrain.models import adapters
+    from effitrain.models import adapters, transforms
     from effitrain.models.loading import default_model_dir
 
     task = tasks.get("sequence-classification")
@@ -62,10 +61,10 @@ def build(method: str, checkpointing: bool):
                    "device_map": {"": "cpu"}}
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(str(default_model_dir()), num_labels=2, **options)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if method != "full":
-        model = adapters.apply(model, task, TrainConfig(peft=method))
+    # Checkpointing and adapters as effitrain applies them, on transformers' own layers (no CPU speed-ups).
+    settings = transforms.Settings(task, gradient_checkpointing=checkpointing,
+                                   peft=None if method == "full" else adapters.Peft(method), speed_ups=False)
+    model, _ = transforms.apply_all(model, settings)
     return model.train()
 
 

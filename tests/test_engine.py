@@ -305,6 +305,51 @@ def test_no_task_name_is_compared_outside_tasks():
     assert not found, found
 
 
+# The modules that may decide on the --peft and --compile settings; everything else asks them
+# (adapters.method, adapters.quantized, transforms.compiles) or looks at the model (adapters.is_adapted).
+TECHNIQUE_SETTINGS = ("peft", "compile")
+DECIDES_TECHNIQUES = {"models/transforms.py", "models/adapters.py", "config.py", "engine/compilation.py"}
+
+
+def reads_technique_setting(node: ast.AST) -> bool:
+    """config.peft, config["compile"], config.get("peft"), getattr(config, "compile", ...)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in TECHNIQUE_SETTINGS
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value in TECHNIQUE_SETTINGS
+    if isinstance(node, ast.Call):
+        getter = (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  or isinstance(node.func, ast.Name) and node.func.id == "getattr")
+        return getter and any(isinstance(a, ast.Constant) and a.value in TECHNIQUE_SETTINGS for a in node.args[:2])
+    return False
+
+
+def decided_on(tree: ast.AST):
+    """The expressions a program branches on: compared, or tested for truth."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            yield from (node.left, *node.comparators)
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            yield node.test
+        elif isinstance(node, ast.BoolOp):
+            yield from node.values
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            yield node.operand
+        elif isinstance(node, ast.comprehension):
+            yield from node.ifs
+
+
+def test_no_peft_or_compile_setting_is_decided_on_outside_its_modules():
+    found, inside = [], []
+    for path in SRC.rglob("*.py"):
+        name = path.relative_to(SRC).as_posix()
+        hits = {f"{name}:{expr.lineno}" for expr in decided_on(ast.parse(path.read_text()))
+                if any(reads_technique_setting(node) for node in ast.walk(expr))}
+        (inside if name in DECIDES_TECHNIQUES else found).extend(hits)
+    assert inside, "the rule finds no decision even where they are made: it is broken"
+    assert not found, sorted(found)
+
+
 def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tiny_model_dir, tmp_path, monkeypatch):
     import effitrain
     from effitrain import tasks

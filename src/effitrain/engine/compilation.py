@@ -23,6 +23,7 @@ import torch
 
 from effitrain.engine import sharding
 from effitrain.errors import UserError
+from effitrain.models import transforms
 
 # Graphs per compiled function before dynamo gives up. Its default (8) would, once reached, silently
 # run the blocks eagerly; here reaching the limit stops the run and says so.
@@ -38,6 +39,19 @@ def compile_blocks(model: torch.nn.Module) -> int:
     for block in found:
         block.compile()
     return len(found)
+
+
+def _compile(model: torch.nn.Module, settings: transforms.Settings) -> torch.nn.Module:
+    compile_blocks(model)
+    return model
+
+
+# models/transforms.py's last stage (it needs the blocks that sharding finds, in this layer).
+COMPILE = transforms.Transform(
+    "compile", lambda s: s.compile, _compile,
+    why="last: the compiled graphs must hold every transform before it (checkpointing's recomputation, the "
+        "adapters' layers, the fast dropout); in place, so the parameter names stay the plain model's")
+TRAINING = (*transforms.PIPELINE, COMPILE)  # what `effitrain train` applies
 
 
 # What dynamo times: a forward graph's compile (tracing, AOT autograd, inductor), and the compile of its
@@ -68,6 +82,15 @@ class Watch:
     def summary(self) -> dict:
         graphs, seconds = self.since_start()
         return {"blocks": self.blocks, "graphs": graphs, "seconds": seconds}
+
+
+def watch(model: torch.nn.Module, applied: list[str], cleanup: contextlib.ExitStack) -> Watch | None:
+    """With the compile stage applied: what compiling costs from now on, under a recompile limit that
+    stops the run rather than going eager (for as long as `cleanup` is open)."""
+    if COMPILE.name not in applied:
+        return None
+    cleanup.enter_context(no_silent_fallback())
+    return Watch(len(sharding.blocks(model)))
 
 
 @contextlib.contextmanager

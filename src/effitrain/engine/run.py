@@ -77,7 +77,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
                 saving.save_model(job, job.out_dir / "adapter", adapter=True)
                 hooks.call("on_save", state, job.out_dir / "adapter")
         result["wall_seconds"] = state.wall_seconds()
-        result["wall_seconds_by_phase"] = state.seconds_by_phase((result["compile"] or {}).get("seconds", 0.0))
+        result["wall_seconds_by_phase"] = state.seconds_by_phase(result["compile"]["seconds"] if job.compiled else 0.0)
         summary.write(job, result)
         if job.accelerator.is_main_process:
             # The folder chosen (a launched run without --output-dir names it on process 0 only).

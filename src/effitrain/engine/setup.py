@@ -8,7 +8,6 @@ that rerunning config.yaml pins the same choices and reproduces the run."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,11 +29,11 @@ from effitrain.engine import (
     sharding,
 )
 from effitrain.errors import UserError
-from effitrain.models import adapters, loading
+from effitrain.models import adapters, loading, transforms
 from effitrain.outputs import files, run_folder, sinks, tracking
 from effitrain.runtime import libraries
 from effitrain.runtime.distributed import make_accelerator
-from effitrain.speedups import allocator, dropout, first_token_head, onednn_linear
+from effitrain.speedups import allocator
 
 
 @dataclass
@@ -84,6 +83,7 @@ class Run:
     wire: communication.Counter = field(default_factory=communication.Counter)
     local_sgd: Any = None
     compiled: compilation.Watch | None = None  # --compile: the graphs and seconds compiling cost
+    transforms: list[str] = field(default_factory=list)  # the model transforms applied, in order
 
     @property
     def world(self) -> int:
@@ -106,7 +106,7 @@ class Run:
     @property
     def adapted(self) -> bool:
         """LoRA or QLoRA adapters (--peft): model/ is merged, adapter/ and best/ hold the adapter."""
-        return self.config.peft != "none"
+        return adapters.is_adapted(self.accelerator.unwrap_model(self.model))
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over processes (a collective; the tensor itself on one process)."""
@@ -150,27 +150,24 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
                        plan.grad_accum)
     check_schedule(config, sizes)
     model = build_model(task, source, data, plan, config, accelerator.device)
+    applied = applied_transforms(config, plan, accelerator.device, task)
     if config.strategy == "fsdp":
         sharding.check_shardable(model)
-    compiled = compile_model(model, config, cleanup)
+    compiled = compilation.watch(model, applied, cleanup)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
     log = sinks.RunLog(sinks.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
                          tracking.start(accelerator, config, out_dir, plan.to_dict()))
     cleanup.callback(log.close)
     run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
-    run.resume_from, run.resume_state, run.compiled = resume_from, resume_state, compiled
+    run.resume_from, run.resume_state, run.compiled, run.transforms = resume_from, resume_state, compiled, applied
     return run
 
 
-def compile_model(model, config: TrainConfig, cleanup: contextlib.ExitStack) -> compilation.Watch | None:
-    """--compile: each transformer block compiled in place (after checkpointing and adapters, which the
-    compiled graphs must contain), under a recompile limit that stops the run rather than going eager."""
-    if not config.compile:
-        return None
-    watch = compilation.Watch(compilation.compile_blocks(model))
-    cleanup.enter_context(compilation.no_silent_fallback())
-    return watch
+def applied_transforms(config: TrainConfig, plan: RunPlan, device, task) -> list[str]:
+    """The names of the transforms build_model applies, in order (the same conditions: metrics.json)."""
+    settings = transforms.of_run(config, plan, device, task)
+    return [transform.name for transform in transforms.chosen(settings, pipeline=compilation.TRAINING)]
 
 
 def trackers(config: TrainConfig, run_dir: run_folder.RunDir | None) -> list:
@@ -259,30 +256,12 @@ def check_pinned(config: TrainConfig, plan: RunPlan) -> None:
 
 
 def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, device):
-    """The task's model; with --peft, wrapped with its adapters (QLoRA: the base loaded in 4 bits, on
-    this process's device, where bitsandbytes quantises it)."""
-    options = {}
-    if config.peft == "qlora":
-        if not source.pretrained:
-            raise UserError("--peft qlora quantises pretrained weights as they load, and this model is built from "
-                            "a config", "pass a saved model (a folder from save_pretrained), or use --peft lora")
-        meta = task.build_on_meta(copy.deepcopy(task.source_config(source)))
-        head = adapters.head_modules(meta) if task.has_labels else []
-        adapters.check_4bit_widths(meta, head, device)
-        options = {"quantization_config": adapters.quantization_config(plan.precision, head),
-                   "device_map": {"": device}}
+    """The task's model through the transform pipeline, compile last (models/transforms.py: its order and
+    conditions; QLoRA's base loaded in 4 bits first)."""
+    options = adapters.load_options(task, source, config, plan.precision, device)
     model = task.build_model(source, data.label_names, data.processor, options)
-    dropout.apply(model)  # CPUs: the same dropout, its masks drawn at less cost
-    if not config.packing:  # packed rows: the head reads each example's first token, not each row's
-        first_token_head.apply(model)  # a classifier's last layer computes only the row its head reads
-    if device.type == "cpu":
-        onednn_linear.apply(model)  # fp32 products through oneDNN where MKL runs its generic code
-    if plan.gradient_checkpointing:
-        # Non-reentrant: with a frozen body (LoRA) the reentrant kind would train nothing ("element 0 of
-        # tensors does not require grad", peft #137): its recomputed inputs would not require gradients.
-        loading.enable_gradient_checkpointing(model)
-    if config.peft != "none":
-        model = adapters.apply(model, task, config)
+    settings = transforms.of_run(config, plan, device, task)
+    model, _ = transforms.apply_all(model, settings, pipeline=compilation.TRAINING)
     model.train()
     return model
 

@@ -53,10 +53,10 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "optimizer_state_bytes_per_param": state_all / trainable,  # per trainable parameter
         "parameters": parameters,  # trainable and total (4-bit weights count as the values they hold)
         "trainable_share": parameters["trainable"] / max(1, parameters["total"]),
-        "peft": config.peft,
-        # The adapter's weights (LoRA matrices and the trained head), as adapter/ stores them.
+        "peft": config.peft,  # adapter_bytes: the LoRA matrices and trained head, as adapter/ stores them
         "adapter_bytes": adapters.adapter_bytes(adapters.adapter_state(model)) if run.adapted else None,
         "gradient_checkpointing": plan.gradient_checkpointing,
+        "transforms": run.transforms,  # the model transforms applied, in order (models/transforms.py)
         # --compile: blocks, graphs and compile seconds of process 0 in this invocation (not in train_seconds).
         "compile": run.compiled.summary() if run.compiled else None,
         "grad_accum": plan.grad_accum,

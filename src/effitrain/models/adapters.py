@@ -7,13 +7,61 @@ is trained in full through peft's `modules_to_save`: left frozen, a classifier s
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 
-from effitrain.config import ALL_LINEAR, lora_target_names
+from effitrain.config import ALL_LINEAR, TrainConfig, lora_target_names
 from effitrain.errors import UserError
 
 ADAPTER = "default"  # peft's name for the one adapter a run trains
 ADAPTER_MARK = "adapter_config.json"  # peft's file: what makes a folder an adapter folder
+
+
+# -- the settings --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Peft:
+    """The adapter settings of `train --peft` (config.py's fields, the same names: `apply` takes it)."""
+
+    peft: str = "none"
+    lora_r: int = TrainConfig.lora_r
+    lora_alpha: float = TrainConfig.lora_alpha
+    lora_dropout: float = TrainConfig.lora_dropout
+    lora_target_modules: str = TrainConfig.lora_target_modules
+
+    @classmethod
+    def of(cls, config) -> "Peft | None":
+        if method(config) is None:
+            return None
+        return cls(config.peft, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+
+
+def method(settings) -> str | None:
+    """The adapters that settings ask for (lora or qlora; None for none): a TrainConfig, a Peft, or
+    config.yaml's dict (the model card). The one place that reads --peft's value to decide."""
+    if settings is None:
+        return None
+    value = settings.get("peft") if isinstance(settings, dict) else getattr(settings, "peft", None)
+    return None if value in (None, "none") else value
+
+
+def quantized(settings) -> bool:
+    """QLoRA: the frozen base is loaded in 4 bits."""
+    return method(settings) == "qlora"
+
+
+def load_options(task, source, settings, precision: str, device) -> dict:
+    """What the task's from_pretrained needs for these adapters: QLoRA's base quantised as it loads, on
+    this process's device, where bitsandbytes quantises it (the head kept in full precision)."""
+    if not quantized(settings):
+        return {}
+    if not source.pretrained:
+        raise UserError("--peft qlora quantises pretrained weights as they load, and this model is built from "
+                        "a config", "pass a saved model (a folder from save_pretrained), or use --peft lora")
+    meta = task.build_on_meta(copy.deepcopy(task.source_config(source)))
+    head = head_modules(meta) if task.has_labels else []
+    check_4bit_widths(meta, head, device)
+    return {"quantization_config": quantization_config(precision, head), "device_map": {"": device}}
 
 
 # -- the model -----------------------------------------------------------------------------------------
@@ -274,8 +322,6 @@ def merged_state_dict(model) -> dict:
 
 def plain_config(model):
     """The adapted model's config as a plain model's: no quantisation settings, the task's class."""
-    import copy
-
     inner = model.get_base_model()
     config = copy.deepcopy(inner.config)
     for key in ("quantization_config", "_pre_quantization_dtype"):

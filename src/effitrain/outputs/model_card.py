@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from effitrain.models import adapters
+
 # metric name in metrics.json -> (model-index metric type, display name)
 METRIC_TYPES = {"accuracy": ("accuracy", "Accuracy"), "f1_macro": ("f1", "F1 (macro)"), "loss": ("loss", "Loss"),
                 "perplexity": ("perplexity", "Perplexity"), "token_accuracy": ("accuracy", "Token accuracy")}
@@ -49,22 +51,24 @@ def card_data(config: dict, result: dict, pipeline_tag: str, model_name: str):
                for name, value in result["test"].items() if name not in COUNTS]
     return ModelCardData(library_name="transformers", base_model=base_model(config["model"]),
                          pipeline_tag=pipeline_tag, datasets=[dataset] if dataset else None, model_name=model_name,
-                         tags=["effitrain"] + ([config["peft"]] if config.get("peft") not in (None, "none") else []),
+                         tags=["effitrain"] + ([adapters.method(config)] if adapters.method(config) else []),
                          eval_results=results or None)
 
 
 def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     """The settings that matter for reproducing the run, as Markdown list items."""
+    from effitrain.models.transforms import compiles
+
     grad_accum, world = result["grad_accum"], result["world_size"]
     examples, pieces = result["examples"], result["pieces_per_micro_batch"]
     base = base_model(config["model"])
     techniques = [name for name, on in (
         ("gradient checkpointing", result["gradient_checkpointing"]),
-        ("torch.compile per transformer block", config.get("compile")),
+        ("torch.compile per transformer block", compiles(config)),
         (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
         (f"{config['strategy']} sharding", config["strategy"] != "ddp" and world > 1),
         (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "
-         f"targets {config['lora_target_modules']})", config["peft"] != "none"),
+         f"targets {config['lora_target_modules']})", adapters.method(config) is not None),
         ("packing", config.get("packing")),
         (f"micro-batches run in {pieces} pieces (--memory-budget)", pieces > 1),
     ) if on]
@@ -92,10 +96,10 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
 
 
 def adapter_note(config: dict, result: dict) -> str:
-    if config.get("peft", "none") == "none":
+    if adapters.method(config) is None:
         return ""
     base = ("the 4-bit NF4 base the adapter was trained over, dequantised to fp32 (so it differs from the original "
-            "full-precision base by NF4's rounding)" if config["peft"] == "qlora" else "the base")
+            "full-precision base by NF4's rounding)" if adapters.quantized(config) else "the base")
     return (f"These weights are the {config['peft']} adapter merged into {base}; the adapter alone is in "
             "../adapter (peft's `PeftModel.from_pretrained` over the base model).\n\n")
 

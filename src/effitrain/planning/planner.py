@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from effitrain import tasks
-from effitrain.config import TrainConfig
 from effitrain.errors import UserError
-from effitrain.models import loading
+from effitrain.models import adapters, loading
+from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
 from effitrain.planning import simulate
 
 GiB = 2**30
@@ -61,23 +61,6 @@ LIGHTER = {"adamw": ["adamw-8bit", "adafactor"], "adam-8bit": ["adafactor"], "ad
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCK = 256  # values per quantisation block (one fp32 absmax each)
 BNB_4BIT_BLOCK = 64  # QLoRA's 4-bit weights: values per block (transformers' default blocksize)
-
-
-@dataclass(frozen=True)
-class Peft:
-    """The adapter settings of `train --peft` (config.py's fields, the same names: adapters.apply takes it)."""
-
-    peft: str = "none"
-    lora_r: int = TrainConfig.lora_r
-    lora_alpha: float = TrainConfig.lora_alpha
-    lora_dropout: float = TrainConfig.lora_dropout
-    lora_target_modules: str = TrainConfig.lora_target_modules
-
-    @classmethod
-    def of(cls, config) -> "Peft | None":
-        if config.peft == "none":
-            return None
-        return cls(config.peft, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
 
 
 def bnb_4bit_bytes(shape: tuple[int, ...]) -> int:
@@ -129,7 +112,7 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     config = model_config(model, task, num_labels, vocab_size)
     tasks.get(task).check_supported(config)
     quantized = None
-    if peft is not None and peft.peft != "none":
+    if adapters.method(peft):
         built, layers = simulate.adapted_on_meta(task, config, peft)
         quantized = [tuple(layer.weight.shape) for layer in layers.values()]
     else:

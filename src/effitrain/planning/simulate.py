@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from effitrain import tasks
 from effitrain.config import ALL_LINEAR
-from effitrain.models import loading
+from effitrain.models import adapters, transforms
 
 # glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
 # keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
@@ -145,10 +145,17 @@ def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
 
 
 def build(task: str, config):
-    """The task's Auto model from `config`, its tensors fake (no memory). With transformers' own dropout
-    and SDPA, not fast_dropout's (which training runs): the same masks' sizes, kept the same way; the
-    attention's temporaries differ by ~0.5% of a step's held bytes (a 2-layer BERT at 8 x 64)."""
+    """The task's Auto model from `config`, its tensors fake (no memory), before the transforms."""
     return tasks.get(task).auto_class.from_config(config)
+
+
+def settings(task: str, checkpointing: bool, peft=None) -> transforms.Settings:
+    """The training model's transforms as the planner applies them (models/transforms.py): checkpointing
+    and adapters as `train` applies them; transformers' own dropout, SDPA and linear layers, not the CPU
+    speed-ups: the same masks' sizes, kept the same way; the attention's temporaries differ by ~0.5% of a
+    step's held bytes (a 2-layer BERT at 8 x 64)."""
+    return transforms.Settings(tasks.get(task), "meta", checkpointing, peft=peft if adapters.method(peft) else None,
+                               speed_ups=False)
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
@@ -179,10 +186,10 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
     for key_, value in RANDOM_STRUCTURE.items():
         if hasattr(config, key_):
             setattr(config, key_, value)
-    adapted = peft is not None and peft.peft != "none"
+    adapted = adapters.method(peft) is not None
     # QLoRA's stand-in layers compute in the training precision (bitsandbytes' compute dtype).
     key = (task, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
-           precision if adapted and peft.peft == "qlora" else None)
+           precision if adapters.quantized(peft) else None)
     if key not in _MODELS:
         if len(_MODELS) > 16:
             _MODELS.clear()
@@ -193,36 +200,32 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
             with mode:
                 model = build(task, config)
                 model.train()
-                if checkpointing:
-                    loading.enable_gradient_checkpointing(model)
+                model, _ = transforms.apply_all(model, settings(task, checkpointing))
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
 
 # -- adapters (--peft) ----------------------------------------------------------------------------------
 def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
-    """The model `train --peft` trains (setup.build_model: checkpointing, then adapters.apply), on the
-    meta device (peft moves modules with .to(), which fake parameters refuse), and the names of the
-    linear layers QLoRA stores in 4 bits: those bitsandbytes converts on load (not the task's head,
-    which is trained, nor what transformers keeps in full precision: tied and output embeddings)."""
+    """The model `train --peft` trains (its transforms, adapters included), on the meta device (peft
+    moves modules with .to(), which fake parameters refuse), and the names of the linear layers QLoRA
+    stores in 4 bits: those bitsandbytes converts on load (not the task's head, which is trained, nor
+    what transformers keeps in full precision: tied and output embeddings)."""
     from transformers.quantizers.base import get_keys_to_not_convert
-
-    from effitrain.models import adapters
 
     with torch.device("meta"):
         model = build(task, config)
     head = adapters.head_modules(model) if tasks.get(task).has_labels else []
     quantized = []
-    if peft.peft == "qlora":
+    if adapters.quantized(peft):
         keep = set(get_keys_to_not_convert(model)) | set(head)
         quantized = [name for name in adapters.targets(model, ALL_LINEAR, head)
                      if not any(name == k or name.startswith(f"{k}.") for k in keep)]
     model.train()
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
     layers = dict(model.named_modules())
     quantized = {name: layers[name] for name in quantized}
-    return adapters.apply(model, tasks.get(task), peft), quantized
+    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft))
+    return model, quantized
 
 
 def _fake_adapted(mode, task, config, checkpointing, peft, precision):

@@ -1,0 +1,111 @@
+"""THE ordered model-transform pipeline: what happens to the task's model between loading and training.
+
+Training set-up (engine/setup.py), the memory planner (planning/simulate.py, on the meta device and fake
+tensors) and the benchmarks all build through `apply_all`, so that what is planned and measured is the
+model that trains. Each entry says when it applies (a condition on `Settings`) and why it sits where it
+does: the order is the contract, as in torchtitan's parallelize_llama (checkpointing, then compile,
+then FSDP).
+
+--compile is the last stage, `engine/compilation.py`'s COMPILE, appended by the engine: it compiles by
+the transformer blocks that engine/sharding.py finds, a layer above this one. Sharding (FSDP) comes
+later still, in the engine, after the optimizer's parameters are known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from effitrain.models import adapters, loading
+from effitrain.speedups import dropout, first_token_head, onednn_linear
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the conditions read: a run's config and what set-up resolved from it (`of_run`)."""
+
+    task: Any  # tasks.Task: the adapters' head and peft's task type
+    device_type: str = "cpu"
+    gradient_checkpointing: bool = False  # the resolved plan's, which --memory-budget may turn on
+    packing: bool = False
+    peft: adapters.Peft | None = None  # None: no adapters
+    compile: bool = False
+    # The CPU speed-ups (fast dropout, first-token head, oneDNN linear). Off for the memory planner's
+    # model (meta device, fake tensors) and the benchmarks that measure it: transformers' own dropout,
+    # attention and linear layers, as CPU_OVERHEAD was calibrated. The speed-ups change how values are
+    # computed, not which tensors are held (the attention's temporaries by ~0.5% of a step's).
+    speed_ups: bool = True
+
+
+def of_run(config, plan, device: torch.device, task) -> Settings:
+    """A training run's settings: its TrainConfig and the engine's resolved plan (engine/setup.RunPlan)."""
+    return Settings(task, device.type, plan.gradient_checkpointing, config.packing, adapters.Peft.of(config),
+                    config.compile)
+
+
+def compiles(config) -> bool:
+    """Whether a run with this config (a TrainConfig, or config.yaml's dict) ends with the compile stage:
+    for what depends on it outside the model (padding to fewer shapes, the model card)."""
+    return bool(config.get("compile") if isinstance(config, dict) else getattr(config, "compile", False))
+
+
+@dataclass(frozen=True)
+class Transform:
+    """One step of the pipeline. `applies` reads the settings only: an entry whose condition holds still
+    leaves a model it does not fit as it is (the first-token head on a decoder)."""
+
+    name: str
+    applies: Callable[[Settings], bool]
+    apply: Callable[[torch.nn.Module, Settings], torch.nn.Module]
+    why: str = ""  # why it sits where it does in the order
+
+
+def _in_place(change: Callable[[torch.nn.Module], object]) -> Callable[[torch.nn.Module, Settings], torch.nn.Module]:
+    """A change made in place (returning a count or a flag) as a transform's apply."""
+    def apply(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+        change(model)
+        return model
+    return apply
+
+
+def _adapters(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+    return adapters.apply(model, settings.task, settings.peft)
+
+
+PIPELINE = (
+    Transform("fast-dropout", lambda s: s.speed_ups, _in_place(dropout.apply),
+              why="on the plain model, before the adapters: its nn.Dropout layers and attention function, not the "
+                  "dropout peft adds (adapters.lean_dropout keeps peft's very masks)"),
+    Transform("first-token-head", lambda s: s.speed_ups and not s.packing, _in_place(first_token_head.apply),
+              why="before the adapters, which wrap the classifier it recognises by class; not with packing, "
+                  "whose rows hold many examples, each read at its own first token"),
+    Transform("onednn-linear", lambda s: s.speed_ups and s.device_type == "cpu" and onednn_linear.preferred(),
+              _in_place(onednn_linear.apply),
+              why="before the adapters: it routes the body's nn.Linear layers, not LoRA's small matrices, which "
+                  "peft adds later"),
+    Transform("gradient-checkpointing", lambda s: s.gradient_checkpointing,
+              _in_place(loading.enable_gradient_checkpointing),
+              why="on the transformers model, whose switch it is, before peft wraps it; non-reentrant, so that "
+                  "under a frozen body (LoRA) the recomputed inputs still require gradients (peft #137)"),
+    Transform("adapters", lambda s: s.peft is not None, _adapters,
+              why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
+                  "the entries above must not touch; before compile, whose graphs must hold them"),
+)
+
+
+def chosen(settings: Settings, skip=(), pipeline=PIPELINE) -> list[Transform]:
+    """The entries that apply with these settings, in order, less `skip` (names; an unknown one is an error)."""
+    unknown = set(skip) - {transform.name for transform in pipeline}
+    if unknown:
+        raise ValueError(f"no transform named {sorted(unknown)} in {[t.name for t in pipeline]}")
+    return [transform for transform in pipeline if transform.name not in skip and transform.applies(settings)]
+
+
+def apply_all(model: torch.nn.Module, settings: Settings, skip=(), pipeline=PIPELINE
+              ) -> tuple[torch.nn.Module, list[str]]:
+    """The model through every entry that applies, in order; and their names (metrics.json's `transforms`)."""
+    applied = chosen(settings, skip, pipeline)
+    for transform in applied:
+        model = transform.apply(model, settings)
+    return model, [transform.name for transform in applied]
