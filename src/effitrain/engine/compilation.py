@@ -1,6 +1,6 @@
 """--compile: torch.compile per transformer block (regional compilation), and what compiling cost.
 
-The blocks (sharding.blocks: the repeated layers) are alike, so dynamo compiles one of them and the
+The blocks (models/blocks.py: the repeated layers) are alike, so dynamo compiles one of them and the
 others reuse its graph: six layers cost one compile, as in PyTorch's regional compilation recipe and
 accelerate's `use_regional_compilation`. Each block is compiled in place (`nn.Module.compile`), as
 accelerate does for FSDP2 and DeepSpeed, rather than with `accelerate.utils.compile_regions`, which
@@ -21,8 +21,8 @@ import contextlib
 
 import torch
 
-from effitrain.engine import sharding
 from effitrain.errors import UserError
+from effitrain.models.blocks import blocks
 
 # Graphs per compiled function before dynamo gives up. Its default (8) would, once reached, silently
 # run the blocks eagerly; here reaching the limit stops the run and says so.
@@ -31,7 +31,7 @@ RECOMPILE_LIMIT = 32
 
 def compile_blocks(model: torch.nn.Module) -> int:
     """Compile each transformer block in place; the number of blocks."""
-    found = sharding.blocks(model)
+    found = blocks(model)
     if not found:
         raise UserError(f"--compile compiles a model by its transformer blocks, and {type(model).__name__} has none "
                         "(no repeated layers, none named in transformers' _no_split_modules)", "drop --compile")

@@ -62,7 +62,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         ("gradient checkpointing", result["gradient_checkpointing"]),
         ("torch.compile per transformer block", config.get("compile")),
         (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
-        (f"{config['strategy']} sharding", config["strategy"] != "ddp" and world > 1),
+        (facts.get("sharding"), facts.get("sharding")),  # "fsdp sharding" over processes, or None
         (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "
          f"targets {config['lora_target_modules']})", config["peft"] != "none"),
         ("packing", config.get("packing")),
