@@ -52,7 +52,8 @@ class Evaluator:
     """Evaluation during training: validation every `eval_every` steps (None: at the end of each
     epoch) and at the last step; the best value of `metric` (its direction from the task); early
     stopping after `patience` evaluations without an improvement larger than `threshold`. The
-    metrics are gathered, so every process takes the same decisions."""
+    metrics are gathered, so every process takes the same decisions. `in_pieces`: the strategy's
+    evaluates_in_pieces (see batch_outputs)."""
 
     def __init__(self, accelerator, task, label_names, dataloader, *, steps_per_epoch: int, total_steps: int,
                  eval_every: int | None = None, metric: str = "loss", patience: int | None = None,

@@ -40,6 +40,7 @@ class Fsdp(Strategy):
                               self.reshard_after_forward)
 
     def prepare(self, model, optimizer, *others) -> tuple:
+        """accelerate prepares `others` only: the model was sharded by setup_module, not by accelerate."""
         prepared = self.accelerator.prepare(*others)  # one object comes back alone, more as a tuple
         return model, optimizer, *(prepared if len(others) > 1 else (prepared,))
 
