@@ -71,8 +71,9 @@ def shape_worker(policy: str, precision: str, steps: int, batch_size: int) -> di
     from effitrain import tasks
     from effitrain.config import TrainConfig
     from effitrain.data import text
-    from effitrain.engine import compilation, optim, sharding
+    from effitrain.engine import compilation, optim
     from effitrain.models import loading
+    from effitrain.models.blocks import blocks
     from effitrain.runtime import libraries
 
     libraries.quiet_libraries(False)
@@ -86,7 +87,7 @@ def shape_worker(policy: str, precision: str, steps: int, batch_size: int) -> di
     torch.manual_seed(42)
     model = task.build_model(source, loaded.splits["train"].features["label"].names, tokenizer, {}).train()
     if policy != "eager":
-        for block in sharding.blocks(model):
+        for block in blocks(model):
             block.compile(dynamic=False if policy == "static-pow2" else None)
     optimizer = optim.build("adamw", model, 1e-4, 0.01, (0.9, 0.999))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from effitrain.engine import compilation
+from effitrain.models import transforms
 
 
 def tiny_bert(layers: int = 2):
@@ -49,7 +50,7 @@ def test_compiled_blocks_train_as_the_eager_model(checkpointing):
     if checkpointing:  # non-reentrant, as effitrain turns it on: the compiled blocks run inside the checkpoints
         eager.gradient_checkpointing_enable({"use_reentrant": False})
     compiled = copy.deepcopy(eager)
-    assert compilation.compile_blocks(compiled) == 2
+    assert transforms.compile_blocks(compiled) == 2
     steps = batches([16, 24, 16, 40])  # new lengths after the first: dynamic graphs, not one per length
     with compilation.no_silent_fallback():
         expected, got = train_losses(eager, steps), train_losses(compiled, steps)
@@ -66,7 +67,7 @@ def test_a_model_without_blocks_is_refused():
     from effitrain.errors import UserError
 
     with pytest.raises(UserError, match="--compile compiles a model by its transformer blocks"):
-        compilation.compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        transforms.compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 def test_a_compiled_run_reports_compile_time_apart_from_training_time(tiny_model_dir, tmp_path, cli_here):
@@ -93,7 +94,7 @@ def test_reaching_the_recompile_limit_stops_instead_of_running_eagerly(monkeypat
 
     monkeypatch.setattr(compilation, "RECOMPILE_LIMIT", 1)
     model = tiny_bert(layers=1)
-    compilation.compile_blocks(model)
+    transforms.compile_blocks(model)
     batch = {k: v for k, v in batches([16])[0].items() if k != "labels"}
     with pytest.raises(UserError, match="would otherwise run uncompiled"), compilation.no_silent_fallback():
         model(**batch)

@@ -119,7 +119,7 @@ def test_a_missing_micro_batch_runs_a_zero_weight_stand_in():
 def test_cpu_clipping_gives_accelerates_norm_and_gradients_bit_for_bit(max_norm):
     """clip_on_cpu skips the multiplication by 1.0 when the norm is within max_norm; clipped or not,
     the norm and every gradient are accelerate's own, bit for bit."""
-    from effitrain.engine.step import clip_on_cpu, clips_on_cpu
+    from effitrain.engine.strategies.ddp import clip_on_cpu, clips_on_cpu
     from effitrain.runtime.distributed import make_accelerator
 
     accelerator = make_accelerator()
@@ -137,6 +137,120 @@ def test_cpu_clipping_gives_accelerates_norm_and_gradients_bit_for_bit(max_norm)
     unclipped = Linear()
     F.cross_entropy(unclipped(x=batch(1)["x"]).logits, batch(1)["labels"], reduction="sum").backward()
     assert all(torch.equal(a, b.grad) for a, b in zip(our_grads, unclipped.parameters())) != clipped
+
+
+# -- the strategies, alone on tiny models ------------------------------------------------------------
+
+def backward(model, scale: float = 1.0) -> None:
+    loss = F.cross_entropy(model(x=batch(1)["x"]).logits, batch(1)["labels"], reduction="sum")
+    (loss * scale).backward()
+
+
+def test_the_config_and_the_processes_choose_the_strategy_and_deepspeed_is_refused_on_a_cpu():
+    from effitrain.config import TrainConfig
+    from effitrain.engine import strategies
+    from effitrain.errors import UserError
+    from effitrain.runtime.distributed import make_accelerator
+
+    accelerator = make_accelerator()
+    chosen = {name: strategies.for_config(TrainConfig(strategy=name), accelerator)
+              for name in ("ddp", "fsdp", "deepspeed")}
+    assert [type(s) for s in chosen.values()] == [strategies.Single, strategies.Fsdp, strategies.DeepSpeed]
+    assert not strategies.for_config(TrainConfig(strategy="fsdp", fsdp_reshard_after_forward=False),
+                                     accelerator).reshard_after_forward
+    two = type("TwoProcesses", (), {"num_processes": 2})()
+    assert type(strategies.for_config(TrainConfig(), two)) is strategies.Ddp
+    assert strategies.accelerator_plugins(TrainConfig()) == strategies.accelerator_plugins(
+        TrainConfig(strategy="fsdp")) == {}
+    with pytest.raises(UserError, match="--strategy deepspeed needs GPUs"):
+        strategies.accelerator_plugins(TrainConfig(strategy="deepspeed"))
+    assert [s.technique() for s in chosen.values()] == [None, None, None]  # one process shards nothing
+    assert memory_fit.halve(2, 8, chosen["ddp"]) == 4
+    with pytest.raises(UserError, match="out of memory under --strategy fsdp"):
+        memory_fit.halve(2, 8, chosen["fsdp"])
+
+
+def test_one_process_clips_as_torch_flags_a_non_finite_norm_and_syncs_nothing():
+    from effitrain.engine import communication
+    from effitrain.engine.strategies import Single
+    from effitrain.runtime.distributed import make_accelerator
+
+    strategy = Single(make_accelerator())
+    assert strategy.replicates and strategy.evaluates_in_pieces and strategy.resplits_steps
+    model, reference = Linear(), Linear()
+    with strategy.no_sync(model):  # one process: a plain context, gradients as without it
+        backward(model)
+    backward(reference)
+    finite, norm = strategy.clip_gradients(model.parameters(), 1e-3)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
+    assert finite and torch.equal(norm, expected)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)
+    backward(model, scale=float("nan"))
+    finite, norm = strategy.clip_gradients(model.parameters(), 1.0)
+    assert not finite and norm.isnan()
+    wire = communication.Counter()
+    strategy.count_traffic(model, wire)  # no DDP wrapper to hook: nothing counted
+    assert strategy.summary(wire) == {"sync_allreduce_calls": 0, "sync_allreduce_bytes": 0}
+    assert strategy.optimizer_state_bytes(100, reduce=None) == 100
+
+
+class Blocks(torch.nn.Module):
+    """Two repeated layers (the blocks FSDP shards one by one) and a head on the root."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return type("Out", (), {"logits": self.head(x)})
+
+
+@pytest.fixture
+def process_group_of_one():
+    """What `--strategy fsdp` on one process joins (sharding.join_alone), in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_on_one_process_accumulates_clips_saves_and_loads_as_the_plain_model(tmp_path, process_group_of_one):
+    import types
+
+    from effitrain.engine.strategies import Fsdp
+
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1, mixed_precision="no",
+                                        is_main_process=True, save_state=lambda folder: None,
+                                        load_state=lambda folder: None, prepare=lambda *objects: objects)
+    strategy = Fsdp(accelerator)
+    assert not strategy.replicates and not strategy.evaluates_in_pieces and not strategy.resplits_steps
+    plain, model = Blocks(), strategy.setup_module(Blocks())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert strategy.prepare(model, optimizer, "loader", "schedule") == (model, optimizer, "loader", "schedule")
+    with strategy.no_sync(model):  # the first micro-batch's gradients kept whole, reduced with the second's
+        backward(model)
+    backward(model)
+    backward(plain), backward(plain)
+    finite, norm = strategy.clip_gradients(model.parameters(), 0.5)
+    assert finite and torch.allclose(norm, torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5))
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, msg=name)
+    whole = {name: value.clone() for name, value in strategy.module_state_dict(model).items()}  # one process: views
+    assert all(torch.equal(whole[name], value) for name, value in plain.state_dict().items())
+    strategy.save_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    optimizer.step()
+    assert not torch.equal(strategy.module_state_dict(model)["head.weight"], whole["head.weight"])
+    strategy.load_checkpoint(tmp_path / "checkpoint", model, optimizer)  # the step undone
+    assert all(torch.equal(strategy.module_state_dict(model)[name], value) for name, value in whole.items())
+    assert strategy.load_full_state_dict(model, {name: value + 1 for name, value in whole.items()}) == []
+    assert all(torch.equal(strategy.module_state_dict(model)[name], value + 1) for name, value in whole.items())
+    assert strategy.summary(None) == {"sync_allreduce_calls": None, "sync_allreduce_bytes": None}
 
 
 def test_train_state_round_trips_and_scales_the_sums_per_process():
@@ -348,6 +462,26 @@ def test_no_peft_or_compile_setting_is_decided_on_outside_its_modules():
         (inside if name in DECIDES_TECHNIQUES else found).extend(hits)
     assert inside, "the rule finds no decision even where they are made: it is broken"
     assert not found, sorted(found)
+
+
+def test_no_strategy_name_is_compared_outside_the_strategies_and_only_fsdp_imports_sharding():
+    """The engine calls its Strategy's methods (engine/strategies/); config.py's validation and the memory
+    planner, which plans for a strategy by name (planning/, commands/plan.py), may compare names."""
+    names = ("ddp", "fsdp", "deepspeed")
+    allowed = {"config.py", "commands/plan.py"}
+    found = []
+    for path in SRC.rglob("*.py"):
+        relative = path.relative_to(SRC)
+        if relative.parts[0] == "planning" or relative.parts[:2] == ("engine", "strategies") \
+                or relative.as_posix() in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                found += [f"{relative}:{node.lineno}" for c in constants if c in names]
+    assert not found, found
+    importers = sorted(module for module, targets in import_graph().items() if "engine.sharding" in targets)
+    assert importers == ["engine.strategies.fsdp"], importers
 
 
 def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tiny_model_dir, tmp_path, monkeypatch):

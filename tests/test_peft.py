@@ -252,7 +252,7 @@ def test_qlora_loads_linear_layers_in_4bit(wide_model_dir):
     processor = task.load_processor(source)
     data = setup.Data(processor, None, None, ["ham", "spam"])
     plan = setup.RunPlan(1)
-    model = setup.build_model(task, source, data, plan, config, torch.device("cpu"))
+    model, _ = setup.build_model(task, source, data, plan, config, torch.device("cpu"))
     inner = model.get_base_model()
     assert isinstance(inner.bert.encoder.layer[0].attention.self.query.base_layer, Linear4bit)
     quant = inner.bert.encoder.layer[0].attention.self.query.base_layer.weight.quant_state

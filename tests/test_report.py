@@ -241,7 +241,7 @@ def test_runs_of_different_tasks_and_things_that_are_not_runs_are_refused(runs, 
         report_runs.find_runs([str(runs / "a"), str(lm)])
     (tmp_path / "empty").mkdir()
     for given, needle in ((tmp_path / "empty", "is not an effitrain run"), (tmp_path / "nope", "does not exist"),
-                          (runs / "a" / "metrics.json", f"is a file, not a run folder; fix: pass its folder"),
+                          (runs / "a" / "metrics.json", "is a file, not a run folder; fix: pass its folder"),
                           (runs / "a" / "model", f"fix: pass the run's folder: effitrain report {runs / 'a'}")):
         with pytest.raises(UserError, match=needle.replace("(", r"\(")):
             report_runs.find_runs([str(given)])

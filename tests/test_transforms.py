@@ -11,7 +11,7 @@ import torch
 
 from effitrain import config as cfg
 from effitrain import tasks
-from effitrain.engine import compilation, setup
+from effitrain.engine import setup
 from effitrain.errors import UserError
 from effitrain.models import adapters, loading, transforms
 from effitrain.planning import planner, simulate
@@ -25,9 +25,9 @@ SPEED_UP_TYPES = {dropout.Dropout: torch.nn.Dropout}
 
 
 def test_every_entry_says_why_it_sits_where_it_does_and_names_are_unique():
-    names = [transform.name for transform in compilation.TRAINING]
+    names = [transform.name for transform in transforms.PIPELINE]
     assert len(names) == len(set(names)) and names[-1] == "compile"
-    assert all(transform.why for transform in compilation.TRAINING)
+    assert all(transform.why for transform in transforms.PIPELINE)
 
 
 def test_skip_leaves_out_named_entries_and_refuses_unknown_names(tiny_model_dir):
@@ -64,14 +64,13 @@ def test_training_and_the_planner_build_the_same_model(tiny_model_dir, monkeypat
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)  # the tree, not the graphs
     task, source, device = tasks.get(config.task), loading.resolve_source(config.model), torch.device("cpu")
     plan = setup.RunPlan(1, gradient_checkpointing=checkpointing, precision={"fp32": "no"}.get(precision, precision))
-    trained = setup.build_model(task, source, setup.Data(None, None, None, ["ham", "spam"]), plan, config, device)
+    trained, applied = setup.build_model(task, source, setup.Data(None, None, None, ["ham", "spam"]), plan, config, device)
     shapes = planner.model_shapes(config.task, config.model, 2, peft=adapters.Peft.of(config))
     _mode, planned = simulate._fake_model(config.task, shapes.config, checkpointing, shapes.peft, precision)
 
     assert modules(trained) == modules(planned)
     assert parameters(trained) == parameters(planned)
     assert getattr(trained, "is_gradient_checkpointing", False) == planned.is_gradient_checkpointing == checkpointing
-    applied = setup.applied_transforms(config, plan, device, task)
     assert ("compile" in applied) == compiled and ("adapters" in applied) == (peft != "none")
     simulated = transforms.chosen(simulate.settings(config.task, checkpointing, shapes.peft))
     assert [t.name for t in simulated] == [name for name in applied if name not in NOT_SIMULATED]

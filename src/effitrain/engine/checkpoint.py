@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 from effitrain.config import LORA_SETTINGS, TrainConfig
-from effitrain.engine import sharding
 from effitrain.errors import UserError
 from effitrain.outputs import files as outputs_files
 
@@ -64,10 +63,10 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | None, sharded=None) -> Path:
-    """`sharded`: (model, optimizer) of --strategy fsdp, saved as torch.distributed.checkpoint shards
-    beside what accelerate saves (the schedule, RNG states)."""
-    base = folder(out_dir)
+def save(strategy, out_dir: Path, step: int, state: dict, keep_last: int | None, trained: tuple) -> Path:
+    """`state`: the trainer state (trainer_state.json); `trained`: the (model, optimizer) the strategy
+    saves with the rest of the training state."""
+    accelerator, base = strategy.accelerator, folder(out_dir)
     tmp, final = base / f".tmp-step-{step}", base / f"step-{step}"
     if accelerator.is_main_process:
         base.mkdir(parents=True, exist_ok=True)
@@ -75,9 +74,7 @@ def save(accelerator, out_dir: Path, step: int, state: dict, keep_last: int | No
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp))
-        if sharded is not None:
-            sharding.save(tmp / sharding.SHARDED_FOLDER, *sharded)
+        strategy.save_checkpoint(tmp, *trained)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "trainer_state.json").write_text(outputs_files.json_text({**state, "step": step}, indent=1))
@@ -117,25 +114,23 @@ def trainer_state(path: Path) -> dict:
 class Checkpointer:
     """When to save (every `every` steps, not at the last one: model/ is written then) and where."""
 
-    def __init__(self, accelerator, out_dir: Path, every: int | None, keep_last: int | None, total_steps: int,
-                 sharded=None):
-        self.accelerator, self.out_dir, self.every = accelerator, out_dir, every
-        self.keep_last, self.total_steps, self.sharded = keep_last, total_steps, sharded
+    def __init__(self, strategy, out_dir: Path, every: int | None, keep_last: int | None, total_steps: int,
+                 trained: tuple):
+        self.strategy, self.out_dir, self.every = strategy, out_dir, every
+        self.keep_last, self.total_steps, self.trained = keep_last, total_steps, trained
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step < self.total_steps
 
     def save(self, step: int, trainer_state: dict) -> Path:
-        return save(self.accelerator, self.out_dir, step, trainer_state, self.keep_last, self.sharded)
+        return save(self.strategy, self.out_dir, step, trainer_state, self.keep_last, self.trained)
 
     def restore(self, path: Path, state, world: int, trainer_state: dict) -> None:
         """Weights, optimizer, scheduler, scaler and RNG from `path`; counters into `state`; the log
         cut back to the checkpoint's step (what a killed run logged after it runs again)."""
-        self.accelerator.load_state(str(path))
-        if self.sharded is not None:
-            sharding.load(path / sharding.SHARDED_FOLDER, *self.sharded)
+        self.strategy.load_checkpoint(path, *self.trained)
         state.load_state_dict(trainer_state, world)
-        if self.accelerator.is_main_process:
+        if self.strategy.accelerator.is_main_process:
             trim_log(self.out_dir / "log.jsonl", state.step)
 
 

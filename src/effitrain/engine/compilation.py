@@ -1,6 +1,6 @@
 """--compile: torch.compile per transformer block (regional compilation), and what compiling cost.
 
-The blocks (sharding.blocks: the repeated layers) are alike, so dynamo compiles one of them and the
+The blocks (models/blocks.py: the repeated layers) are alike, so dynamo compiles one of them and the
 others reuse its graph: six layers cost one compile, as in PyTorch's regional compilation recipe and
 accelerate's `use_regional_compilation`. Each block is compiled in place (`nn.Module.compile`), as
 accelerate does for FSDP2 and DeepSpeed, rather than with `accelerate.utils.compile_regions`, which
@@ -21,37 +21,12 @@ import contextlib
 
 import torch
 
-from effitrain.engine import sharding
 from effitrain.errors import UserError
-from effitrain.models import transforms
+from effitrain.models.blocks import blocks
 
 # Graphs per compiled function before dynamo gives up. Its default (8) would, once reached, silently
 # run the blocks eagerly; here reaching the limit stops the run and says so.
 RECOMPILE_LIMIT = 32
-
-
-def compile_blocks(model: torch.nn.Module) -> int:
-    """Compile each transformer block in place; the number of blocks."""
-    found = sharding.blocks(model)
-    if not found:
-        raise UserError(f"--compile compiles a model by its transformer blocks, and {type(model).__name__} has none "
-                        "(no repeated layers, none named in transformers' _no_split_modules)", "drop --compile")
-    for block in found:
-        block.compile()
-    return len(found)
-
-
-def _compile(model: torch.nn.Module, settings: transforms.Settings) -> torch.nn.Module:
-    compile_blocks(model)
-    return model
-
-
-# models/transforms.py's last stage (it needs the blocks that sharding finds, in this layer).
-COMPILE = transforms.Transform(
-    "compile", lambda s: s.compile, _compile,
-    why="last: the compiled graphs must hold every transform before it (checkpointing's recomputation, the "
-        "adapters' layers, the fast dropout); in place, so the parameter names stay the plain model's")
-TRAINING = (*transforms.PIPELINE, COMPILE)  # what `effitrain train` applies
 
 
 # What dynamo times: a forward graph's compile (tracing, AOT autograd, inductor), and the compile of its
@@ -87,10 +62,10 @@ class Watch:
 def watch(model: torch.nn.Module, applied: list[str], cleanup: contextlib.ExitStack) -> Watch | None:
     """With the compile stage applied: what compiling costs from now on, under a recompile limit that
     stops the run rather than going eager (for as long as `cleanup` is open)."""
-    if COMPILE.name not in applied:
+    if "compile" not in applied:
         return None
     cleanup.enter_context(no_silent_fallback())
-    return Watch(len(sharding.blocks(model)))
+    return Watch(len(blocks(model)))
 
 
 @contextlib.contextmanager

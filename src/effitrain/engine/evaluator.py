@@ -6,37 +6,37 @@ from __future__ import annotations
 import torch
 
 from effitrain.data import text
-from effitrain.engine import sharding
 
 
-def evaluate(accelerator, task, model, dataloader, label_names) -> dict[str, float]:
+def evaluate(accelerator, task, model, dataloader, label_names, in_pieces: bool = True) -> dict[str, float]:
     """The task's metrics over the whole split, the same on every process whatever their number."""
-    return task.metrics(gather_outputs(accelerator, task, model, dataloader), label_names)
+    return task.metrics(gather_outputs(accelerator, task, model, dataloader, in_pieces), label_names)
 
 
-def gather_outputs(accelerator, task, model, dataloader) -> tuple:
+def gather_outputs(accelerator, task, model, dataloader, in_pieces: bool = True) -> tuple:
     """The task's per-example eval outputs over the whole split, on the CPU of every process;
     gather_for_metrics drops the samples padded in to even out shards. Eager even where --compile compiled
     the blocks: inference-mode graphs would be compiled apart, and on a CPU they measured no faster than
-    eager (benchmarks/compile.py), so they would only add compile seconds."""
+    eager (benchmarks/compile.py), so they would only add compile seconds. `in_pieces`: the strategy's
+    `evaluates_in_pieces` (see batch_outputs)."""
     was_training = model.training
     model.eval()
     gathered = []
     with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
         for batch in dataloader:
-            outputs = accelerator.gather_for_metrics(batch_outputs(accelerator, task, model, batch))
+            outputs = accelerator.gather_for_metrics(batch_outputs(accelerator, task, model, batch, in_pieces))
             gathered.append([t.cpu() for t in outputs])
     model.train(was_training)
     return tuple(torch.cat(column) for column in zip(*gathered))
 
 
-def batch_outputs(accelerator, task, model, batch) -> tuple:
+def batch_outputs(accelerator, task, model, batch, in_pieces: bool = True) -> tuple:
     """The task's eval outputs for one batch, in its order. On a CPU a text batch runs as pieces padded
     to their own longest rows (data/text.trimmed_pieces): the batch is the loader's, as accelerate
-    shards and gathers it; only the padding computed is less. Not with FSDP, whose every forward is a
-    collective (the processes' pieces would not pair up), nor on accelerators, where padding costs
-    little until the device is full (not measured there)."""
-    if accelerator.device.type != "cpu" or sharding.is_sharded(model):
+    shards and gathers it; only the padding computed is less. Not where the strategy says no (FSDP, whose
+    every forward is a collective: the processes' pieces would not pair up), nor on accelerators, where
+    padding costs little until the device is full (not measured there)."""
+    if accelerator.device.type != "cpu" or not in_pieces:
         return task.eval_outputs(model, batch)
     pieces, order = text.trimmed_pieces(batch)
     if len(pieces) == 1 and order is None:
@@ -52,16 +52,18 @@ class Evaluator:
     """Evaluation during training: validation every `eval_every` steps (None: at the end of each
     epoch) and at the last step; the best value of `metric` (its direction from the task); early
     stopping after `patience` evaluations without an improvement larger than `threshold`. The
-    metrics are gathered, so every process takes the same decisions."""
+    metrics are gathered, so every process takes the same decisions. `in_pieces`: the strategy's
+    evaluates_in_pieces (see batch_outputs)."""
 
     def __init__(self, accelerator, task, label_names, dataloader, *, steps_per_epoch: int, total_steps: int,
                  eval_every: int | None = None, metric: str = "loss", patience: int | None = None,
-                 threshold: float = 0.0):
+                 threshold: float = 0.0, in_pieces: bool = True):
         self.accelerator, self.task, self.label_names, self.dataloader = accelerator, task, label_names, dataloader
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.every = eval_every or steps_per_epoch
         self.metric, self.patience, self.threshold = metric, patience, threshold
         self.higher_is_better = task.is_higher_better(metric)
+        self.in_pieces = in_pieces
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -70,7 +72,8 @@ class Evaluator:
         """Evaluate; update the state's best value (any improvement) and patience count (reset only
         by an improvement larger than the threshold, as the Trainer's early stopping). True if this
         evaluation is the best so far."""
-        state.validation = evaluate(self.accelerator, self.task, model, self.dataloader, self.label_names)
+        state.validation = evaluate(self.accelerator, self.task, model, self.dataloader, self.label_names,
+                                    self.in_pieces)
         value = state.validation[self.metric]
         if self.improves(value, state.best_value, self.threshold):
             state.evals_without_improvement = 0

@@ -18,6 +18,7 @@ import os
 import torch
 
 from effitrain.config import TrainConfig
+from effitrain.engine.strategies import Strategy
 from effitrain.errors import UserError
 from effitrain.speedups import allocator
 
@@ -119,10 +120,10 @@ def in_use_bytes(device: torch.device) -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def halve(split: int, batch_size: int, strategy: str) -> int:
+def halve(split: int, batch_size: int, strategy: Strategy) -> int:
     """The next split after an out-of-memory error, or a one-line stop when there is none."""
-    if strategy != "ddp":
-        raise UserError(f"out of memory under --strategy {strategy}: effitrain does not re-split steps of "
+    if not strategy.resplits_steps:
+        raise UserError(f"out of memory under --strategy {strategy.name}: effitrain does not re-split steps of "
                         "sharded strategies during a run", "lower --batch-size, or let --memory-budget plan "
                         "it before the run (effitrain plan shows the peak)")
     if split >= batch_size:

@@ -35,8 +35,8 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
         with collections_paused(cleanup):
             job = setup(config, cleanup, run_dir)
         state = TrainState(job.accelerator.device, started=wall_start)
-        checkpointer = Checkpointer(job.accelerator, job.out_dir, config.save_every, config.keep_last,
-                                    job.total_steps, (job.model, job.optimizer) if config.strategy == "fsdp" else None)
+        checkpointer = Checkpointer(job.strategy, job.out_dir, config.save_every, config.keep_last, job.total_steps,
+                                    (job.model, job.optimizer))
         if job.resume_from is not None:
             checkpointer.restore(job.resume_from, state, job.world, job.resume_state)
             if job.resume_state["world_size"] != job.world:
@@ -45,7 +45,8 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
         evaluator = Evaluator(job.accelerator, job.task, job.data.label_names, job.eval_dls["validation"],
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
                               eval_every=config.eval_every, metric=config.metric_for_best or "loss",
-                              patience=config.early_stopping_patience, threshold=config.early_stopping_threshold)
+                              patience=config.early_stopping_patience, threshold=config.early_stopping_threshold,
+                              in_pieces=job.strategy.evaluates_in_pieces)
         console = Console(job.total_steps, state.step, shown=job.accelerator.is_local_main_process)
         job.log.sinks.append(console)  # closed with the log, also when a step raises
         hooks = Callbacks([console, *callbacks])
@@ -63,7 +64,8 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
                 saving.load_weights(job, job.out_dir / "best")
         check_trained(job, state)
         with state.timed("evaluation"):
-            gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"])
+            gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"],
+                                                 job.strategy.evaluates_in_pieces)
         test = job.task.metrics(gathered, job.data.label_names)
         log_record(job, state, split="test", **test)
         if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
@@ -113,7 +115,8 @@ def card_facts(job: Run) -> dict:
 
     device = job.accelerator.device
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {"pipeline_tag": job.task.pipeline_tag, "is_text": job.task.is_text, "hardware": hardware}
+    return {"pipeline_tag": job.task.pipeline_tag, "is_text": job.task.is_text, "hardware": hardware,
+            "sharding": job.strategy.technique()}
 
 
 def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator, checkpointer: Checkpointer,
@@ -199,7 +202,7 @@ def step_runner(job: Run) -> StepRunner:
 
     return StepRunner(job.accelerator, job.task, job.model, job.optimizer, job.scheduler, pieces=job.plan.pieces,
                       batch_size=job.config.batch_size, max_grad_norm=job.config.max_grad_norm, synced=synced,
-                      budgeted=job.config.memory_budget is not None, strategy=job.config.strategy,
+                      budgeted=job.config.memory_budget is not None, strategy=job.strategy,
                       stand_in=job.stand_in, wire=job.wire, on_retry=said_retry)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from effitrain.engine import sharding
 from effitrain.models import adapters
 
 
@@ -38,17 +37,11 @@ def save_model(run, folder: Path, adapter: bool = False) -> None:
 def write_weights(run, folder: Path, adapter: bool) -> None:
     accelerator = run.accelerator
     model = accelerator.unwrap_model(run.model)
-    if not adapters.is_adapted(model) and sharding.is_sharded(model):
-        state = sharding.full_state_dict(model)  # a collective: every process gathers, process 0 keeps it
-        if accelerator.is_main_process:
-            sharding.save_pretrained(model, folder, state)
-        return
     if not adapters.is_adapted(model):
-        model.save_pretrained(folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-                              state_dict=accelerator.get_state_dict(run.model), safe_serialization=True)
+        run.strategy.save_pretrained(run.model, folder)
         return
     if adapter:
-        state = sharding.full_state_dict(model) if sharding.is_sharded(model) else None  # a collective
+        state = run.strategy.module_state_dict(model)  # a collective where the weights are sharded
         if accelerator.is_main_process:
             adapters.save_adapter(model, folder, state)
             adapters.plain_config(model).save_pretrained(folder)  # the labels and the task, for predict
@@ -83,9 +76,6 @@ def load_weights(run, folder: Path) -> None:
     state, device = {}, run.accelerator.device
     for file in sorted(folder.glob("*.safetensors")):  # safetensors knows `cpu`, not `cpu:0` (gloo processes)
         state.update(load_file(str(file), device="cpu" if device.type == "cpu" else str(device)))
-    if sharding.is_sharded(model):
-        sharding.load_full_state_dict(model, state)
-        return
-    unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+    unexpected = run.strategy.load_full_state_dict(model, state)
     if unexpected:
         raise RuntimeError(f"{folder} holds weights the model does not have: {unexpected[:3]}")

@@ -26,7 +26,7 @@ from effitrain.engine import (
     memory_fit,
     optim,
     precision,
-    sharding,
+    strategies,
 )
 from effitrain.errors import UserError
 from effitrain.models import adapters, loading, transforms
@@ -78,6 +78,7 @@ class Run:
     sizes: list[int]  # micro-batches per process in each step of an epoch
     out_dir: Path
     log: sinks.RunLog  # log.jsonl, and the trackers of --report-to
+    strategy: strategies.Strategy
     resume_from: Path | None = None
     resume_state: dict | None = None
     wire: communication.Counter = field(default_factory=communication.Counter)
@@ -129,15 +130,13 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     tracking.check_installed(config)
     allocator.bound_primitive_cache()  # before this process's first bf16 matmul (choose may time one)
     mixed_precision, reason = precision.choose(config.precision)
-    accelerator = make_accelerator(config.ddp_timeout, config.strategy, config.zero_stage, config.max_grad_norm,
-                                   mixed_precision, broadcast_buffers=config.memory_budget is None,
-                                   log_with=trackers(config, run_dir))
+    accelerator = make_accelerator(config.ddp_timeout, strategies.accelerator_plugins(config), mixed_precision,
+                                   broadcast_buffers=config.memory_budget is None, log_with=trackers(config, run_dir))
     cleanup.callback(accelerator.end_training)  # also finishes the trackers
     if accelerator.device.type == "cpu" and allocator.keep_freed_memory():  # each step reuses the last one's pages
         cleanup.callback(allocator.restore)
-    if config.strategy == "fsdp":
-        sharding.check_supported(mixed_precision)
-        sharding.join_alone(accelerator, cleanup)
+    strategy = strategies.for_config(config, accelerator)
+    strategy.setup_environment(cleanup)
     accelerator.wait_for_everyone()  # process 0 has locked the output folder and settled what was in it
     resume_from = checkpoint.find(Path(config.output_dir), config.resume) if config.resume else None
     resume_state = checkpoint.check(resume_from, config.to_dict(), accelerator.num_processes,
@@ -149,25 +148,17 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     sizes = step_sizes(math.ceil(len(data.encoded["train"]) / config.batch_size), accelerator.num_processes,
                        plan.grad_accum)
     check_schedule(config, sizes)
-    model = build_model(task, source, data, plan, config, accelerator.device)
-    applied = applied_transforms(config, plan, accelerator.device, task)
-    if config.strategy == "fsdp":
-        sharding.check_shardable(model)
+    model, applied = build_model(task, source, data, plan, config, accelerator.device)
+    strategy.check_module(model)
     compiled = compilation.watch(model, applied, cleanup)
     # Only now, with data and model loaded: a mistake in either leaves no half-made output dir behind.
     out_dir = claim_output_dir(accelerator, config, plan, run_dir)
     log = sinks.RunLog(sinks.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
                          tracking.start(accelerator, config, out_dir, plan.to_dict()))
     cleanup.callback(log.close)
-    run = prepare(config, task, accelerator, plan, data, model, sizes, out_dir, log)
+    run = prepare(config, task, strategy, plan, data, model, sizes, out_dir, log)
     run.resume_from, run.resume_state, run.compiled, run.transforms = resume_from, resume_state, compiled, applied
     return run
-
-
-def applied_transforms(config: TrainConfig, plan: RunPlan, device, task) -> list[str]:
-    """The names of the transforms build_model applies, in order (the same conditions: metrics.json)."""
-    settings = transforms.of_run(config, plan, device, task)
-    return [transform.name for transform in transforms.chosen(settings, pipeline=compilation.TRAINING)]
 
 
 def trackers(config: TrainConfig, run_dir: run_folder.RunDir | None) -> list:
@@ -255,15 +246,15 @@ def check_pinned(config: TrainConfig, plan: RunPlan) -> None:
                             "drop the plan block to plan again, or rerun with the settings it was written with")
 
 
-def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, device):
-    """The task's model through the transform pipeline, compile last (models/transforms.py: its order and
-    conditions; QLoRA's base loaded in 4 bits first)."""
+def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, device) -> tuple[Any, list[str]]:
+    """The task's model through the transform pipeline (models/transforms.py: its order and conditions;
+    QLoRA's base loaded in 4 bits first), and the names of the transforms applied (metrics.json)."""
     options = adapters.load_options(task, source, config, plan.precision, device)
     model = task.build_model(source, data.label_names, data.processor, options)
     settings = transforms.of_run(config, plan, device, task)
-    model, _ = transforms.apply_all(model, settings, pipeline=compilation.TRAINING)
+    model, applied = transforms.apply_all(model, settings)
     model.train()
-    return model
+    return model, applied
 
 
 def claim_output_dir(accelerator, config: TrainConfig, plan: RunPlan, run_dir: run_folder.RunDir | None) -> Path:
@@ -300,14 +291,13 @@ def loaders(task, config: TrainConfig, data: Data, world: int, grad_accum: int):
     return train_dl, eval_dls, train_collate([encoded["train"][0]])
 
 
-def prepare(config: TrainConfig, task, accelerator, plan: RunPlan, data: Data, model, sizes: list[int],
-            out_dir: Path, log) -> Run:
-    world = accelerator.num_processes
+def prepare(config: TrainConfig, task, strategy: strategies.Strategy, plan: RunPlan, data: Data, model,
+            sizes: list[int], out_dir: Path, log) -> Run:
+    accelerator, world = strategy.accelerator, strategy.accelerator.num_processes
     train_dl, eval_dls, stand_in = loaders(task, config, data, world, plan.grad_accum)
     assert len(train_dl) == math.ceil(len(data.encoded["train"]) / config.batch_size)
     total_steps = config.max_steps or config.epochs * len(sizes)
-    if config.strategy == "fsdp":  # before the optimizer, which must hold the sharded parameters
-        model = sharding.shard(model, accelerator.device, world, plan.precision, config.fsdp_reshard_after_forward)
+    model = strategy.setup_module(model)  # before the optimizer, which must hold what it made (FSDP's shards)
     optimizer = optim.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2))
     scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
                                       world)
@@ -316,20 +306,16 @@ def prepare(config: TrainConfig, task, accelerator, plan: RunPlan, data: Data, m
     accelerator.even_batches = False
     train_dl = accelerator.prepare(train_dl)
     accelerator.even_batches = True  # evaluation: gather_for_metrics drops the padded-in duplicates
-    if config.strategy == "fsdp":  # sharded by effitrain (sharding.py), not by accelerate
-        eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
-            eval_dls["validation"], eval_dls["test"], scheduler)
-    else:
-        model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = accelerator.prepare(
-            model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
+    model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler = strategy.prepare(
+        model, optimizer, eval_dls["validation"], eval_dls["test"], scheduler)
     stand_in = {key: value.to(accelerator.device) for key, value in stand_in.items()}
     run = Run(config, task, accelerator, plan, data, model, optimizer, scheduler, train_dl, eval_dls, stand_in,
-              sizes, out_dir, log)
-    # What crosses the wire: DDP's gradient buckets, or local SGD's parameter averaging.
+              sizes, out_dir, log, strategy)
+    # What crosses the wire: local SGD's parameter averaging, or the strategy's gradient sync.
     if world > 1 and config.local_sgd_steps:
         run.local_sgd = communication.AveragingLocalSGD(accelerator, model, config.local_sgd_steps, run.wire)
-    elif world > 1 and config.strategy == "ddp":
-        communication.count_gradient_allreduces(model, run.wire)
+    else:
+        strategy.count_traffic(model, run.wire)
     return run
 
 

@@ -8,7 +8,10 @@ data loaders, the schedule, RNG states, trackers. Parameters, gradients and opti
 sharded (DTensors); what leaves the run whole is model/ (a full state dict) only.
 
 The arithmetic is the same as DDP's: FSDP2 reduce-scatters the mean of the gradients, as DDP
-all-reduces it; accumulation skips that on all but the last micro-batch of a step."""
+all-reduces it; accumulation skips that on all but the last micro-batch of a step.
+
+These are the mechanics; engine/strategies/fsdp.py, the only engine module that imports them, decides
+when each is used."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from effitrain.errors import UserError
+from effitrain.models.blocks import blocks
 
 # The checkpoint's sharded part: torch.distributed.checkpoint's folder (one file per process + metadata).
 SHARDED_FOLDER = "sharded"
@@ -27,24 +31,6 @@ def _fsdp():
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     return FSDPModule, MixedPrecisionPolicy, fully_shard
-
-
-def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks: the repeated layers (members of a ModuleList) of a class the model names
-    in `_no_split_modules` (what transformers keeps whole across devices, and accelerate wraps for FSDP),
-    or, for models that name none (DistilBERT, wav2vec 2.0), the members of every ModuleList of two or
-    more layers of one class. Other modules (BERT's embeddings) stay with the root: an embedding may be
-    tied to the head."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    names = set(getattr(inner, "_no_split_modules", None) or [])
-    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
-    found = [layer for layers in lists for layer in layers if type(layer).__name__ in names]
-    if not found:
-        found = [layer for layers in lists if len(layers) > 1 and len({type(layer) for layer in layers}) == 1
-                 for layer in layers]
-    # A block inside another block would be sharded twice: keep the outermost ones.
-    inside = {id(sub) for block in found for sub in block.modules() if sub is not block}
-    return [block for block in found if id(block) not in inside]
 
 
 def check_shardable(model: torch.nn.Module) -> None:
@@ -71,10 +57,6 @@ def shard(model: torch.nn.Module, device: torch.device, world: int, mixed_precis
     # resharding them in between would only gather them again for the backward.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, _fsdp()[0])
 
 
 @contextlib.contextmanager

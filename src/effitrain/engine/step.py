@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from effitrain.engine import communication, memory_fit, sharding
+from effitrain.engine import communication, memory_fit
+from effitrain.engine.strategies import Single, Strategy
 
 
 @dataclass
@@ -28,18 +29,21 @@ class StepResult:
 class StepRunner:
     """Runs steps for one model and optimizer. `synced`: one loss over all processes (DDP); False
     for one process or local SGD (each process minimises its own loss). `budgeted`: --memory-budget,
-    where an out-of-memory error is retried with pieces twice smaller."""
+    where an out-of-memory error is retried with pieces twice smaller. `strategy`: the run's (None: one
+    process's, for a runner built alone)."""
 
     def __init__(self, accelerator, task, model, optimizer, scheduler, *, pieces: int = 1, batch_size: int,
-                 max_grad_norm: float = 0.0, synced: bool = False, budgeted: bool = False, strategy: str = "ddp",
-                 stand_in: dict | None = None, wire: communication.Counter | None = None, on_retry=None):
+                 max_grad_norm: float = 0.0, synced: bool = False, budgeted: bool = False,
+                 strategy: Strategy | None = None, stand_in: dict | None = None,
+                 wire: communication.Counter | None = None, on_retry=None):
         self.accelerator, self.task, self.model = accelerator, task, model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.pieces, self.batch_size, self.max_grad_norm = pieces, batch_size, max_grad_norm
-        self.synced, self.strategy, self.stand_in = synced, strategy, stand_in
+        self.synced, self.stand_in = synced, stand_in
+        self.strategy = strategy or Single(accelerator)
         self.wire = wire or communication.Counter()
         # DDP with a budget: no piece syncs; the processes first agree that none ran out of memory.
-        self.agree = synced and budgeted and strategy == "ddp"
+        self.agree = synced and budgeted and self.strategy.resplits_steps
         # An out-of-memory error can be retried where no collective is left waiting for this process.
         self.retry = budgeted and (self.agree or not synced)
         self.on_retry = on_retry or (lambda step, pieces: None)
@@ -94,7 +98,7 @@ class StepRunner:
 
     def _no_sync(self):
         """Gradients not reduced on this piece (accumulated for the step's last one)."""
-        return sharding.no_sync(self.model) if self.strategy == "fsdp" else self.accelerator.no_sync(self.model)
+        return self.strategy.no_sync(self.model)
 
     def _count(self, piece, loss, window, totals) -> None:
         count = self.task.item_count(piece).double()
@@ -114,39 +118,10 @@ class StepRunner:
     def _clip_and_step(self) -> tuple[bool, torch.Tensor | None]:
         # The norm is needed even without clipping (max_norm inf): it is how a non-finite loss or
         # gradient is seen, the same on every process since gradients are already all-reduced.
-        max_norm = self.max_grad_norm or float("inf")
-        if self.strategy == "fsdp":
-            grad_norm = sharding.clip_grad_norm_(self.model.parameters(), max_norm)
-        elif clips_on_cpu(self.accelerator):
-            grad_norm = clip_on_cpu(self.accelerator, self.model.parameters(), max_norm)
-        else:
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
-        finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+        finite, grad_norm = self.strategy.clip_gradients(self.model.parameters(), self.max_grad_norm or float("inf"))
         if finite or self.accelerator.scaler is not None:  # an fp16 scaler skips the step and backs off itself
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return finite, grad_norm
 
-
-def clips_on_cpu(accelerator) -> bool:
-    """Whether `clip_on_cpu` stands in for accelerate's clip_grad_norm_: one CPU process or CPU DDP."""
-    from accelerate.utils import DistributedType
-
-    return accelerator.device.type == "cpu" and hasattr(torch.nn.utils, "get_total_norm") \
-        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU)
-
-
-def clip_on_cpu(accelerator, parameters, max_norm: float) -> torch.Tensor:
-    """accelerate's clip_grad_norm_ (the same norm, computed as it computes it, and the same gradients,
-    bit for bit) without its multiplication of every gradient by 1.0 when the norm is within max_norm:
-    torch multiplies regardless because on a GPU deciding would wait for the device; on a CPU it costs
-    nothing and saves a pass over all the gradients (~2% of the default model's step)."""
-    accelerator.unscale_gradients()
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
-    total = torch.linalg.vector_norm(torch.stack([norm]), 2.0)  # as accelerate combines its groups
-    # torch's coefficient, clamped at 1: multiplying by exactly 1.0 leaves every gradient as it is.
-    if max_norm != float("inf") and float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) < 1.0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return total

@@ -18,9 +18,8 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
     # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
     state_size = optim.state_bytes(optimizer)
-    sharded = config.strategy == "fsdp"
     # Per parameter: what the optimizer keeps for each, over the shards of all processes.
-    state_all = run.reduce(torch.tensor([state_size], device=accelerator.device)).item() if sharded else state_size
+    state_all = run.strategy.optimizer_state_bytes(state_size, run.reduce)
     model = accelerator.unwrap_model(run.model)
     parameters = adapters.counts(model)
     trainable = max(1, parameters["trainable"])
@@ -67,8 +66,7 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "memory_plan": {**plan.memory, "note": plan.note} if plan.memory else None,
         # Gradient all-reduces (DDP buckets) or parameter averagings (local SGD) of process 0; not
         # counted under fsdp (its gathers and reduce-scatters are FSDP2's own).
-        "sync_allreduce_calls": None if sharded else run.wire.calls,
-        "sync_allreduce_bytes": None if sharded else run.wire.bytes,
+        **run.strategy.summary(run.wire),
     }
 
 

@@ -6,9 +6,8 @@ model that trains. Each entry says when it applies (a condition on `Settings`) a
 does: the order is the contract, as in torchtitan's parallelize_llama (checkpointing, then compile,
 then FSDP).
 
---compile is the last stage, `engine/compilation.py`'s COMPILE, appended by the engine: it compiles by
-the transformer blocks that engine/sharding.py finds, a layer above this one. Sharding (FSDP) comes
-later still, in the engine, after the optimizer's parameters are known."""
+Sharding (FSDP) comes later, in the engine's strategy (engine/strategies/fsdp.py), after the optimizer's
+parameters are known; what compiling costs is watched by engine/compilation.py."""
 
 from __future__ import annotations
 
@@ -17,7 +16,9 @@ from typing import Any, Callable
 
 import torch
 
+from effitrain.errors import UserError
 from effitrain.models import adapters, loading
+from effitrain.models.blocks import blocks
 from effitrain.speedups import dropout, first_token_head, onednn_linear
 
 
@@ -73,6 +74,22 @@ def _adapters(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
     return adapters.apply(model, settings.task, settings.peft)
 
 
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Compile each transformer block in place; the number of blocks."""
+    found = blocks(model)
+    if not found:
+        raise UserError(f"--compile compiles a model by its transformer blocks, and {type(model).__name__} has none "
+                        "(no repeated layers, none named in transformers' _no_split_modules)", "drop --compile")
+    for block in found:
+        block.compile()
+    return len(found)
+
+
+def _compile(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+    compile_blocks(model)
+    return model
+
+
 PIPELINE = (
     Transform("fast-dropout", lambda s: s.speed_ups, _in_place(dropout.apply),
               why="on the plain model, before the adapters: its nn.Dropout layers and attention function, not the "
@@ -91,6 +108,9 @@ PIPELINE = (
     Transform("adapters", lambda s: s.peft is not None, _adapters,
               why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
                   "the entries above must not touch; before compile, whose graphs must hold them"),
+    Transform("compile", lambda s: s.compile, _compile,
+              why="last: the compiled graphs must hold every transform before it (checkpointing's recomputation, "
+                  "the adapters' layers, the fast dropout); in place, so the parameter names stay the plain model's"),
 )
 
 

@@ -66,7 +66,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         ("gradient checkpointing", result["gradient_checkpointing"]),
         ("torch.compile per transformer block", compiles(config)),
         (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
-        (f"{config['strategy']} sharding", config["strategy"] != "ddp" and world > 1),
+        (facts.get("sharding"), facts.get("sharding")),  # "fsdp sharding" over processes, or None
         (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "
          f"targets {config['lora_target_modules']})", adapters.method(config) is not None),
         ("packing", config.get("packing")),

@@ -1,5 +1,5 @@
 """Processes training together: launcher variables, joining the process group (bounded, with one
-line when a peer never comes), the Accelerator, and accelerate's DeepSpeed plugin."""
+line when a peer never comes), and the Accelerator."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 JOIN_SECONDS = 10
 
 
-def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", zero_stage: int = 2,
-                     max_grad_norm: float = 1.0, mixed_precision: str = "no", broadcast_buffers: bool = True,
-                     log_with: list | None = None):
+def make_accelerator(ddp_timeout: float | None = None, plugins: dict | None = None, mixed_precision: str = "no",
+                     broadcast_buffers: bool = True, log_with: list | None = None):
     """Accelerator, told it is on a CPU when no accelerator exists: otherwise accelerate does not enter
     multi-CPU mode and every process of `torchrun --nproc-per-node N` trains alone, silently.
-    `ddp_timeout` bounds how long a collective waits for a dead or stuck peer; `log_with`: experiment
-    trackers (outputs/tracking.py)."""
+    `ddp_timeout` bounds how long a collective waits for a dead or stuck peer; `plugins`: the strategy's
+    (engine/strategies: DeepSpeed's); `log_with`: experiment trackers (outputs/tracking.py)."""
     from datetime import timedelta
 
     from accelerate import Accelerator
@@ -39,7 +38,7 @@ def make_accelerator(ddp_timeout: float | None = None, strategy: str = "ddp", ze
         handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
     fresh_accelerator_state()
     return Accelerator(cpu=not devices.has_accelerator(), kwargs_handlers=handlers, mixed_precision=mixed_precision,
-                       log_with=log_with or None, **strategy_plugins(strategy, zero_stage, max_grad_norm))
+                       log_with=log_with or None, **(plugins or {}))
 
 
 @contextlib.contextmanager
@@ -182,27 +181,3 @@ def fresh_accelerator_state() -> None:
     GradientState._reset_state()
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):  # set by a previous run's plugin
         os.environ.pop(name, None)
-
-
-def strategy_plugins(strategy: str, zero_stage: int, max_grad_norm: float = 1.0) -> dict:
-    """accelerate's plugin for DeepSpeed. FSDP has none: effitrain applies FSDP2 itself (engine/sharding.py),
-    on CPUs too, where accelerate would ignore its FSDP plugin and train plain DDP without a word.
-    accelerate runs DeepSpeed on accelerators only, so on a CPU that is refused."""
-    from effitrain.errors import UserError
-
-    if strategy in ("ddp", "fsdp"):
-        return {}
-    if not devices.has_accelerator():
-        raise UserError(f"--strategy {strategy} needs GPUs (accelerate runs DeepSpeed on accelerators only, and on a "
-                        "CPU would silently fall back to DDP)", "use --strategy fsdp (sharded) or ddp on CPUs")
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        raise UserError("--strategy deepspeed needs DeepSpeed, which is not installed",
-                        "pip install 'effitrain[deepspeed]'")
-    from accelerate.utils import DeepSpeedPlugin
-
-    # DeepSpeed clips inside its engine step: accelerate's clip_grad_norm_ does nothing there.
-    return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=zero_stage, gradient_accumulation_steps=1,
-                                                gradient_clipping=max_grad_norm or None,
-                                                zero3_save_16bit_model=True)}
