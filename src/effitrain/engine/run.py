@@ -59,33 +59,40 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, hooks)
         console.close()  # before the test and the summary, which would print on the bar's line
         hooks.call("on_train_end", state)
-        if config.keep == "best" and state.best_step is not None:
-            with state.timed("saving"):
-                saving.load_weights(job, job.out_dir / "best")
-        check_trained(job, state)
-        with state.timed("evaluation"):
-            gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"],
-                                                 job.strategy.evaluates_in_pieces)
-        test = job.task.metrics(gathered, job.data.label_names)
-        log_record(job, state, split="test", **test)
-        if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
-            raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
-        result = summary.metrics(job, state, test, stopped_early,
-                                confusion=job.task.confusion_matrix(gathered, job.data.label_names))
+        return finish(job, state, stopped_early, hooks)
+
+
+def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -> dict:
+    """After the loop: the weights to keep, checked; the test split; model/ (and adapter/), metrics.json
+    and the model card. Never reports success for a model that cannot predict."""
+    config = job.config
+    if config.keep == "best" and state.best_step is not None:
         with state.timed("saving"):
-            saving.save_model(job, job.out_dir / "model")
-            hooks.call("on_save", state, job.out_dir / "model")
-            if job.adapted:
-                saving.save_model(job, job.out_dir / "adapter", adapter=True)
-                hooks.call("on_save", state, job.out_dir / "adapter")
-        result["wall_seconds"] = state.wall_seconds()
-        result["wall_seconds_by_phase"] = state.seconds_by_phase(result["compile"]["seconds"] if job.compiled else 0.0)
-        summary.write(job, result)
-        if job.accelerator.is_main_process:
-            # The folder chosen (a launched run without --output-dir names it on process 0 only).
-            model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
-                             card_facts(job))
-        return result
+            saving.load_weights(job, job.out_dir / "best")
+    check_trained(job, state)
+    with state.timed("evaluation"):
+        gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"],
+                                             job.strategy.evaluates_in_pieces)
+    test = job.task.metrics(gathered, job.data.label_names)
+    log_record(job, state, split="test", **test)
+    if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
+        raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
+    result = summary.metrics(job, state, test, stopped_early,
+                             confusion=job.task.confusion_matrix(gathered, job.data.label_names))
+    with state.timed("saving"):
+        saving.save_model(job, job.out_dir / "model")
+        hooks.call("on_save", state, job.out_dir / "model")
+        if job.adapted:
+            saving.save_model(job, job.out_dir / "adapter", adapter=True)
+            hooks.call("on_save", state, job.out_dir / "adapter")
+    result["wall_seconds"] = state.wall_seconds()
+    result["wall_seconds_by_phase"] = state.seconds_by_phase(result["compile"]["seconds"] if job.compiled else 0.0)
+    summary.write(job, result)
+    if job.accelerator.is_main_process:
+        # The folder chosen (a launched run without --output-dir names it on process 0 only).
+        model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
+                         card_facts(job))
+    return result
 
 
 @contextlib.contextmanager
