@@ -103,12 +103,16 @@ def test_lora_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir,
     effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
     single, single_adapter = read_weights(tmp_path / "single"), adapter_weights(tmp_path / "single")
     assert any("lora_B" in name and t.abs().sum() > 0 for name, t in single_adapter.items())
+    # AdamW divides each update by its own running gradient size: at the few weights whose gradient is near
+    # zero, the rounding of another summation order grows to ~1e-6 (GPT-2's c_attn: 1.15e-6 on a Xeon with
+    # AMX, 2026-12-04); a wrong accumulation moves every adapted weight by about the learning rate (1e-2).
+    atol = 5e-6 if task == "causal-lm" else 1e-6
     for other in ("ddp", "accum"):
         weights, adapter = read_weights(tmp_path / other), adapter_weights(tmp_path / other)
         for name in single:
-            torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=atol)
         for name in single_adapter:
-            torch.testing.assert_close(adapter[name], single_adapter[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(adapter[name], single_adapter[name], rtol=1e-5, atol=atol)
     runs = {d: json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ddp", "single")}
     assert runs["ddp"]["world_size"] == 2 and runs["ddp"]["parameters"] == runs["single"]["parameters"]
     assert runs["ddp"]["test"]["loss"] == pytest.approx(runs["single"]["test"]["loss"], rel=1e-5)

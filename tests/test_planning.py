@@ -243,7 +243,9 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     assert 0 < note["in_use_bytes"] < fitted["peak_memory_bytes"] and plain["memory_plan"] is None
     assert fitted["memory_plan"] == {**{k: note[k] for k in ("budget_bytes", "predicted_peak_bytes", "in_use_bytes")},
                                      "note": note["memory_plan"]}
-    same_weights(tmp_path / "plain", tmp_path / "fitted")
+    # AdamW divides each update by its own running gradient size: at the few weights whose gradient is
+    # near zero, the rounding of 4 pieces against 1 grows to ~1e-6 (1.09e-6 on a Xeon with AMX, 2026-12-04)
+    same_weights(tmp_path / "plain", tmp_path / "fitted", atol=5e-6)
 
     # config.yaml records the plan beside the config, which the run left unchanged; rerunning it pins
     # the plan instead of planning again (here on a budget no plan could fit), and reproduces the run.
@@ -260,11 +262,11 @@ def test_a_budget_too_small_for_the_micro_batch_still_trains_the_same_steps(tmp_
     assert all(torch.equal(fitted_weights[name], rerun_weights[name]) for name in fitted_weights)
 
 
-def same_weights(a, b):
+def same_weights(a, b, atol=1e-6):
     reference = read_weights(a)
     weights = read_weights(b)
     for name in reference:
-        torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=atol)
 
 
 def test_out_of_memory_during_the_run_halves_the_pieces_and_retries_the_step(tiny_model_dir, tmp_path, monkeypatch):
