@@ -142,11 +142,18 @@ def take_turns(sides: Iterable[Side], rounds: int, run: Callable[[Side], dict]) 
 def child_json(command: list[str], env: dict | None = None) -> dict:
     """Run `command` in a fresh process (its own peak memory, heap and threads) and return the JSON object
     on the last line of its stdout. A failed child stops the script with the end of its output."""
+    done = run_checked(command, env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_checked(command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `command` in a fresh process, its output captured; a failure stops the script with the end of
+    that output."""
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-2000:] + done.stderr[-4000:])
-        raise SystemExit(f"{' '.join(command[1:3])} ... failed (exit code {done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{' '.join(command[1:4])} ... failed (exit code {done.returncode})")
+    return done
 
 
 # --- dry runs ----------------------------------------------------------------------------------------
