@@ -18,6 +18,7 @@ turns (`--runs` rounds), so that each run's peak memory is its own and a busier 
 hits every side; the parent prints the medians and their ratios.
 
     .venv/bin/python benchmarks/vs_trainer.py [--steps 60] [--runs 3] [--precision fp32 bf16] [--json PATH]
+    .venv/bin/python benchmarks/vs_trainer.py --dry-run   # trainer-best and effitrain, a tiny model, 2 steps of 4
 
 What is timed: samples/s of the training loop: the Trainer's `trainer.train()` wall clock (and its
 own `train_runtime` / `train_samples_per_second`); effitrain's `train_seconds` (the loop only).
@@ -47,7 +48,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -55,6 +55,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
+from _common import (  # noqa: E402
+    cpu_share,
+    cpu_snapshot,
+    fmt,
+    machine,
+    mib,
+    print_columns,
+    rss_peak_bytes,
+)
 
 MAX_LENGTH = 128
 LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
@@ -77,49 +89,16 @@ def parse_args(argv=None):
     parser.add_argument("--only", choices=SIDES, default=None,
                         help="run only this side, in this process (what the parent starts each subprocess with)")
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where --only writes
+    parser.add_argument("--dry-run", action="store_true",
+                        help="trainer-best and effitrain once each, fp32, a tiny model (benchmarks/_common.py), "
+                             "2 steps of 4; no --json")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1 or args.runs < 1:
         parser.error("--batch-size, --steps and --runs must be at least 1")
+    if args.dry_run:
+        args.steps, args.batch_size, args.runs, args.precision, args.trainer_defaults, args.json = (
+            2, 4, 1, ["fp32"], False, None)
     return args
-
-
-def rss_peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def cpu_snapshot() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds all processes have used so far (/proc/stat), CPU seconds of this process)."""
-    busy = None
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
-
-
-def cpu_share(start, end) -> dict:
-    """CPU use between two snapshots: this process's, and everyone else's (cores busy on average)."""
-    seconds = end[0] - start[0]
-    own = end[2] - start[2]
-    other = None if start[1] is None or end[1] is None else max(end[1] - start[1] - own, 0.0)
-    return {"seconds": seconds, "own_cpu_seconds": own, "own_cores": own / seconds,
-            "other_cpu_seconds": other, "other_cores": None if other is None else other / seconds}
-
-
-def machine() -> str:
-    import torch
-
-    from effitrain.runtime.devices import cpu_name
-
-    cpu = cpu_name()
-    text = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name(0)}"
-    return text
 
 
 class CountingCollator:
@@ -507,14 +486,6 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
     return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
 
 
-def mib(value) -> str:
-    return "-" if value is None else f"{value / 2**20:.0f} MiB"
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def notes(trainer: dict, ours: dict) -> list[str]:
     t, e = trainer["settings"], ours["settings"]
     lines = []
@@ -625,21 +596,12 @@ def print_table(rows: list[tuple]) -> None:
                    "test acc"), rows)
 
 
-def print_columns(header: tuple, rows: list[tuple]) -> None:
-    """The first column left-aligned, the others right-aligned, each as wide as its widest cell."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
-
-
 def compare(args) -> None:
     sides = (["trainer"] if args.trainer_defaults else []) + ["trainer-best", "effitrain"]
-    results: dict = {(side, p): [] for side in sides for p in args.precision}
-    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:
-        for _ in range(args.runs):  # the sides take turns: a busier moment hits all of them
-            for precision in args.precision:
-                for side in sides:
-                    results[(side, precision)].append(run_child(side, precision, args, Path(tmp)))
+    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:  # the sides take turns
+        turns = _common.take_turns([(side, p) for p in args.precision for side in sides], args.runs,
+                                   lambda side_precision: run_child(*side_precision, args, Path(tmp)))
+    results: dict = {(side, p): turns[(side, p)] for side in sides for p in args.precision}
     first = results[(sides[-1], args.precision[0])][0]
     print(f"\nall-MiniLM-L6-v2 on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
           f"lr {LR}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
@@ -678,6 +640,9 @@ def compare(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run and args.only is None:
+        _common.dry_run_model()
+        _common.skipped("the Trainer's defaults (--trainer-defaults), bf16, repeats and --json")
     if args.only is None:
         compare(args)
         return
