@@ -178,10 +178,18 @@ def dry_run_model() -> Path:
     """A tiny BERT classifier saved to a temporary folder (removed at exit), made effitrain's `default`
     model here and in the child processes started from here (DRY_RUN_MODEL in the environment)."""
     _one_thread()
-    if os.environ.get(DRY_RUN_MODEL):
+    if os.environ.get(DRY_RUN_MODEL):  # made already (tests/test_benchmarks.py makes one for all scripts)
         folder = Path(os.environ[DRY_RUN_MODEL])
-        _use_model(folder)
-        return folder
+    else:
+        folder = _tiny_model()
+    _use_model(folder)
+    print(f"dry run: the `default` model is a tiny BERT (2 layers, hidden 32, random weights) in {folder}, one "
+          "thread; nothing is written to benchmarks/results", flush=True)
+    return folder
+
+
+def _tiny_model() -> Path:
+    """tests/conftest.py's tiny_model_dir, in a temporary folder removed at exit."""
     from effitrain.models.loading import default_model_dir
     from effitrain.runtime.libraries import quiet_import_warnings, quiet_libraries
 
@@ -204,9 +212,6 @@ def dry_run_model() -> Path:
     tokenizer.save_pretrained(folder)
     os.environ[DRY_RUN_MODEL] = str(folder)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _use_model(folder)
-    print(f"dry run: the `default` model is a tiny BERT (2 layers, hidden 32, random weights) in {folder}, one "
-          "thread; nothing is written to benchmarks/results", flush=True)
     return folder
 
 
