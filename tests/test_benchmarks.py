@@ -26,9 +26,11 @@ def scripts() -> list[str]:
                   if path.name not in HELPERS and '\nif __name__ == "__main__":' in path.read_text())
 
 
-def files_under(folder: Path) -> dict[str, float]:
-    return {str(p.relative_to(folder)): p.stat().st_mtime for p in folder.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts}
+def written(folder: Path) -> tuple[set[str], dict[str, float]]:
+    """The files under `folder` (but __pycache__), and when each results/ file was last written."""
+    files = {p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    return ({str(p.relative_to(folder)) for p in files},
+            {str(p): p.stat().st_mtime for p in files if p.parent.name == "results"})
 
 
 def test_every_script_is_listed_and_has_a_dry_run():
@@ -46,12 +48,12 @@ def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_d
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
            "EFFITRAIN_BENCH_DRY_RUN_MODEL": str(tiny_model_dir)}  # _common.dry_run_model: built once here
-    before = files_under(BENCHMARKS)
+    before = written(BENCHMARKS)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--dry-run"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     seconds = time.perf_counter() - started
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert files_under(BENCHMARKS) == before
+    assert written(BENCHMARKS) == before
     assert "dry run" in done.stdout.lower(), done.stdout[-2000:]
     print(f"{name}: {seconds:.1f} s")
