@@ -9,8 +9,10 @@ A script imports it with its own folder put first on sys.path:
 
 Dry runs (`script.py --dry-run`, all of them through `pytest tests/test_benchmarks.py`): `dry_run_model()`
 writes a tiny BERT (2 layers, hidden 32, random weights, the packaged all-MiniLM tokenizer: the tests'
-`tiny_model_dir`) to a temporary folder and makes effitrain's `default` model that folder, in this process
-and, through the environment variable DRY_RUN_MODEL, in every child process that imports this module.
+`tiny_model_dir`) to a temporary folder, or takes the one named by EFFITRAIN_BENCH_DRY_RUN_MODEL, and
+makes effitrain's `default` model that folder, in this process and in every child process that imports
+this module (the variable is inherited); a child that does not (`python -m effitrain train`) is given
+`--model FOLDER`. Dry runs use one torch thread (OMP_NUM_THREADS=1 for the children).
 """
 
 from __future__ import annotations
