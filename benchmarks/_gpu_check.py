@@ -4,6 +4,7 @@
     python benchmarks/_gpu_check.py validate launch --nproc 2 -- train ... # launch, then the command it runs
     python benchmarks/_gpu_check.py validate-script benchmarks/memory_plan.py --json x.json
     python benchmarks/_gpu_check.py report WORK_DIR --out benchmarks/gpu-results.md [--dry-run]
+    python benchmarks/_gpu_check.py --dry-run   # each of the above once, on samples: needs no GPU
 
 `validate` parses a command line with effitrain's own parser (cli.build_parser) and, for train, builds
 and validates its TrainConfig exactly as `cmd_train` does before it trains (config.build); launch's
@@ -20,7 +21,12 @@ import datetime
 import json
 import re
 import sys
+import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
+from _common import md_table  # noqa: E402
 
 MiB = 2**20
 
@@ -82,12 +88,6 @@ def validate_script(path: str, argv: list[str]) -> None:
 
 
 # -- the results page ---------------------------------------------------------------------------------
-def md_table(header: list[str], rows: list[list]) -> str:
-    cell = lambda v: "" if v is None else str(v).replace("|", "\\|")  # noqa: E731
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
-
-
 def read_json(path: Path):
     try:
         return json.loads(path.read_text())
@@ -232,8 +232,25 @@ def report(work: Path, out: Path, dry_run: bool) -> None:
 
 
 # -- command line -------------------------------------------------------------------------------------
+def dry_run() -> int:
+    """`--dry-run`: validate a train command line and memory_plan.py's arguments, and print the results
+    page of an empty work folder, as gpu_check.sh's dry run does; no GPU step runs."""
+    argv = ["train", "--precision", "auto", "--max-steps", "1"]
+    validate_effitrain(argv)
+    print(f"valid: effitrain {' '.join(argv)} (effitrain's parser and config validation; not run)")
+    script = Path(__file__).with_name("memory_plan.py")
+    validate_script(str(script), ["--json", "memory.json"])
+    print(f"valid: {script.name}'s own parser accepts --json memory.json (not run)")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        report(Path(work), Path("-"), dry_run=True)
+    _common.skipped("the GPU steps (bash benchmarks/gpu_check.sh runs them; its --dry-run validates each command)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--dry-run"]:
+        return dry_run()
     if argv[:1] == ["validate"]:
         from effitrain.errors import UserError
 

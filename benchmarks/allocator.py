@@ -15,6 +15,7 @@ the median step, the evaluation's total, and the peak resident set (ru_maxrss) a
 the end. The parent prints the medians over the rounds and keep's ratios.
 
     .venv/bin/python benchmarks/allocator.py [--rounds 3] [--precision fp32 bf16]
+    .venv/bin/python benchmarks/allocator.py --dry-run   # a tiny model, 1 round, fp32: two short children
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py, dropout.py, first_token_head.py
+import _common  # noqa: E402
 
 VARIANTS = {"glibc": "0", "keep": "1"}
 WIDTHS = (20, 30, 40, 25, 35)
@@ -38,11 +40,16 @@ def parse_args(argv=None):
     parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", choices=("fp32", "bf16"), default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), 1 round, fp32 only")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.rounds, args.precision = 1, ["fp32"]
+    return args
 
 
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return _common.rss_peak_bytes() / _common.MiB
 
 
 def child(precision: str) -> dict:
@@ -93,9 +100,7 @@ def child(precision: str) -> dict:
 
 def run(variant: str, precision: str) -> dict:
     env = {**os.environ, "EFFITRAIN_KEEP_FREED_MEMORY": VARIANTS[variant]}
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", precision], env=env,
-                          capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _common.child_json([sys.executable, str(Path(__file__).resolve()), "--child", precision], env=env)
 
 
 def main(argv=None) -> None:
@@ -103,14 +108,13 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
+    if args.dry_run:
+        _common.dry_run_model()
     import torch
 
     print(f"default model on {os.cpu_count()} cores, torch {torch.__version__}, {args.rounds} rounds, medians")
     for precision in args.precision:
-        results = {variant: [] for variant in VARIANTS}
-        for _ in range(args.rounds):
-            for variant in VARIANTS:
-                results[variant].append(run(variant, precision))
+        results = _common.take_turns(VARIANTS, args.rounds, lambda variant: run(variant, precision))
         assert not any(r["kept"] for r in results["glibc"]) and all(r["kept"] for r in results["keep"])
         median = {variant: {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "kept"}
                   for variant, runs in results.items()}

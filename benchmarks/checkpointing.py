@@ -5,6 +5,7 @@ Each variant runs in a fresh process, so that its peak resident memory is its ow
 torch.cuda.max_memory_allocated). Printed as ratios to the run without checkpointing.
 
     .venv/bin/python benchmarks/checkpointing.py [--batch-size 32] [--length 128] [--steps 6] [--json PATH]
+    .venv/bin/python benchmarks/checkpointing.py --dry-run   # a tiny model, 2 x 16 tokens, 2 steps
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 
 def one_run(batch_size: int, length: int, steps: int, checkpointing: bool) -> dict:
@@ -70,17 +74,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", choices=("plain", "checkpointing"), help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), batch 2 x 16 tokens, 2 steps; no --json")
     args = parser.parse_args()
+    if args.dry_run:
+        _common.dry_run_model()
+        args.batch_size, args.length, args.steps, args.json = 2, 16, 2, None
     if args.only:
         print(json.dumps(one_run(args.batch_size, args.length, args.steps, args.only == "checkpointing")))
         return
     runs = {}
     for variant in ("plain", "checkpointing"):
         print(f"running {variant} in a fresh process ...", flush=True)
-        out = subprocess.run([sys.executable, __file__, "--only", variant, "--batch-size", str(args.batch_size),
-                              "--length", str(args.length), "--steps", str(args.steps)],
-                             capture_output=True, text=True, check=True)
-        runs[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        runs[variant] = _common.child_json([sys.executable, __file__, "--only", variant, "--batch-size",
+                                            str(args.batch_size), "--length", str(args.length), "--steps",
+                                            str(args.steps)])
     plain, ckpt = runs["plain"], runs["checkpointing"]
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(plain["losses"], ckpt["losses"]))
     print(f"\nmicro-batch {args.batch_size}, length {args.length}, {args.steps} steps, default model")

@@ -13,6 +13,7 @@ a multiple of 8 (what --compile does), or static graphs with batches padded to p
 through the compiled blocks against eager (the question of compiling evaluation too).
 
     .venv/bin/python benchmarks/compile.py [--steps 40] [--batch-size 16] [--warm-cache] [--shapes] [--json PATH]
+    .venv/bin/python benchmarks/compile.py --dry-run   # the eager fp32 run only, tiny model, 2 steps: no compiling
 
 Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
 """
@@ -22,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 RUNS = [("eager", "fp32", []), ("compile", "fp32", ["--compile"]), ("eager", "bf16", []),
         ("compile", "bf16", ["--compile"])]
@@ -42,8 +45,10 @@ def run_train(name: str, precision: str, extra: list, args, root: Path) -> dict:
     command = [sys.executable, "-m", "effitrain", "train", "--max-steps", str(args.steps), "--batch-size",
                str(args.batch_size), "--precision", precision, "--max-eval-samples", str(args.eval_samples),
                "--log-every", str(args.steps), "--output-dir", str(out), *extra]
+    if args.dry_run:  # `effitrain train` in its own process: the tiny model by path
+        command += ["--model", str(args.dry_run)]
     start = time.perf_counter()
-    subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    _common.run_checked(command, env=env)
     metrics = json.loads((out / "metrics.json").read_text())
     return {"name": name, "precision": precision, "process_seconds": time.perf_counter() - start,
             "samples_per_second": metrics["train_samples_per_second"], "train_seconds": metrics["train_seconds"],
@@ -145,10 +150,8 @@ def run_shapes(args, root: Path) -> list[dict]:
     for precision in ("fp32", "bf16"):
         for policy in SHAPES:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / f"inductor-shapes-{policy}-{precision}")}
-            out = subprocess.run([sys.executable, __file__, "--worker", policy, precision, "--steps", str(args.steps),
-                                  "--batch-size", str(args.batch_size)], env=env, check=True, capture_output=True,
-                                 text=True)
-            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            results.append(_common.child_json([sys.executable, __file__, "--worker", policy, precision, "--steps",
+                                               str(args.steps), "--batch-size", str(args.batch_size)], env=env))
             print(json.dumps(results[-1]), flush=True)
     print(f"\n{'policy':<24}{'shapes':>7}{'graphs':>7}{'compile s':>10}{'samples/s':>10}{'vs eager':>9}"
           f"{'eval s':>8}{'eval compile s':>15}")
@@ -169,7 +172,15 @@ def main() -> None:
     parser.add_argument("--shapes", action="store_true", help="also compare the shape policies (plain loop)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the eager fp32 run only, of a tiny model (benchmarks/_common.py), 2 steps of 4, 8 "
+                             "evaluation examples; no compiling (minutes on a CPU), no --shapes, no --json")
     args = parser.parse_args()
+    if args.dry_run:
+        args.dry_run = _common.dry_run_model()
+        args.steps, args.batch_size, args.eval_samples, args.shapes, args.json = 2, 4, 8, False, None
+        _common.skipped("the --compile runs and bf16 (inductor compiles a tiny model's step for over a minute "
+                        "here), --shapes and --json")
     if args.worker:
         print(json.dumps(shape_worker(*args.worker, args.steps, args.batch_size)))
         return
@@ -180,7 +191,7 @@ def main() -> None:
     report = {"steps": args.steps, "batch_size": args.batch_size, "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
-        for name, precision, extra in RUNS:
+        for name, precision, extra in RUNS[:1] if args.dry_run else RUNS:
             runs.append(run_train(name, precision, extra, args, Path(tmp)))
             print(json.dumps(runs[-1]), flush=True)
         print_runs(runs)

@@ -26,6 +26,7 @@ time holds numpy's draws).
 
     .venv/bin/python benchmarks/dropout.py [--precision fp32|bf16] [--batch-size 16] [--length 128] [--profile]
         [--keep-freed-memory]
+    .venv/bin/python benchmarks/dropout.py --dry-run   # a tiny model, 1 step per variant, and --profile: seconds
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 VARIANTS = {"torch": None, "layers": (True, False), "attention": (False, True), "both": (True, True),
             "effitrain": (True, True)}  # both, and the classifier's last layer for the first token only
@@ -56,7 +62,12 @@ def parse_args(argv=None):
                         help="also print the operator shares of torch, both and effitrain")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc keeps freed memory for reuse in this process, as `effitrain train` on CPUs")
-    return parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), batch 2 x 16, 1 round of 1 step, and --profile")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.batch_size, args.length, args.steps, args.rounds, args.profile = 2, 16, 1, 1, True
+    return args
 
 
 def variants() -> dict:
@@ -117,6 +128,8 @@ def shares(step) -> tuple[dict, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
     if args.keep_freed_memory:
         from effitrain.speedups import allocator
 

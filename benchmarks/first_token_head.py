@@ -16,6 +16,7 @@ hits both. The largest logit difference between the copies (evaluation mode, fp3
 trains) is printed too.
 
     .venv/bin/python benchmarks/first_token_head.py [--length 30 128] [--precision fp32 bf16]
+    .venv/bin/python benchmarks/first_token_head.py --dry-run   # a tiny model, 1 call each: seconds
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from dropout import make_step  # benchmarks/dropout.py: the same training step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py, dropout.py
+import _common  # noqa: E402
+from dropout import make_step  # noqa: E402  benchmarks/dropout.py: the same training step
 
 
 def parse_args(argv=None):
@@ -37,7 +43,12 @@ def parse_args(argv=None):
     parser.add_argument("--eval-batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="steps per copy per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    return parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), length 16, batches 2 and 4, 1 round of 1 call")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.length, args.batch_size, args.eval_batch_size, args.steps, args.rounds = [16], 2, 4, 1, 1
+    return args
 
 
 def copies() -> dict:
@@ -114,6 +125,8 @@ def timed_copies(models_: dict, length: int, precision: str, args) -> tuple[dict
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
     models_ = copies()
     print(f"default model, training batch {args.batch_size}, evaluation batch {args.eval_batch_size}, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} calls each, medians")

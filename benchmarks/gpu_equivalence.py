@@ -4,6 +4,7 @@ tests/test_distributed.py's CPU test).
 
     python benchmarks/gpu_equivalence.py --nproc 2 --work-dir runs/equivalence --json equivalence.json
     python benchmarks/gpu_equivalence.py --nproc 2 --dry-run   # validate the 3 commands, train nothing
+                                                               # (--nproc 2 unless given)
 
 The model is the tests' tiny BERT (2 layers, hidden 32, random weights from seed 0, dropout off, the packaged
 all-MiniLM tokenizer), so that runs which see the same examples compute the same arithmetic. Each run is
@@ -19,7 +20,9 @@ Never run on GPUs yet: no GPU has been lent to this project (see benchmarks/READ
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +30,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # benchmarks/_common.py
+import _common  # noqa: E402
+
 # This folder holds scripts; none may shadow a library (_gpu_check is appended to the path when needed).
 sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
 RUNS = ("single", "ddp", "fsdp")
@@ -125,7 +131,8 @@ def compare(runs: dict, work: Path, nproc: int, micro: int, rtol: float, atol: f
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, required=True, help="processes (GPUs) of the ddp and fsdp runs, >= 2")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes (GPUs) of the ddp and fsdp runs, >= 2 (required; 2 with --dry-run)")
     parser.add_argument("--micro-batch", type=int, default=4, help="per process (default: 4)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (default: 6)")
     parser.add_argument("--rtol", type=float, default=1e-5)
@@ -135,7 +142,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--dry-run", action="store_true", help="validate the three commands with effitrain's own "
                         "parser and config validation; build and train nothing")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nproc is None:
+        if not args.dry_run:
+            parser.error("the following arguments are required: --nproc")
+        args.nproc = 2
+    return args
 
 
 def main(argv=None) -> int:
@@ -146,6 +158,8 @@ def main(argv=None) -> int:
                   f"got {getattr(args, name)}; fix: pass a larger value", file=sys.stderr)
             return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="gpu-equivalence-"))
+    if args.dry_run and args.work_dir is None:
+        atexit.register(shutil.rmtree, work, True)
     work.mkdir(parents=True, exist_ok=True)
     model = work / "tiny-bert"  # built for a real run only: validating the commands does not read it
     planned = commands(args.nproc, args.micro_batch, args.steps, model, work)
@@ -164,6 +178,7 @@ def main(argv=None) -> int:
                 print(f"  invalid: effitrain: error: {err}", file=sys.stderr)
                 return 2
             print("  valid (effitrain's parser and config validation; not run)")
+        _common.skipped(f"the three runs ({args.nproc} GPUs) and the comparison of their weights")
         return 0
     build_tiny_model(model)
     runs = {}

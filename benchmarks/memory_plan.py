@@ -13,6 +13,7 @@ and reports its peak:
     python benchmarks/memory_plan.py --rows run1.json run2.json  # refit from saved runs, measuring nothing
     python benchmarks/memory_plan.py --only peft        # only the LoRA and QLoRA rows
     python benchmarks/memory_plan.py --only sharded     # 2 processes, ddp and fsdp (fsdp_memory.py)
+    python benchmarks/memory_plan.py --dry-run          # 2 tiny configurations; the 15% bar not applied
 
 The model is built from its config (random weights, same shapes as the checkpoint): loading the
 checkpoint would add the file's page cache to the resident set, which is not training memory.
@@ -30,6 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 # This folder holds scripts; none may shadow a library (benchmarks/peft.py once shadowed peft, hence peft_vs_full.py).
 sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
@@ -63,14 +68,13 @@ CONFIGS = [
     (GPT2, "causal-lm", 16, 256, "fp32", "adamw", False, 1, "lora"),
     (GPT2, "causal-lm", 8, 256, "fp32", "adamw", False, 1, "qlora"),
 ]
+DRY_RUN = [  # --dry-run: the tiny default model plainly, a tiny GPT-2 with bf16, checkpointing, accumulation, LoRA
+    (DEFAULT, "sequence-classification", 2, 16, "fp32", "adamw", False, 1),
+    ("gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=1024", "causal-lm", 2, 16, "bf16", "adamw", True, 2, "lora"),
+]
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+_status = _common.status_bytes
 
 
 def measure(model_name, task, micro, length, precision, optimizer, checkpointing, accumulation, peft="none",
@@ -151,7 +155,14 @@ def main() -> int:
                         help="peft: only the rows with LoRA or QLoRA adapters; sharded: the 2-process ddp and fsdp "
                              "rows (fsdp_memory.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="2 tiny configurations (a tiny default model, benchmarks/_common.py); no --calibrate, "
+                             "--json, --rows or --only; the 15%% bar is not applied")
     args = parser.parse_args()
+    if args.dry_run:
+        _common.dry_run_model()
+        args.calibrate, args.json, args.rows, args.only = False, None, None, None
+        _common.skipped("the real configurations (QLoRA among them), calibration and the 15% bar")
     if args.child:
         print(json.dumps(measure(*json.loads(args.child))))
         return 0
@@ -175,7 +186,7 @@ def main() -> int:
     header = f"{'model':8} {'b x len':>9} {'prec':4} {'optimizer':10} {'ckpt':4} {'acc':>3} {'peft':5} " \
              f"{'predicted':>10} {'measured':>10} {'error':>7}"
     print(header)
-    configs = [(*c, "none")[:9] for c in CONFIGS]
+    configs = [(*c, "none")[:9] for c in (DRY_RUN if args.dry_run else CONFIGS)]
     if args.only == "peft":
         configs = [c for c in configs if c[8] != "none"]
     saved = tempfile.TemporaryDirectory()
@@ -203,7 +214,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)
-    return 0 if worst <= 0.15 else 1
+    return 0 if worst <= 0.15 or args.dry_run else 1
 
 
 def _saved(config, folder: str) -> str | None:

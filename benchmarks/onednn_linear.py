@@ -14,6 +14,7 @@ Two parts, in this one process, fp32, torch's threads:
    the copies before training is printed: the same arithmetic in another order.
 
     .venv/bin/python benchmarks/onednn_linear.py [--length 30 128] [--tokens 160 480 2048]
+    .venv/bin/python benchmarks/onednn_linear.py --dry-run   # a tiny model, 16 rows, 1 call each: seconds
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import timeit
+from pathlib import Path
 
 import torch
-from first_token_head import (  # the same copies' measurements
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py, first_token_head.py
+import _common  # noqa: E402
+from first_token_head import (  # noqa: E402  the same copies' measurements
     logit_differences,
     timed_copies,
 )
@@ -38,7 +44,12 @@ def parse_args(argv=None):
     parser.add_argument("--eval-batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="calls per copy per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    return parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), 16 rows, length 16, batches 2 and 4, 1 call")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.length, args.tokens, args.batch_size, args.eval_batch_size, args.steps, args.rounds = [16], [16], 2, 4, 1, 1
+    return args
 
 
 def gflops(function, flops: int) -> float:
@@ -87,6 +98,8 @@ def copies() -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
     print(f"fp32 matrix products, {torch.get_num_threads()} threads, best of 5 x 10 calls")
     for tokens in args.tokens:
         products(tokens)

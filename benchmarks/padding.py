@@ -16,6 +16,7 @@ gives their mean padded length next to the epoch's: when they differ, the timed 
 representative slice of the epoch (see benchmarks/README.md).
 
     .venv/bin/python benchmarks/padding.py [--batch-size 16] [--steps 30] [--seed 42] [--json PATH]
+    .venv/bin/python benchmarks/padding.py --dry-run   # a tiny model, 1 timed step and no warm-up per strategy
 
 Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
 """
@@ -26,7 +27,7 @@ import argparse
 import datetime
 import gc
 import json
-import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,9 @@ from effitrain.data import packing, text
 from effitrain.engine import optim
 from effitrain.models import loading
 from effitrain.runtime import libraries
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 TASK = "sequence-classification"
 
@@ -61,9 +65,14 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per strategy (default 30)")
     parser.add_argument("--seed", type=int, default=42, help="split, head initialisation, data order (default 42)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), 1 timed step, no warm-up, batch 64; no --json")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1:
         parser.error("--batch-size and --steps must be at least 1")
+    args.warmup = WARMUP_STEPS
+    if args.dry_run:
+        args.steps, args.warmup, args.batch_size, args.json = 1, 0, 64, None
     return args
 
 
@@ -107,8 +116,8 @@ def window_summary(stats: dict, start: int, stop: int, batch_size: int, dataset_
     }
 
 
-def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
-    """Samples/s and real tokens/s over `steps` optimizer steps after WARMUP_STEPS untimed ones."""
+def train_speed(tokenizer, labels, loader, steps: int, seed: int, warmup: int = WARMUP_STEPS) -> dict:
+    """Samples/s and real tokens/s over `steps` optimizer steps after `warmup` untimed ones."""
     task = tasks.get(TASK)
     torch.manual_seed(seed)
     model = task.build_model(loading.resolve_source("default"), labels, tokenizer)
@@ -116,7 +125,7 @@ def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
     optimizer = optim.adamw(model, LR, WEIGHT_DECAY)
     batches = iter(loader)
 
-    def one_step():
+    def one_step(model, optimizer):  # not a closure over them: they are deleted below
         batch = next(batches)  # fetching and collating count: the training loop pays for them too
         n = task.item_count(batch)
         loss = task.loss_sum(model, batch) / n
@@ -125,13 +134,13 @@ def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return int(n), int(batch["attention_mask"].sum()), float(loss.detach())
 
-    for _ in range(WARMUP_STEPS):
-        one_step()
+    for _ in range(warmup):
+        one_step(model, optimizer)
     samples = tokens = 0
     losses = []
     start = time.perf_counter()
     for _ in range(steps):
-        n, real, loss = one_step()
+        n, real, loss = one_step(model, optimizer)
         samples += n
         tokens += real
         losses.append(loss)
@@ -149,15 +158,10 @@ def train_speed(tokenizer, labels, loader, steps: int, seed: int) -> dict:
     }
 
 
-def machine() -> str:
-    from effitrain.runtime.devices import cpu_name
-
-    cpu = cpu_name()
-    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
     libraries.quiet_libraries(False)
     import transformers
 
@@ -168,21 +172,21 @@ def main(argv=None) -> None:
     labels = splits["train"].features["label"].names
     train = text.tokenize(splits, tokenizer, MAX_LENGTH)["train"]
     batches_per_epoch = -(-len(train) // args.batch_size)
-    if WARMUP_STEPS + args.steps > batches_per_epoch:
-        raise SystemExit(f"--steps {args.steps} + {WARMUP_STEPS} warm-up steps exceed the "
+    if args.warmup + args.steps > batches_per_epoch:
+        raise SystemExit(f"--steps {args.steps} + {args.warmup} warm-up steps exceed the "
                          f"{batches_per_epoch} batches of one epoch; pass a smaller --steps")
 
     print(f"all-MiniLM-L6-v2 on sms-spam: {len(train)} train examples, batch {args.batch_size}, "
-          f"{WARMUP_STEPS} warm-up + {args.steps} timed steps per strategy, seed {args.seed}, "
-          f"max_length {MAX_LENGTH}; {machine()}, torch {torch.__version__}", flush=True)
+          f"{args.warmup} warm-up + {args.steps} timed steps per strategy, seed {args.seed}, "
+          f"max_length {MAX_LENGTH}; {_common.machine(gpu=False)}, torch {torch.__version__}", flush=True)
 
     results = {}
     for key, description, collator, group in STRATEGIES:
         loader_args = (train, tokenizer, args.batch_size, collator, group, args.seed)
         stats = padding_stats(make_loader(*loader_args))
         epoch = window_summary(stats, 0, len(stats["real"]), args.batch_size, len(train))
-        timed = window_summary(stats, WARMUP_STEPS, WARMUP_STEPS + args.steps, args.batch_size, len(train))
-        speed = train_speed(tokenizer, labels, make_loader(*loader_args), args.steps, args.seed)
+        timed = window_summary(stats, args.warmup, args.warmup + args.steps, args.batch_size, len(train))
+        speed = train_speed(tokenizer, labels, make_loader(*loader_args), args.steps, args.seed, args.warmup)
         if speed["samples"] != timed["samples"] or speed["real_tokens"] != timed["real_tokens"]:
             raise RuntimeError(f"{key}: the timed batches differ from the epoch order measured without the model")
         results[key] = {"description": description, "epoch": epoch, "timed_window": timed, "speed": speed}
@@ -202,10 +206,8 @@ def main(argv=None) -> None:
              f"{r['speed']['samples_per_second']:.1f}",
              f"{r['speed']['tokens_per_second']:.0f}",
              f"{r['speed']['samples_per_second_vs_fixed']:.2f}x") for r in results.values()]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     print()
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    _common.print_columns(header, rows)
     print("pad waste: pad tokens / all tokens over one epoch; padded len: mean padded tokens per sample, "
           "timed steps / whole epoch; tokens/s counts real (non-pad) tokens; packed: rows per batch "
           f"{results['packed']['epoch']['rows_per_batch']:.2f} over the epoch")
@@ -213,7 +215,7 @@ def main(argv=None) -> None:
     if args.json is not None:
         report = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(),
+            "machine": _common.machine(gpu=False),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "model": "all-MiniLM-L6-v2 (effitrain default)",
@@ -221,7 +223,7 @@ def main(argv=None) -> None:
             "train_examples": len(train),
             "batch_size": args.batch_size,
             "max_length": MAX_LENGTH,
-            "warmup_steps": WARMUP_STEPS,
+            "warmup_steps": args.warmup,
             "timed_steps": args.steps,
             "seed": args.seed,
             "lr": LR,

@@ -8,6 +8,7 @@ and after, trainable share):
    sms-spam's texts (its base), then `--peft lora` (all-linear, r 16) on bbc-news, another domain.
 
     .venv/bin/python benchmarks/peft_causal_lm.py [--experiment random|domain|both] [--lora-steps 120]
+    .venv/bin/python benchmarks/peft_causal_lm.py --dry-run   # both, 1 step each, in a temporary folder
 
 Why the output layer: LoRA over a random frozen model's all-linear hardly learns when the output
 layer is frozen and random: measured (GPT-2 2 x 64, r 16, 60 steps) perplexity 27,769 -> 27,728, and a
@@ -25,10 +26,16 @@ Measured 2026-12-03 (2-core CPU, other processes busy):
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import effitrain
 from effitrain.commands.evaluate import evaluate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 MODEL = "gpt2:n_layer=2,n_embd=64,n_head=2,n_positions=64"
 COMMON = dict(task="causal-lm", max_length=64, batch_size=16, log_every=20, warmup_ratio=0.0, overwrite=True)
@@ -63,10 +70,10 @@ def random_llama(out: str, steps: int) -> None:
           f"({ratio:.2f}x; the issue's bar: <= 0.50x)")
 
 
-def domain(out: str, steps: int) -> None:
+def domain(out: str, steps: int, base_steps: int = 100) -> None:
     start = time.perf_counter()
     effitrain.train(dict(COMMON, model=MODEL, data="sms-spam", max_train_samples=1600, max_eval_samples=16,
-                         max_steps=100, lr=1e-2, output_dir=f"{out}/base"))
+                         max_steps=base_steps, lr=1e-2, output_dir=f"{out}/base"))
     base_seconds = time.perf_counter() - start
     before = evaluate(f"{out}/base/model", {"data": "bbc-news", "max_eval_samples": 48, "max_length": 64},
                       split="validation")
@@ -75,7 +82,7 @@ def domain(out: str, steps: int) -> None:
                                  max_eval_samples=48, max_steps=steps, lr=1e-2, peft="lora", lora_r=16,
                                  lora_alpha=32, output_dir=f"{out}/lora"))
     ratio = after["validation"]["perplexity"] / before["perplexity"]
-    print(f"\nbase: {MODEL}, 100 full steps on sms-spam texts ({base_seconds:.0f} s)")
+    print(f"\nbase: {MODEL}, {base_steps} full steps on sms-spam texts ({base_seconds:.0f} s)")
     print(f"LoRA r 16 on bbc-news, {steps} steps, lr 1e-2 ({time.perf_counter() - start:.0f} s), "
           f"trainable {after['trainable_share']:.1%}")
     print(f"bbc-news validation perplexity: base {before['perplexity']:.0f} -> LoRA {after['validation']['perplexity']:.0f} "
@@ -87,11 +94,19 @@ def main() -> None:
     parser.add_argument("--experiment", choices=("random", "domain", "both"), default="both")
     parser.add_argument("--lora-steps", type=int, default=120)
     parser.add_argument("--out", default="/tmp/peft_lm")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="both experiments, 1 step of each training, in a temporary folder; the random model's "
+                             "tokenizer from a tiny model (benchmarks/_common.py)")
     args = parser.parse_args()
+    base_steps = 100
+    if args.dry_run:
+        _common.dry_run_model()
+        folder = tempfile.TemporaryDirectory(prefix="peft_lm_")
+        args.experiment, args.lora_steps, base_steps, args.out = "both", 1, 1, folder.name
     if args.experiment in ("random", "both"):
         random_llama(args.out, args.lora_steps)
     if args.experiment in ("domain", "both"):
-        domain(args.out, args.lora_steps)
+        domain(args.out, args.lora_steps, base_steps)
 
 
 if __name__ == "__main__":

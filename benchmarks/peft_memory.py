@@ -18,6 +18,7 @@ and frees, in order), on top of what lives between steps (weights, optimizer sta
 the optimizer state; step 2 is measured.
 
     .venv/bin/python benchmarks/peft_memory.py [--methods full,lora,qlora] [--batch 16] [--length 128]
+    .venv/bin/python benchmarks/peft_memory.py --dry-run   # a tiny model, 2 x 16 tokens: seconds
 
 Check of the method: the "between steps" column must equal weights + optimizer state counted from
 the tensors themselves (it is computed that way), and the profiler's events over a step must sum to
@@ -27,8 +28,13 @@ about zero (printed as "leak": what the step left allocated; the gradients are f
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 METHODS = ("full", "lora", "qlora")
 
@@ -101,7 +107,11 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--dry-run", action="store_true", help="a tiny model (benchmarks/_common.py), batch 2 x 16")
     args = parser.parse_args()
+    if args.dry_run:
+        _common.dry_run_model()
+        args.batch, args.length = 2, 16
     from effitrain.runtime.libraries import quiet_import_warnings
 
     quiet_import_warnings()

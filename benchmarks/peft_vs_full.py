@@ -23,7 +23,11 @@ else comes from the run's metrics.json and its output folders.
 
     .venv/bin/python benchmarks/peft_vs_full.py                      # sms-spam and bbc-news, 1 epoch each (6 runs)
     .venv/bin/python benchmarks/peft_vs_full.py --data sms-spam --quick   # 60 steps, 200 eval examples: a fast check
-    .venv/bin/python benchmarks/peft_vs_full.py --markdown benchmarks/peft-results.md --json /tmp/peft.json
+    .venv/bin/python benchmarks/peft_vs_full.py --markdown benchmarks/results/peft_vs_full_epyc2c_2026-12-05.md
+    .venv/bin/python benchmarks/peft_vs_full.py --dry-run   # full and lora, a tiny model, 2 steps: two children
+
+The tables are printed; `--markdown PATH` also writes them to PATH (by convention a dated file
+benchmarks/results/peft_vs_full_<machine>_<date>.md), `--json PATH` every figure.
 
 What each figure is:
 
@@ -49,9 +53,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -59,8 +63,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
+
 METHODS = ("full", "lora", "qlora")
 QUICK = ["--max-steps", "60", "--max-eval-samples", "200"]
+DRY_RUN = ["--max-steps", "2", "--batch-size", "4", "--max-train-samples", "64", "--max-eval-samples", "8"]
 # The issue's bars (issue 13), on the default job (sms-spam).
 BARS = (
     ("lora", "test accuracy >= 0.98", lambda r, full: r["accuracy"] >= 0.98),
@@ -83,12 +91,19 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="where the runs go (default: a temporary folder, deleted at the end)")
     parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
-                        help="write the tables to PATH (default benchmarks/peft-results.md; not with --quick)")
+                        help="also write the tables to PATH, e.g. benchmarks/results/peft_vs_full_<machine>_<date>.md "
+                             "(default: printed only)")
     parser.add_argument("--reuse", action="store_true",
                         help="with --output-dir: read the runs already there (metrics.json and the observer's "
                              "file) instead of running them again; run only the missing ones")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every figure to PATH")
+    parser.add_argument("--dry-run", action="store_true",
+                        help=f"sms-spam, full and lora, a tiny model (benchmarks/_common.py), {' '.join(DRY_RUN)}; "
+                             "the runs in a temporary folder, no --markdown, --json or --reuse")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        args.data, args.methods, args.output_dir, args.markdown, args.json, args.reuse = (
+            ["sms-spam"], "full,lora", None, None, None, False)
     if args.reuse and args.output_dir is None:
         parser.error("--reuse needs --output-dir")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -102,19 +117,6 @@ def parse_args(argv=None):
 # --- the child: `effitrain train`, observed -------------------------------------------------------------
 
 
-def cpu_snapshot() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds all processes have used so far (/proc/stat), CPU seconds of this process)."""
-    busy = None
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
-    except (OSError, ValueError, IndexError):
-        pass
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
-
-
 def current_rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as statm:
@@ -126,7 +128,7 @@ def current_rss_bytes() -> int | None:
 def memory_now() -> dict:
     import torch
 
-    found = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+    found = {"max_rss_bytes": _common.rss_peak_bytes(),
              "rss_bytes": current_rss_bytes()}
     if torch.cuda.is_available():
         found["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
@@ -142,12 +144,12 @@ def run_child(result: Path, train_argv: list[str]) -> int:
     announce, evaluate = engine_run.announce, evaluation.evaluate
 
     def observed_announce(job):
-        seen["start"] = {"cpu": cpu_snapshot(), **memory_now()}
+        seen["start"] = {"cpu": _common.cpu_snapshot(), **memory_now()}
         return announce(job)
 
     def observed_evaluate(*args, **kwargs):
         if "end" not in seen:
-            seen["end"] = {"cpu": cpu_snapshot(), **memory_now()}
+            seen["end"] = {"cpu": _common.cpu_snapshot(), **memory_now()}
         return evaluate(*args, **kwargs)
 
     engine_run.announce, evaluation.evaluate = observed_announce, observed_evaluate
@@ -156,11 +158,7 @@ def run_child(result: Path, train_argv: list[str]) -> int:
     sys.argv = ["effitrain", "train", *train_argv]
     code = run()
     if "start" in seen and "end" in seen:
-        (wall0, busy0, own0), (wall1, busy1, own1) = seen["start"]["cpu"], seen["end"]["cpu"]
-        seconds, own = wall1 - wall0, own1 - own0
-        other = None if busy0 is None or busy1 is None else max(busy1 - busy0 - own, 0.0)
-        seen["cpu"] = {"seconds": seconds, "own_cores": own / seconds,
-                       "other_cores": None if other is None else other / seconds}
+        seen["cpu"] = _common.cores(seen["start"]["cpu"], seen["end"]["cpu"])
     result.write_text(json.dumps(seen))
     return code
 
@@ -180,7 +178,7 @@ def train_args(method: str, data: str, args, out: Path) -> list[str]:
         argv += ["--peft", method]
         if args.peft_lr != "default":
             argv += ["--lr", args.peft_lr]
-    return argv + (QUICK if args.quick else [])
+    return argv + (QUICK if args.quick else []) + (DRY_RUN if args.dry_run else [])
 
 
 def run_one(method: str, data: str, args, root: Path) -> dict:
@@ -239,12 +237,8 @@ def run_one(method: str, data: str, args, root: Path) -> dict:
     return row
 
 
-def mib(value) -> str:
-    return "-" if value is None else f"{value / 2**20:.0f}"
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else spec.format(value)
+mib = functools.partial(_common.mib, unit="")  # the tables add the unit
+fmt = _common.fmt
 
 
 def ratio(value, base) -> str:
@@ -345,6 +339,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--child"]:  # a subprocess of the parent: --child RESULT TRAIN-ARGS...
         return run_child(Path(argv[1]), argv[2:])
     args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
+        _common.skipped("qlora and bbc-news (more children) and the files (--markdown, --json)")
     if args.output_dir is not None:
         root, temporary = args.output_dir, False
         root.mkdir(parents=True, exist_ok=True)
@@ -380,13 +377,13 @@ def main(argv=None) -> int:
     checks = bars(rows)
     if checks:
         out += ["", "Issue 13's bars (default job, sms-spam" + (", but --quick: not the real job" if args.quick else "")
+                + (", but --dry-run: a tiny model, not the real job" if args.dry_run else "")
                 + "):", *checks]
     text = "\n".join(out) + "\n"
     print("\n" + text)
-    markdown = args.markdown or (None if args.quick else Path(__file__).with_name("peft-results.md"))
-    if markdown is not None:
-        markdown.write_text(text)
-        print(f"table written to {markdown}")
+    if args.markdown is not None:
+        args.markdown.write_text(text)
+        print(f"table written to {args.markdown}")
     if args.json is not None:
         args.json.write_text(json.dumps({"started": started.isoformat(), "environment": env, "quick": args.quick,
                                          "rows": rows}, indent=2))

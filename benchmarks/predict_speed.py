@@ -21,6 +21,7 @@ used meanwhile (/proc/stat minus this process); above 0.1 core it prints a WARNI
 
     .venv/bin/python benchmarks/predict_speed.py [--n 10000] [--batch-size 128] [--repeats 2]
         [--predict-batch-size 128 ...] [--cli] [--json PATH]
+    .venv/bin/python benchmarks/predict_speed.py --dry-run   # 32 texts, a tiny model, no --cli: seconds
 
 Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
 """
@@ -31,12 +32,10 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -46,6 +45,9 @@ from effitrain.commands.predict import BATCH_SIZE, predict
 from effitrain.models import loading
 from effitrain.runtime import libraries
 from effitrain.tasks.classification import Classification
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -60,7 +62,11 @@ def parse_args(argv=None):
                                                                   "(default: torch's, one per core)")
     parser.add_argument("--model", default=None, help="a saved classifier (default: all-MiniLM-L6-v2 + a 2-label head)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="32 texts, a tiny model (benchmarks/_common.py), 1 repeat, no --cli, no --json")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        args.n, args.repeats, args.cli, args.json, args.model = 32, 1, False, None, None
     if min(args.n, args.batch_size, args.repeats, args.threads or 1, *(args.predict_batch_size or [1])) < 1:
         parser.error("--n, --batch-size, --predict-batch-size, --repeats and --threads must be at least 1")
     return args
@@ -160,42 +166,16 @@ def cli_predict(model_dir: Path, texts: list[str], folder: Path, threads: int | 
 # --- measuring ---------------------------------------------------------------------------------------
 
 
-def cpu_snapshot() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds all processes have used so far (/proc/stat), CPU seconds of this process
-    and its finished children)."""
-    busy = None
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    except (OSError, ValueError, IndexError):
-        pass
-    own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return time.perf_counter(), busy, own
-
-
 def timed(run):
-    start = cpu_snapshot()
+    """run()'s result, and its seconds and cores (this process and its children; other processes)."""
+    start = _common.cpu_snapshot(children=True)
     result = run()
-    end = cpu_snapshot()
-    seconds, own = end[0] - start[0], end[2] - start[2]
-    other = None if start[1] is None or end[1] is None else max(end[1] - start[1] - own, 0.0) / seconds
-    return result, {"seconds": seconds, "own_cores": own / seconds, "other_cores": other}
+    return result, _common.cores(start, _common.cpu_snapshot(children=True))
 
 
 def agreement(reference, other) -> dict:
     labels = sum(a[0] != b[0] for a, b in zip(reference, other))
     return {"label_mismatches": labels, "max_score_diff": max(abs(a[1] - b[1]) for a, b in zip(reference, other))}
-
-
-def machine() -> str:
-    from effitrain.runtime.devices import cpu_name
-
-    text = f"{cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, torch {torch.__version__}"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name(0)}"
-    return text
 
 
 def run_all(args, model_dir: Path, texts: list[str], folder: Path) -> dict:
@@ -241,6 +221,9 @@ def report(figures: dict, n: int) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
+        _common.skipped("the CLI side (--cli: a fresh process) and --json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     libraries.quiet_libraries(False)
     if args.threads:
@@ -249,14 +232,15 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model_dir = Path(args.model) if args.model else save_default_classifier(folder / "model")
-        print(f"{args.n} texts: {source}; model {args.model or 'all-MiniLM-L6-v2 + 2-label head'}; {machine()}",
+        print(f"{args.n} texts: {source}; model {args.model or 'all-MiniLM-L6-v2 + 2-label head'}; "
+              f"{_common.machine(torch_version=True)}",
               flush=True)
         figures = run_all(args, model_dir, texts, folder)
     report(figures, args.n)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "date": datetime.date.today().isoformat(), "machine": machine(), "texts": args.n, "source": source,
+            "date": datetime.date.today().isoformat(), "machine": _common.machine(torch_version=True), "texts": args.n, "source": source,
             "versions": {"torch": torch.__version__, "effitrain": effitrain.__version__}, "sides": figures,
         }, indent=2) + "\n")
         print(f"figures written to {args.json}")

@@ -18,6 +18,7 @@ turns (`--runs` rounds), so that each run's peak memory is its own and a busier 
 hits every side; the parent prints the medians and their ratios.
 
     .venv/bin/python benchmarks/vs_trainer.py [--steps 60] [--runs 3] [--precision fp32 bf16] [--json PATH]
+    .venv/bin/python benchmarks/vs_trainer.py --dry-run   # trainer-best and effitrain, a tiny model, 2 steps of 4
 
 What is timed: samples/s of the training loop: the Trainer's `trainer.train()` wall clock (and its
 own `train_runtime` / `train_samples_per_second`); effitrain's `train_seconds` (the loop only).
@@ -47,7 +48,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -55,6 +55,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
+from _common import (  # noqa: E402
+    cpu_share,
+    cpu_snapshot,
+    fmt,
+    machine,
+    mib,
+    print_columns,
+    rss_peak_bytes,
+)
 
 MAX_LENGTH = 128
 LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
@@ -77,49 +89,16 @@ def parse_args(argv=None):
     parser.add_argument("--only", choices=SIDES, default=None,
                         help="run only this side, in this process (what the parent starts each subprocess with)")
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where --only writes
+    parser.add_argument("--dry-run", action="store_true",
+                        help="trainer-best and effitrain once each, fp32, a tiny model (benchmarks/_common.py), "
+                             "2 steps of 4; no --json")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1 or args.runs < 1:
         parser.error("--batch-size, --steps and --runs must be at least 1")
+    if args.dry_run:
+        args.steps, args.batch_size, args.runs, args.precision, args.trainer_defaults, args.json = (
+            2, 4, 1, ["fp32"], False, None)
     return args
-
-
-def rss_peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def cpu_snapshot() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds all processes have used so far (/proc/stat), CPU seconds of this process)."""
-    busy = None
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
-
-
-def cpu_share(start, end) -> dict:
-    """CPU use between two snapshots: this process's, and everyone else's (cores busy on average)."""
-    seconds = end[0] - start[0]
-    own = end[2] - start[2]
-    other = None if start[1] is None or end[1] is None else max(end[1] - start[1] - own, 0.0)
-    return {"seconds": seconds, "own_cpu_seconds": own, "own_cores": own / seconds,
-            "other_cpu_seconds": other, "other_cores": None if other is None else other / seconds}
-
-
-def machine() -> str:
-    import torch
-
-    from effitrain.runtime.devices import cpu_name
-
-    cpu = cpu_name()
-    text = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name(0)}"
-    return text
 
 
 class CountingCollator:
@@ -181,24 +160,41 @@ def effitrain_split(seed: int):
 def run_trainer(args, best: bool) -> dict:
     """`best`: length grouping, fused AdamW, evaluation batch 128 (else TrainingArguments' defaults)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    import transformers
-    from transformers import (
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        DataCollatorWithPadding,
-        Trainer,
-        TrainingArguments,
-        set_seed,
-    )
-    from transformers.trainer_pt_utils import LengthGroupedSampler
+    from transformers import DataCollatorWithPadding
 
-    from effitrain.models import loading
-    from effitrain.runtime import devices, libraries
+    from effitrain.runtime import libraries
 
     libraries.quiet_libraries(False)  # no load reports / progress bars from datasets and transformers
+    tokenizer, (train, validation, test), model = trainer_inputs(args)
+    dtype = str(next(model.parameters()).dtype)
+    head_checksum = float(model.classifier.weight.detach().double().sum()) if hasattr(model, "classifier") else None
+    collator = CountingCollator(DataCollatorWithPadding(tokenizer))
+    out_dir = tempfile.mkdtemp(prefix="vs_trainer_hf_")
+    training_args = trainer_arguments(args, best, out_dir)
+    step_seconds: list[float] = []
+    trainer = make_trainer(args, best, model, training_args, train, collator, tokenizer, step_seconds)
+    measured = train_evaluate_save(trainer, validation, test, out_dir)
+    return {
+        "side": "trainer-best" if best else "trainer",
+        "precision": args.precision,
+        **trainer_figures(args, measured, collator),
+        "step_seconds": step_seconds,
+        "step_widths": widths(collator.batches, args.steps),
+        "dtype": dtype,
+        "head_checksum": head_checksum,
+        "settings": trainer_settings(trainer, training_args, collator, args.steps),
+        **versions(),
+    }
+
+
+def trainer_inputs(args):
+    """The tokenizer, the tokenized train, validation and test splits, and the model with its new head, in
+    effitrain's loop's order: seed, tokenizer, data, tokenization, then the model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+
+    from effitrain.models import loading
+
     model_path = loading.resolve("default")
-    # Same order as effitrain's loop: seed, tokenizer, data, tokenization, then the model (and its new head).
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     splits = effitrain_split(args.seed)
@@ -207,29 +203,31 @@ def run_trainer(args, best: bool) -> dict:
     def encode(batch):
         return tokenizer(batch["text"], truncation=True, max_length=MAX_LENGTH)
 
-    train, validation, test = (splits[name].map(encode, batched=True)  # `text` stays: the Trainer drops it
-                               for name in ("train", "validation", "test"))
+    encoded = tuple(splits[name].map(encode, batched=True)  # `text` stays: the Trainer drops it
+                    for name in ("train", "validation", "test"))
     model = AutoModelForSequenceClassification.from_pretrained(
         str(model_path), num_labels=len(labels), id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)}, local_files_only=True)
-    dtype = str(next(model.parameters()).dtype)
-    head_checksum = float(model.classifier.weight.detach().double().sum()) if hasattr(model, "classifier") else None
-    collator = CountingCollator(DataCollatorWithPadding(tokenizer))
+    return tokenizer, encoded, model
 
-    # transformers 5 dropped warmup_ratio: a warmup_steps float < 1 is a share of the steps.
+
+def trainer_arguments(args, best: bool, out_dir: str):
+    """TrainingArguments for effitrain's hyper-parameters; with `best`, the Trainer's best equal settings."""
     import dataclasses
 
-    warmup = ({"warmup_ratio": WARMUP_RATIO}
-              if "warmup_ratio" in {f.name for f in dataclasses.fields(TrainingArguments)}
-              else {"warmup_steps": WARMUP_RATIO})
-    out_dir = tempfile.mkdtemp(prefix="vs_trainer_hf_")
+    from transformers import TrainingArguments
+
+    from effitrain.runtime import devices
+
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    # transformers 5 dropped warmup_ratio: a warmup_steps float < 1 is a share of the steps.
+    warmup = {"warmup_ratio": WARMUP_RATIO} if "warmup_ratio" in fields else {"warmup_steps": WARMUP_RATIO}
     tuned = {}
     if best:
         tuned = {"optim": "adamw_torch_fused", "per_device_eval_batch_size": EVAL_BATCH,
                  **({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in fields
                     else {"group_by_length": True})}
-    training_args = TrainingArguments(
+    return TrainingArguments(
         output_dir=out_dir,
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
@@ -247,7 +245,15 @@ def run_trainer(args, best: bool) -> dict:
         bf16=args.precision == "bf16",
         **tuned,
     )
-    step_seconds: list[float] = []
+
+
+def make_trainer(args, best: bool, model, training_args, train, collator, tokenizer, step_seconds: list):
+    """The Trainer (with `best`, one whose length-grouped sampler is seeded as effitrain's), each optimizer
+    step's seconds appended to `step_seconds`."""
+    import torch
+    import transformers
+    from transformers import Trainer
+    from transformers.trainer_pt_utils import LengthGroupedSampler
 
     class StepClock(transformers.TrainerCallback):
         """Each optimizer step's wall clock: forward, backward, clipping, optimizer, schedule, zero_grad
@@ -271,69 +277,86 @@ def run_trainer(args, best: bool) -> dict:
                 sampler.generator = torch.Generator().manual_seed(args.seed)
             return sampler
 
-    trainer = (SameOrderTrainer if best else Trainer)(
+    return (SameOrderTrainer if best else Trainer)(
         model=model, args=training_args, train_dataset=train, data_collator=collator, processing_class=tokenizer,
         compute_metrics=accuracy, callbacks=[StepClock()])
+
+
+def train_evaluate_save(trainer, validation, test, out_dir: str) -> dict:
+    """trainer.train() timed, then what effitrain.train does after its loop: validation, test, the model
+    and tokenizer saved."""
     rss_before = rss_peak_bytes()
     cpu_start = cpu_snapshot()
     output = trainer.train()
     cpu_end = cpu_snapshot()
-    seconds = cpu_end[0] - cpu_start[0]
     rss_after = rss_peak_bytes()
-    # What effitrain.train does after its loop: validation, test, the model and tokenizer saved.
     trainer.evaluate(validation)
     test_metrics = trainer.evaluate(test, metric_key_prefix="test")
     trainer.save_model(os.path.join(out_dir, "model"))
     saved_at = time.time()
     shutil.rmtree(out_dir, ignore_errors=True)
+    return {"output": output, "test_metrics": test_metrics, "cpu_start": cpu_start, "cpu_end": cpu_end,
+            "rss_before": rss_before, "rss_after": rss_after, "saved_at": saved_at}
 
-    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+
+def trainer_figures(args, measured: dict, collator) -> dict:
+    output, cpu_start, cpu_end = measured["output"], measured["cpu_start"], measured["cpu_end"]
+    seconds = cpu_end[0] - cpu_start[0]
     tokens = token_summary(collator.batches, args.steps)
     samples = args.steps * args.batch_size
     return {
-        "side": "trainer-best" if best else "trainer",
-        "precision": args.precision,
-        "test": {"accuracy": test_metrics.get("test_accuracy")},
+        "test": {"accuracy": measured["test_metrics"].get("test_accuracy")},
         "steps": output.global_step,
         "seconds": seconds,
         "seconds_measured_by": "time.perf_counter around trainer.train()",
-        "saved_at": saved_at,
+        "saved_at": measured["saved_at"],
         "samples_per_second": samples / seconds,
         "own_samples_per_second": output.metrics.get("train_samples_per_second"),
         "own_runtime_seconds": output.metrics.get("train_runtime"),
         "tokens_per_second": tokens["real_tokens"] / seconds if tokens else None,
-        "peak_rss_bytes_end_of_training": rss_after,
-        "peak_rss_bytes_before_training": rss_before,
+        "peak_rss_bytes_end_of_training": measured["rss_after"],
+        "peak_rss_bytes_before_training": measured["rss_before"],
         "peak_rss_bytes_end_of_process": rss_peak_bytes(),
         "cuda_peak_allocated_bytes": cuda_peak(),
         "cpu": cpu_share(cpu_start, cpu_end),
         "train_loss_mean": output.training_loss,
         "tokens": tokens,
-        "step_seconds": step_seconds,
-        "step_widths": widths(collator.batches, args.steps),
-        "dtype": dtype,
-        "head_checksum": head_checksum,
-        "settings": {
-            "optim": str(getattr(training_args.optim, "value", training_args.optim)),
-            "optimizer_class": type(inner).__name__,
-            "fused": inner.defaults.get("fused"),
-            "foreach": inner.defaults.get("foreach"),
-            "decayed_tensors": sum(len(g["params"]) for g in inner.param_groups if g["weight_decay"] > 0),
-            "undecayed_tensors": sum(len(g["params"]) for g in inner.param_groups if g["weight_decay"] == 0),
-            "lr_scheduler_type": str(getattr(training_args.lr_scheduler_type, "value",
-                                             training_args.lr_scheduler_type)),
-            "warmup_steps": training_args.get_warmup_steps(args.steps),
-            "train_sampling_strategy": getattr(training_args, "train_sampling_strategy", None),
-            "group_by_length": getattr(training_args, "group_by_length", None),
-            "pad_to_multiple_of": collator.inner.pad_to_multiple_of,
-            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-            "bf16": training_args.bf16, "fp16": training_args.fp16,
-            "torch_compile": training_args.torch_compile,
-            "dataloader_pin_memory": training_args.dataloader_pin_memory,
-        },
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "machine": machine(),
     }
+
+
+def trainer_settings(trainer, training_args, collator, steps: int) -> dict:
+    """What the Trainer ran with: its optimizer as built, schedule, sampling, padding, precision."""
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    return {
+        "optim": str(getattr(training_args.optim, "value", training_args.optim)),
+        "optimizer_class": type(inner).__name__,
+        "fused": inner.defaults.get("fused"),
+        "foreach": inner.defaults.get("foreach"),
+        "decayed_tensors": sum(len(g["params"]) for g in inner.param_groups if g["weight_decay"] > 0),
+        "undecayed_tensors": sum(len(g["params"]) for g in inner.param_groups if g["weight_decay"] == 0),
+        "lr_scheduler_type": str(getattr(training_args.lr_scheduler_type, "value",
+                                         training_args.lr_scheduler_type)),
+        "warmup_steps": training_args.get_warmup_steps(steps),
+        "train_sampling_strategy": getattr(training_args, "train_sampling_strategy", None),
+        "group_by_length": getattr(training_args, "group_by_length", None),
+        "pad_to_multiple_of": collator.inner.pad_to_multiple_of,
+        "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+        "bf16": training_args.bf16, "fp16": training_args.fp16,
+        "torch_compile": training_args.torch_compile,
+        "dataloader_pin_memory": training_args.dataloader_pin_memory,
+    }
+
+
+def versions(effitrain_too: bool = False) -> dict:
+    import torch
+    import transformers
+
+    found = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if effitrain_too:
+        import effitrain
+
+        found["effitrain"] = effitrain.__version__
+    return {"versions": found, "machine": machine()}
 
 
 def accuracy(prediction) -> dict:
@@ -348,97 +371,18 @@ def accuracy(prediction) -> dict:
 
 def run_effitrain(args) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    import transformers
-
-    import effitrain
-    from effitrain import tasks
-    from effitrain.engine import evaluator as evaluation
-    from effitrain.engine import optim
-
     observed: dict = {}
     counters: list[CountingCollator] = []
-    task = tasks.get("sequence-classification")
-
-    # Instrumentation only: each wrapper returns exactly what the wrapped function returns.
-    evaluate = evaluation.evaluate
-
-    def evaluate_after_training(*a, **k):
-        observed.setdefault("rss_end_of_training", rss_peak_bytes())  # the first call follows the loop
-        observed.setdefault("cpu_end_of_training", cpu_snapshot())
-        return evaluate(*a, **k)
-
-    evaluation.evaluate = evaluate_after_training
-    collators = task.collators
-
-    def counting_collators(*a, **k):
-        train_collate, eval_collate = collators(*a, **k)
-        counters.append(CountingCollator(train_collate, args.batch_size))
-        return counters[-1], eval_collate
-
-    task.collators = counting_collators
-    build_model = task.build_model
-
-    def recording_build_model(*a, **k):
-        model = build_model(*a, **k)
-        observed["dtype"] = str(next(model.parameters()).dtype)
-        if hasattr(model, "classifier"):
-            observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
-        return model
-
-    task.build_model = recording_build_model
-    from effitrain.engine import step as engine_step
-
     step_seconds: list[float] = []
-    run_step = engine_step.StepRunner.run
-
-    def timed_step(self, *a, **k):  # the same span as the Trainer's: forward to zero_grad, not the loading
-        started = time.perf_counter()
-        result = run_step(self, *a, **k)
-        step_seconds.append(time.perf_counter() - started)
-        return result
-
-    engine_step.StepRunner.run = timed_step
-
+    observe_effitrain(args, observed, counters, step_seconds)
     out_dir = Path(tempfile.mkdtemp(prefix="vs_trainer_effitrain_")) / "run"
-    config = {
-        "output_dir": str(out_dir), "data": DATA, "max_steps": args.steps, "batch_size": args.batch_size,
-        "grad_accum": 1, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
-        "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed, "max_length": MAX_LENGTH,
-        "validation_split": VALIDATION_SPLIT, "test_split": TEST_SPLIT, "log_every": args.steps,
-        "eval_batch_size": EVAL_BATCH,
-    }
-    # fp32 and AdamW whatever effitrain's defaults become; settings this version lacks are left out.
-    from effitrain.config import fields as config_fields
-
-    known = {f.name for f in config_fields()}
-    config.update({k: v for k, v in {"precision": args.precision, "optim": "adamw", "gradient_checkpointing": False,
-                                     "beta1": 0.9, "beta2": 0.999}.items() if k in known})
-    try:
-        start = time.perf_counter()
-        metrics = effitrain.train(config)
-        call_seconds, saved_at = time.perf_counter() - start, time.time()
-        loss = metrics.get("train_loss")  # log_every = steps: the mean over every example of the run
-        log_path = out_dir / "log.jsonl"
-        if log_path.is_file():
-            for line in log_path.read_text().splitlines():
-                record = json.loads(line)
-                if loss is None and "split" not in record and record.get("step") == metrics["steps"]:
-                    loss = record["loss"]
-    finally:
-        shutil.rmtree(out_dir.parent, ignore_errors=True)  # the saved model is not needed
+    config = effitrain_config(args, out_dir)
+    metrics, loss, call_seconds, saved_at = train_effitrain(config, out_dir)
     tokens, batches = None, []
     if counters:
         # The loop collates one 1-example stand-in batch before training; leave it out.
         batches = [b for b in counters[-1].batches if not (b[0] == 1 and args.batch_size > 1)]
         tokens = token_summary(batches, args.steps)
-    from effitrain.config import TrainConfig
-
-    defaults = TrainConfig()
-    try:  # what effitrain's AdamW factory builds (its signature may grow)
-        probe = optim.adamw(torch.nn.Linear(2, 2), LR, WEIGHT_DECAY)
-    except Exception:  # noqa: BLE001
-        probe = None
     seconds = metrics["train_seconds"]
     samples = args.steps * args.batch_size
     return {
@@ -470,19 +414,112 @@ def run_effitrain(args) -> dict:
         "step_widths": widths(batches, args.steps),
         "dtype": observed.get("dtype"),
         "head_checksum": observed.get("head_checksum"),
-        "settings": {
-            "optimizer_class": type(probe).__name__ if probe is not None else None,
-            "fused": probe.defaults.get("fused") if probe is not None else None,
-            "foreach": probe.defaults.get("foreach") if probe is not None else None,
-            "group_by_length": defaults.group_by_length,
-            "pad_to_multiple_of": getattr(counters[-1].inner, "pad_to_multiple_of", None) if counters else None,
-            "warmup_steps": optim.warmup_steps(args.steps, WARMUP_RATIO),
-            "eval_batch_size": defaults.eval_batch_size,
-        },
+        "settings": effitrain_settings(args, counters),
         "config": config,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "effitrain": effitrain.__version__},
-        "machine": machine(),
+        **versions(effitrain_too=True),
+    }
+
+
+def observe_effitrain(args, observed: dict, counters: list, step_seconds: list) -> None:
+    """Wrap effitrain's pieces to record the peak RSS and CPU at the end of training (the first
+    evaluation), the training batches (the collator), the model's dtype and initial head, and each
+    optimizer step's seconds. Instrumentation only: each wrapper returns what the wrapped function returns."""
+    from effitrain import tasks
+    from effitrain.engine import evaluator as evaluation
+    from effitrain.engine import step as engine_step
+
+    task = tasks.get("sequence-classification")
+    evaluate, collators, build_model = evaluation.evaluate, task.collators, task.build_model
+    run_step = engine_step.StepRunner.run
+
+    def evaluate_after_training(*a, **k):
+        observed.setdefault("rss_end_of_training", rss_peak_bytes())  # the first call follows the loop
+        observed.setdefault("cpu_end_of_training", cpu_snapshot())
+        return evaluate(*a, **k)
+
+    def counting_collators(*a, **k):
+        train_collate, eval_collate = collators(*a, **k)
+        counters.append(CountingCollator(train_collate, args.batch_size))
+        return counters[-1], eval_collate
+
+    def recording_build_model(*a, **k):
+        model = build_model(*a, **k)
+        observed["dtype"] = str(next(model.parameters()).dtype)
+        if hasattr(model, "classifier"):
+            observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
+        return model
+
+    def timed_step(self, *a, **k):  # the same span as the Trainer's: forward to zero_grad, not the loading
+        started = time.perf_counter()
+        result = run_step(self, *a, **k)
+        step_seconds.append(time.perf_counter() - started)
+        return result
+
+    evaluation.evaluate = evaluate_after_training
+    task.collators = counting_collators
+    task.build_model = recording_build_model
+    engine_step.StepRunner.run = timed_step
+
+
+def effitrain_config(args, out_dir: Path) -> dict:
+    """effitrain.train's settings: the Trainer's hyper-parameters, fp32 and AdamW whatever effitrain's
+    defaults become; settings this version lacks are left out."""
+    from effitrain.config import fields as config_fields
+
+    config = {
+        "output_dir": str(out_dir), "data": DATA, "max_steps": args.steps, "batch_size": args.batch_size,
+        "grad_accum": 1, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
+        "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed, "max_length": MAX_LENGTH,
+        "validation_split": VALIDATION_SPLIT, "test_split": TEST_SPLIT, "log_every": args.steps,
+        "eval_batch_size": EVAL_BATCH,
+    }
+    known = {f.name for f in config_fields()}
+    config.update({k: v for k, v in {"precision": args.precision, "optim": "adamw", "gradient_checkpointing": False,
+                                     "beta1": 0.9, "beta2": 0.999}.items() if k in known})
+    return config
+
+
+def train_effitrain(config: dict, out_dir: Path) -> tuple[dict, float | None, float, float]:
+    """effitrain.train(config): its metrics, the mean training loss, the call's seconds and the time the
+    model was saved; the run's folder is then removed."""
+    import effitrain
+
+    try:
+        start = time.perf_counter()
+        metrics = effitrain.train(config)
+        call_seconds, saved_at = time.perf_counter() - start, time.time()
+        loss = metrics.get("train_loss")  # log_every = steps: the mean over every example of the run
+        log_path = out_dir / "log.jsonl"
+        if log_path.is_file():
+            for line in log_path.read_text().splitlines():
+                record = json.loads(line)
+                if loss is None and "split" not in record and record.get("step") == metrics["steps"]:
+                    loss = record["loss"]
+    finally:
+        shutil.rmtree(out_dir.parent, ignore_errors=True)  # the saved model is not needed
+    return metrics, loss, call_seconds, saved_at
+
+
+def effitrain_settings(args, counters: list) -> dict:
+    """What effitrain ran with: the optimizer its AdamW factory builds, its sampling, padding, schedule."""
+    import torch
+
+    from effitrain.config import TrainConfig
+    from effitrain.engine import optim
+
+    defaults = TrainConfig()
+    try:  # what effitrain's AdamW factory builds (its signature may grow)
+        probe = optim.adamw(torch.nn.Linear(2, 2), LR, WEIGHT_DECAY)
+    except Exception:  # noqa: BLE001
+        probe = None
+    return {
+        "optimizer_class": type(probe).__name__ if probe is not None else None,
+        "fused": probe.defaults.get("fused") if probe is not None else None,
+        "foreach": probe.defaults.get("foreach") if probe is not None else None,
+        "group_by_length": defaults.group_by_length,
+        "pad_to_multiple_of": getattr(counters[-1].inner, "pad_to_multiple_of", None) if counters else None,
+        "warmup_steps": optim.warmup_steps(args.steps, WARMUP_RATIO),
+        "eval_batch_size": defaults.eval_batch_size,
     }
 
 
@@ -505,14 +542,6 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
         raise SystemExit(f"the {side} {precision} run failed (exit code {done.returncode})")
     run = json.loads(result.read_text())
     return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
-
-
-def mib(value) -> str:
-    return "-" if value is None else f"{value / 2**20:.0f} MiB"
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def notes(trainer: dict, ours: dict) -> list[str]:
@@ -625,21 +654,12 @@ def print_table(rows: list[tuple]) -> None:
                    "test acc"), rows)
 
 
-def print_columns(header: tuple, rows: list[tuple]) -> None:
-    """The first column left-aligned, the others right-aligned, each as wide as its widest cell."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
-
-
 def compare(args) -> None:
     sides = (["trainer"] if args.trainer_defaults else []) + ["trainer-best", "effitrain"]
-    results: dict = {(side, p): [] for side in sides for p in args.precision}
-    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:
-        for _ in range(args.runs):  # the sides take turns: a busier moment hits all of them
-            for precision in args.precision:
-                for side in sides:
-                    results[(side, precision)].append(run_child(side, precision, args, Path(tmp)))
+    with tempfile.TemporaryDirectory(prefix="vs_trainer_") as tmp:  # the sides take turns
+        turns = _common.take_turns([(side, p) for p in args.precision for side in sides], args.runs,
+                                   lambda side_precision: run_child(*side_precision, args, Path(tmp)))
+    results: dict = {(side, p): turns[(side, p)] for side in sides for p in args.precision}
     first = results[(sides[-1], args.precision[0])][0]
     print(f"\nall-MiniLM-L6-v2 on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
           f"lr {LR}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
@@ -678,6 +698,9 @@ def compare(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dry_run and args.only is None:
+        _common.dry_run_model()
+        _common.skipped("the Trainer's defaults (--trainer-defaults), bf16, repeats and --json")
     if args.only is None:
         compare(args)
         return
