@@ -29,7 +29,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 $(FASHION_MNIST):
 	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
 
-# The report's browser test (tests/test_report.py) drives Debian's headless Chromium through its driver.
+# The report's browser test (tests/integration/test_report.py) drives Debian's headless Chromium through its driver.
 CHROMEDRIVER := /usr/bin/chromedriver
 $(CHROMEDRIVER):
 	apt-get update -qq && apt-get install -y -qq chromium chromium-driver

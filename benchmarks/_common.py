@@ -7,7 +7,7 @@ A script imports it with its own folder put first on sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
     import _common  # noqa: E402
 
-Dry runs (`script.py --dry-run`, all of them through `pytest tests/test_benchmarks.py`): `dry_run_model()`
+Dry runs (`script.py --dry-run`, all of them through `pytest tests/integration/test_benchmarks.py`): `dry_run_model()`
 writes a tiny BERT (2 layers, hidden 32, random weights, the packaged all-MiniLM tokenizer: the tests'
 `tiny_model_dir`) to a temporary folder, or takes the one named by EFFITRAIN_BENCH_DRY_RUN_MODEL, and
 makes effitrain's `default` model that folder, in this process and in every child process that imports
@@ -180,7 +180,7 @@ def dry_run_model() -> Path:
     """A tiny BERT classifier saved to a temporary folder (removed at exit), made effitrain's `default`
     model here and in the child processes started from here (DRY_RUN_MODEL in the environment)."""
     _one_thread()
-    if os.environ.get(DRY_RUN_MODEL):  # made already (tests/test_benchmarks.py makes one for all scripts)
+    if os.environ.get(DRY_RUN_MODEL):  # made already (tests/integration/test_benchmarks.py makes one for all scripts)
         folder = Path(os.environ[DRY_RUN_MODEL])
     else:
         folder = _tiny_model()

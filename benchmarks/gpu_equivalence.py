@@ -1,6 +1,6 @@
 """One process with the whole batch against N processes with --strategy ddp and N with --strategy fsdp:
 the same final weights and loss, fp32, to 1e-5 (gpu_check.sh's step 3; the GPU twin of
-tests/test_distributed.py's CPU test).
+tests/integration/test_distributed.py's CPU test).
 
     python benchmarks/gpu_equivalence.py --nproc 2 --work-dir runs/equivalence --json equivalence.json
     python benchmarks/gpu_equivalence.py --nproc 2 --dry-run   # validate the 3 commands, train nothing

@@ -19,7 +19,7 @@ not tied to the input embeddings (a tied one cannot be merged into model/).
 
 Measured 2026-12-03 (2-core CPU, other processes busy):
 - random: 30,851 -> 1,462 after 120 steps (0.05x), trainable 6.4% (the output layer's adapter is
-  r x (128 + 30,522)); tests/test_peft.py checks a 64-wide one halves in 12 steps (30,814 -> 2,833).
+  r x (128 + 30,522)); tests/integration/test_peft.py checks a 64-wide one halves in 12 steps (30,814 -> 2,833).
 - domain: base 6,938 -> LoRA 4,005 after 120 steps (0.58x, 111 s), 3,927 after 240 (0.57x).
 """
 

@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny random BERT built from a config (no downloads), and helpers to read runs."""
+"""Shared fixtures and builders: a tiny random BERT (saved, or in memory), a tiny run's settings and its CLI
+flags, free ports, and helpers to run the CLI and read runs. Tests live in unit/ (pieces alone, no
+processes), integration/ (training runs, processes, the CLI) and architecture/ (the code's shape, docs)."""
 
 from __future__ import annotations
 
@@ -47,9 +49,8 @@ def network_attempts(offline):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The packaged all-MiniLM-L6-v2 tokenizer (read-only: shared by the session)."""
-    from transformers import AutoTokenizer
-
     from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir()))
 
@@ -58,9 +59,8 @@ def tokenizer():
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer, hidden-32 BERT with random weights and the packaged all-MiniLM tokenizer; dropout off so
     that runs which see the same examples compute the same arithmetic."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
     from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
@@ -73,6 +73,37 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     BertForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_bert(**overrides):
+    """A 2-layer, hidden-32 BERT classifier with random weights (seed 0), in memory; dropout off unless
+    `overrides` say otherwise (any BertConfig field)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    settings = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))
+
+
+def tiny_run(model, out, **overrides) -> dict:
+    """A training run's settings that finish in seconds: 64 examples, micro-batch 8, 6 steps."""
+    return {**dict(model=str(model), output_dir=str(out), max_train_samples=64, max_eval_samples=40, batch_size=8,
+                   eval_batch_size=16, max_steps=6, log_every=2, lr=1e-3), **overrides}
+
+
+def as_flags(values: dict) -> list[str]:
+    """A run's settings as CLI flags: {"batch_size": 8} -> ["--batch-size", "8"]."""
+    return [arg for key, value in values.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -117,7 +148,6 @@ def cli_here(monkeypatch, capfd):
 
     import datasets  # noqa: F401 (datasets.utils.tqdm)
     import transformers
-
     from effitrain.cli import main
 
     def run(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -220,7 +220,7 @@ def _dropped_linear(linear, p: float, x):
 def _dropout_then_linear(x, weight, p: float):
     import torch
 
-    # torch's dropout, as peft's: the lean layer draws peft's very masks (tests/test_peft.py checks it
+    # torch's dropout, as peft's: the lean layer draws peft's very masks (tests/integration/test_peft.py checks it
     # to the bit), which fast_dropout's cheaper draw would not.
     return torch.nn.functional.linear(torch.nn.functional.dropout(x, p, training=True), weight)
 

@@ -10,7 +10,7 @@ Deep models are simulated at depth 2 and 3 and extrapolated: in a stack of ident
 extra layer adds the same activations (forward) and the same gradients (backward), so each phase's
 peak is linear in depth. The backward is cut into its first layer (plus the head) and its last
 layer (plus the embeddings) because the backward peak sits at one of those two ends: there the
-held activations are largest, here the gradients are. `tests/test_planning.py` checks the
+held activations are largest, here the gradients are. `tests/integration/test_planning.py` checks the
 extrapolation against a full-depth simulation.
 """
 

@@ -6,7 +6,7 @@ float rounding: the matrix products see fewer rows), the same dropout probabilit
 ~1/6 of a 6-layer encoder's arithmetic less per step, forward and backward.
 
 The encoder's output (last_hidden_state) then holds the first token only: done for training runs, where
-nothing else reads it. Verified (tests/test_first_token_head.py) for the layer structure below, BERT's,
+nothing else reads it. Verified (tests/unit/test_first_token_head.py) for the layer structure below, BERT's,
 which RoBERTa, XLM-RoBERTa and ELECTRA copy; other models are left as they are."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ positions restart at each example; and the head, which reads the first token of 
 first token of each example instead: a hook on the encoder hands on only those tokens, one per
 example, so the pooler and classifier that follow give one row of logits per example.
 
-Verified (tests/test_packing.py) for the model types below only, whose heads read the first token and
+Verified (tests/unit/test_packing.py) for the model types below only, whose heads read the first token and
 whose embeddings take position ids; others are refused rather than trained on a different function."""
 
 from __future__ import annotations

@@ -1,0 +1,344 @@
+"""Table of user mistakes: each exits 2 with one line naming the problem and the fix, and leaves the
+previous run's files exactly as they were."""
+
+import hashlib
+import os
+import shutil
+
+import pytest
+import torch
+from effitrain.runtime.devices import has_accelerator
+
+from conftest import run_cli
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def workdir(tiny_model_dir, tmp_path_factory):
+    """A folder with a finished run (prev/) and the broken inputs the cases point at."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "prev" / "model").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, root / "prev" / "model" / name)
+    (root / "prev" / "metrics.json").write_text('{"test": {"accuracy": 0.99}}\n')
+    (root / "prev" / "log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    (root / "empty.csv").write_text("")
+    rows = "\n".join(f"message {i},{['ham', 'spam'][i % 2]}" for i in range(20))
+    (root / "d.csv").write_text("text,label\n" + rows + "\n")
+    (root / "badrow.csv").write_text("text,label\n" + rows + "\ntoo,many,fields\n")
+    (root / "dev.csv").write_text("text,label\nhello,ham\nbuy now,promo\n")
+    (root / "d.txt").write_text("plain text\n")
+    (root / "bad.yaml").write_text("learning_rate: 0.1\n")
+    (root / "plan-bad.yaml").write_text("plan:\n  pieces: 0\n")
+    (root / "plan-edited.yaml").write_text("plan:\n  grad_accum: 1\n  pieces: 1\n  optim: sgd\n")
+    (root / "badtype.yaml").write_text("lr: fast\n")
+    (root / "corrupt").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", root / "corrupt" / "config.json")
+    shutil.copy(tiny_model_dir / "tokenizer.json", root / "corrupt" / "tokenizer.json")
+    (root / "corrupt" / "model.safetensors").write_bytes(b"\x00" * 64)
+    (root / "pickled").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", root / "pickled" / "config.json")
+    shutil.copy(tiny_model_dir / "tokenizer.json", root / "pickled" / "tokenizer.json")
+    (root / "notok").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, root / "notok" / name)
+    torch.save({}, root / "pickled" / "pytorch_model.bin")
+    write_bad_data(root)
+    write_bad_models(root, tiny_model_dir)
+    write_orphan_adapter(root, tiny_model_dir)
+    write_output_cases(root, tiny_model_dir)
+    write_report_cases(root)
+    return root
+
+
+def write_report_cases(root):
+    """Runs of two tasks for `effitrain report`, and a page of the user's that --out must not replace."""
+    from effitrain.outputs.run_folder import MARKER
+
+    for name, task in (("cls-run", "sequence-classification"), ("lm-run", "causal-lm")):
+        (root / name).mkdir()
+        (root / name / "config.yaml").write_text(f"task: {task}\n")
+        (root / name / MARKER).write_text('{"kind": "train"}')
+    (root / "page.html").write_text("<p>mine</p>\n")
+    (root / "ro").mkdir()
+    (root / "ro").chmod(0o555)
+
+
+def write_output_cases(root, tiny_model_dir):
+    """Folders --overwrite must not empty, and weights that do not fit their config."""
+    from effitrain.outputs.run_folder import MARKER
+    from transformers import BertConfig, BertForSequenceClassification
+
+    (root / "notes").mkdir()
+    (root / "notes" / "ideas.txt").write_text("mine")
+    for name in ("marked", "marked2"):  # effitrain runs; the first also holds a file of the user's
+        shutil.copytree(root / "prev", root / name)
+        (root / name / MARKER).write_text('{"kind": "train"}')
+    (root / "marked" / "notes.txt").write_text("mine")
+    (root / "nan.yaml").write_text("lr: .nan\n")
+    config = BertConfig.from_pretrained(tiny_model_dir)
+    config.hidden_size, config.intermediate_size = 64, 128
+    BertForSequenceClassification(config).save_pretrained(root / "wrongsize")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, root / "wrongsize" / name)
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model_dir, root / "nanmodel")  # what a diverged run would have saved, before effitrain refused to
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights["classifier.bias"] = torch.full_like(weights["classifier.bias"], float("nan"))
+    save_file(weights, str(root / "nanmodel" / "model.safetensors"), metadata={"format": "pt"})
+    import json
+
+    labelled = {**json.loads((tiny_model_dir / "config.json").read_text()), "id2label": {"0": "ham", "1": "spam"},
+                "label2id": {"ham": 0, "spam": 1}}  # d.csv's labels, so that evaluate gets to the outputs
+    (root / "nanmodel" / "config.json").write_text(json.dumps(labelled))
+
+
+def write_bad_data(root):
+    """Data of the wrong types, encodings and kinds of file."""
+    import json
+    import os
+
+    def jsonl(name, make):
+        (root / name).write_text("".join(json.dumps(make(i)) + "\n" for i in range(12)))
+
+    label = ["ham", "spam"]
+    jsonl("num_text.jsonl", lambda i: {"text": i, "label": label[i % 2]})
+    jsonl("list_text.jsonl", lambda i: {"text": ["some", "words"], "label": label[i % 2]})
+    jsonl("dict_text.jsonl", lambda i: {"text": {"body": "x"}, "label": label[i % 2]})
+    jsonl("list_label.jsonl", lambda i: {"text": f"m {i}", "label": [i % 2]})
+    jsonl("dict_label.jsonl", lambda i: {"text": f"m {i}", "label": {"y": i % 2}})
+    jsonl("frac_label.jsonl", lambda i: {"text": f"m {i}", "label": i * 0.37})
+    jsonl("pair_num.jsonl", lambda i: {"text": f"m {i}", "q": i, "label": label[i % 2]})
+    (root / "one_class.csv").write_text("text,label\n" + "".join(f"message {i},ham\n" for i in range(12)))
+    (root / "semi.csv").write_text("text;label\n" + "".join(f"message {i};{label[i % 2]}\n" for i in range(12)))
+    (root / "latin.csv").write_bytes(("text,label\n" + "".join(f"caf\xe9 {i},{label[i % 2]}\n" for i in range(12)))
+                                     .encode("latin-1"))
+    (root / "bad.jsonl").write_text('{"text": "a", "label": "x"}\n{"text": oops\n')
+    os.mkfifo(root / "pipe.csv")
+    (root / "noread.csv").write_text("text,label\nhello,ham\n")
+    (root / "noread.csv").chmod(0)
+
+
+def write_orphan_adapter(root, tiny_model_dir):
+    """An adapter folder (as `train --peft` writes it) whose base model is gone."""
+    from safetensors.torch import save_file
+
+    folder = root / "orphan-adapter"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "/nowhere/base", '
+                                                '"r": 8, "lora_alpha": 16, "target_modules": ["query"]}')
+    save_file({}, str(folder / "adapter_model.safetensors"))
+
+
+def write_bad_models(root, tiny_model_dir):
+    """Model folders whose config cannot give the model asked for."""
+    import json
+
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    for name, changes in (("unknown-type", {"model_type": "nosuchmodel"}),
+                          ("bad-shapes", {"hidden_size": 30, "num_attention_heads": 4})):
+        shutil.copytree(tiny_model_dir, root / name)
+        (root / name / "config.json").write_text(json.dumps({**config, **changes}))
+    ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                        intermediate_size=8, image_size=16, patch_size=8)).save_pretrained(root / "vit")
+    shutil.copytree(tiny_model_dir, root / "noread-model")
+    (root / "noread-model").chmod(0)
+
+
+CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines without an accelerator")
+NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+TINY = ["--model", "prev/model", "--max-train-samples", "8"]
+# Rows marked FRESH run as `python -m effitrain` in a new process: one or more for each command and for each
+# library a refusal imports (datasets, transformers, peft, bitsandbytes, torch.distributed), so that what
+# importing prints is seen too. The others call effitrain.cli.main in this process (conftest's cli_here:
+# the same code, the same checks, without 1-15 s of imports each).
+FRESH = pytest.mark.fresh_process
+
+CASES = [
+    # flag values
+    pytest.param(["train", "--lr", "abc"], "invalid float value", marks=FRESH),
+    (["train", "--batch-size", "0"], "--batch-size must be > 0"),
+    (["train", "--warmup-ratio", "2"], "--warmup-ratio must be in [0, 1)"),
+    (["train", "--beta2", "1.5"], "--beta2 must be in [0, 1)"),
+    (["train", "--task", "translation"], "invalid choice"),
+    (["train", "--bogus"], "unrecognized arguments"),
+    # conflicting options
+    (["train", "--packing", "--task", "image-classification"], "--packing applies to text"),
+    (["train", "--packing", "--task", "audio-classification"], "--packing applies to text"),
+    (["train", "--packing", "--model", "gpt2:n_layer=1,n_embd=8,n_head=1"],
+     "--packing for sequence classification is verified exact only for model types"),
+    (["train", "--packing", "--memory-budget", "1GiB"], "--memory-budget cannot split a packed micro-batch"),
+    (["train", "--effective-batch-size", "8", "--grad-accum", "2"], "both set the accumulation"),
+    (["train", "--compile", "--strategy", "fsdp"], "--compile with --strategy fsdp is not supported"),
+    (["train", "--resume", "auto"], "--resume needs the --output-dir"),
+    (["train", *TINY, "--output-dir", "new", "--resume", "nowhere"], "is not a complete effitrain checkpoint"),
+    (["train", "--effective-batch-size", "20", "--batch-size", "8", *TINY, "--output-dir", "new"],
+     "is not a multiple of --batch-size"),
+    pytest.param(["train", "--precision", "fp16", *TINY, "--output-dir", "new"], "needs a CUDA GPU", marks=CPU_ONLY),
+    pytest.param(["train", "--strategy", "deepspeed", *TINY, "--output-dir", "new"], "needs GPUs", marks=CPU_ONLY),
+    # config files and keys
+    (["train", "--config", "missing.yaml"], "does not exist"),
+    pytest.param(["train", "--config", "bad.yaml"], "unknown key `learning_rate`", marks=FRESH),
+    (["train", "--config", "badtype.yaml"], "`lr` must be float"),
+    # model paths and weights
+    (["train", "--model", "./missing-model"], "is not a directory"),
+    (["train", "--model", "nobody/no-such-model"], "nor in the Hugging Face cache"),
+    pytest.param(["train", "--model", "corrupt", "--output-dir", "new"], "cannot load the model", marks=FRESH),
+    (["train", "--model", "pickled", "--output-dir", "new"], "only pickle weights"),
+    (["train", "--model", "gpt2:n_layerz=2", "--task", "causal-lm"], "gpt2 has no setting `n_layerz`"),
+    # data files, columns, labels, rows
+    (["train", *TINY, "--data", "imagenet"], "no such file, folder or built-in"),
+    (["train", *TINY, "--data", "empty.csv", "--output-dir", "new"], "is empty"),
+    (["train", *TINY, "--data", "d.txt", "--output-dir", "new"], "unknown file type"),
+    (["train", *TINY, "--data", "d.csv", "--text-column", "body", "--output-dir", "new"], "has no column `body`"),
+    (["train", *TINY, "--data", "badrow.csv", "--output-dir", "new"], "cannot be read"),
+    (["train", *TINY, "--data", "d.csv", "--validation-file", "dev.csv", "--output-dir", "new"],
+     "label `promo` is not in the training data"),
+    (["train", "--model", "notok", "--output-dir", "new"], "has no tokenizer"),
+    pytest.param(["predict", "--model", "notok", "--text", "hi"], "has no tokenizer", marks=FRESH),
+    # evaluation during training
+    (["train", *TINY, "--data", "d.csv", "--metric-for-best", "f1_promo", "--output-dir", "new"],
+     "--metric-for-best `f1_promo` is not a metric of sequence-classification"),
+    (["train", *TINY, "--data", "d.csv", "--early-stopping-patience", "2", "--output-dir", "new"],
+     "--early-stopping-patience 2 needs at least 3 evaluations"),
+    (["train", "--early-stopping-patience", "0"], "--early-stopping-patience must be > 0"),
+    (["train", "--early-stopping-threshold", "-1"], "--early-stopping-threshold must be >= 0"),
+    (["train", "--eval-every", "0"], "--eval-every must be > 0"),
+    (["train", "--early-stopping-threshold", "0.1"], "applies to early stopping, which is off"),
+    (["train", "--early-stopping-patience", "2", "--early-stopping-threshold", "inf"],
+     "--early-stopping-threshold must be a finite number"),
+    (["train", "--config", "plan-bad.yaml"], "plan `pieces: 0` is not an integer from 1 to --batch-size"),
+    (["train", "--config", "plan-edited.yaml", *TINY, "--output-dir", "new"], "the plan's `optim: 'sgd'` is not what"),
+    (["evaluate", "--model", "prev/model", "--output", "prev/metrics.json"], "already exists"),
+    (["evaluate", "--model", "prev/model", "--output", "nowhere/m.json"], "no folder nowhere"),
+    (["predict", "--model", "prev/model", "--text", "x", "--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["train", "--keep", "worst"], "invalid choice"),
+    # outputs
+    (["train", *TINY, "--output-dir", "prev"], "already holds files"),
+    (["train", *TINY, "--output-dir", "d.csv"], "is a file"),
+    # output folders and honest results
+    (["train", *TINY, "--output-dir", "notes", "--overwrite"], "is not an effitrain run"),
+    (["train", *TINY, "--output-dir", "marked", "--overwrite"], "holds files effitrain did not write (notes.txt)"),
+    (["train", "--model", "marked2/model", "--max-train-samples", "8", "--output-dir", "marked2", "--overwrite"],
+     "holds this run's own input"),
+    (["train", *TINY, "--output-dir", "marked2"], "already holds an effitrain run"),
+    (["train", "--output-dir", ""], "--output-dir is empty"),
+    (["bench", "--output-dir", "notes", "--overwrite", "--variants", "baseline"], "is not an effitrain run"),
+    (["train", "--lr", "inf"], "--lr must be a finite number"),
+    (["train", "--max-grad-norm", "nan"], "--max-grad-norm must be a finite number"),
+    (["train", "--config", "nan.yaml"], "--lr must be a finite number"),
+    (["train", "--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
+     "do not fit its config.json"),
+    (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
+    (["predict", "--model", "nanmodel", "--text", "hi"], "gives non-finite outputs"),
+    pytest.param(["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs", marks=FRESH),
+    # other commands
+    (["predict", "--model", "prev/model"], "nothing to predict"),
+    (["predict", "--model", "prev/model", "--input", "missing.jsonl"], "does not exist"),
+    (["inspect", "./missing-model"], "is not a directory"),
+    (["launch", "--nproc", "2"], "needs the command to run after `--`"),
+    pytest.param(["launch", "--nnodes", "2", "--", "train"], "needs --master-port", marks=FRESH),
+    pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
+    # data of the wrong type, encoding or kind of file (issue 12, item 5)
+    (["train", *TINY, "--data", "num_text.jsonl", "--output-dir", "new"], "column `text` (text) holds integers"),
+    (["train", *TINY, "--data", "list_text.jsonl", "--output-dir", "new"], "column `text` (text) holds lists"),
+    (["train", *TINY, "--data", "dict_text.jsonl", "--output-dir", "new"], "column `text` (text) holds objects"),
+    (["train", *TINY, "--data", "pair_num.jsonl", "--text-pair-column", "q", "--output-dir", "new"],
+     "column `q` (text pair) holds integers"),
+    (["train", *TINY, "--data", "list_label.jsonl", "--output-dir", "new"], "label column `label` holds lists"),
+    (["train", *TINY, "--data", "dict_label.jsonl", "--output-dir", "new"], "label column `label` holds objects"),
+    (["train", *TINY, "--data", "frac_label.jsonl", "--output-dir", "new"], "a regression target"),
+    (["train", *TINY, "--data", "one_class.csv", "--output-dir", "new"], "every training label is `ham` (one class)"),
+    (["train", *TINY, "--data", "d.csv", "--label-column", "text", "--output-dir", "new"],
+     "column `text` is both the text column and the label column"),
+    (["train", *TINY, "--data", "latin.csv", "--output-dir", "new"], "is not UTF-8 text"),
+    (["train", *TINY, "--data", "latin.csv", "--skip-bad-rows", "--output-dir", "new"], "is not UTF-8 text"),
+    (["train", *TINY, "--data", "semi.csv", "--output-dir", "new"], "looks separated by semicolons"),
+    pytest.param(["train", *TINY, "--data", "bad.jsonl", "--output-dir", "new"], "cannot be read as json",
+                 marks=FRESH),  # no datasets log
+    (["train", *TINY, "--data", "pipe.csv", "--output-dir", "new"], "is not a regular file"),
+    (["train", *TINY, "--data", "/dev/zero", "--output-dir", "new"], "is not a regular file"),
+    (["train", *TINY, "--data", "d.csv", "--validation-file", "corrupt", "--output-dir", "new"],
+     "--validation-file corrupt is a folder"),
+    pytest.param(["train", *TINY, "--data", "noread.csv", "--output-dir", "new"], "permission denied", marks=NOT_ROOT),
+    # model configs that cannot be built, lengths beyond the model (issue 12, item 6)
+    (["train", *TINY, "--data", "d.csv", "--model", "bert:hidden_size=abc"], "`hidden_size` must be a whole number"),
+    (["train", *TINY, "--data", "d.csv", "--model", "bert:num_hidden_layers=-1"], "`num_hidden_layers` must be > 0"),
+    (["train", *TINY, "--data", "d.csv", "--model", "bert:hidden_size=30,num_attention_heads=4", "--output-dir", "new"],
+     "does not build a BertForSequenceClassification"),
+    (["plan", "--model", "bert:hidden_size=30,num_attention_heads=4"],
+     "does not build a BertForSequenceClassification"),
+    (["plan", "--model", "bert:hidden_size=abc"], "`hidden_size` must be a whole number"),
+    (["inspect", "bad-shapes"], "does not build a BertForSequenceClassification"),
+    (["train", *TINY, "--data", "d.csv", "--model", "unknown-type", "--output-dir", "new"],
+     "model_type `nosuchmodel`, which transformers"),
+    pytest.param(["inspect", "unknown-type"], "model_type `nosuchmodel`, which transformers", marks=FRESH),
+    (["train", *TINY, "--data", "d.csv", "--model", "vit", "--output-dir", "new"],
+     "model type `vit` has no sequence-classification head"),
+    (["train", *TINY, "--data", "d.csv", "--model", "prev/modle", "--output-dir", "new"],
+     "model path prev/modle does not exist (the folder prev does)"),
+    (["train", *TINY, "--data", "d.csv", "--max-length", "100000", "--output-dir", "new"],
+     "--max-length 100000 is longer than the 512 positions"),
+    pytest.param(["plan", "--model", "prev/model", "--seq-len", "100000"],
+                 "--seq-len 100000 is longer than the 512 positions", marks=FRESH),
+    pytest.param(["train", *TINY, "--data", "d.csv", "--model", "noread-model", "--output-dir", "new"],
+                 "permission denied", marks=NOT_ROOT),
+    # adapters (--peft)
+    (["train", "--peft", "lora", "--lora-r", "0"], "--lora-r must be >= 1"),
+    (["train", "--lora-alpha", "8"], "--lora-alpha applies to adapters, and --peft is none"),
+    (["train", "--peft", "lora", "--lora-target-modules", "query value"], "is not all-linear or a comma list"),
+    pytest.param(["train", *TINY, "--data", "d.csv", "--peft", "lora", "--lora-target-modules", "query,q_proj",
+                  "--output-dir", "new"], "`q_proj` is not a linear module of BertForSequenceClassification",
+                 marks=FRESH),
+    pytest.param(["train", *TINY, "--data", "d.csv", "--peft", "qlora", "--output-dir", "new"],
+                 "dequantise wrongly when a layer's input width is not a multiple of 64", marks=[CPU_ONLY, FRESH]),
+    (["predict", "--model", "orphan-adapter", "--text", "hello"],
+     "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
+    # effitrain report
+    (["report", "missing-run"], "RUN missing-run does not exist"),
+    (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
+    (["report", "notes"], "RUN notes is not an effitrain run"),
+    (["report", "prev/model"], "fix: pass the run's folder: effitrain report prev"),
+    pytest.param(["report", "cls-run", "lm-run"], "the runs are of different tasks", marks=FRESH),
+    (["report", "prev", "--out", "nowhere/r.html"], "no folder nowhere"),
+    (["report", "prev", "--out", "notes"], "--out notes is a folder"),
+    (["report", "prev", "--out", "notes/ideas.txt"], "does not end in .html"),
+    (["report", "prev", "--out", "marked/report.html"], "is inside the effitrain run marked"),
+    (["report", "prev", "--out", "page.html"], "page.html already exists and is not an effitrain report"),
+    pytest.param(["report", "prev", "--out", "ro/r.html"], "the folder ro is not writable", marks=NOT_ROOT),
+    # experiment trackers (--report-to)
+    pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
+    (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),
+    (["train", "--report-to", "tensorboard,tensorboard"], "--report-to names tensorboard twice"),
+    (["train", "--report-to", "none,mlflow"], "mixes none with trackers"),
+    (["train", "--report-to", "tensorboard,"], "has an empty name"),
+    (["train", "--report-to", "tensorboard", "--run-name", " "], "--run-name is empty"),
+]
+
+
+@pytest.mark.parametrize("args, needle", CASES)
+def test_bad_input(workdir, cli_here, request, args, needle):
+    before = snapshot(workdir)  # every earlier run, model and data file
+    fresh = request.node.get_closest_marker("fresh_process") is not None
+    result = (run_cli if fresh else cli_here)(*args, cwd=workdir)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], result.stderr[-2000:]
+    assert snapshot(workdir) == before
+    assert not (workdir / "new").exists()  # nothing half made: the corrected command is not refused
+
+
+def test_the_table_is_long_enough():
+    assert len(CASES) >= 90
+    fresh = [case for case in CASES if any(mark.name == FRESH.name for mark in getattr(case, "marks", ()))]
+    assert len(fresh) >= 12

@@ -1,0 +1,59 @@
+"""benchmarks/ as a suite: every script runs with --dry-run (a tiny model, 1-2 steps, a few examples, one
+thread; nothing written to benchmarks/) in a fresh process and exits 0, so that a rename in the engine
+breaks this test rather than a benchmark weeks later. The list of scripts is read from the folder: a new
+script without --dry-run fails here. Nothing here checks a figure: the dry runs measure a tiny model on
+a busy machine.
+
+The dry runs take 1 to 60 s each on a busy 2-core machine (mostly starting Python processes and importing
+torch: several scripts measure in fresh processes), minutes in all: marked slow."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+HELPERS = {"_common.py"}  # imported by the scripts, not run
+
+
+def scripts() -> list[str]:
+    """benchmarks/*.py that run as scripts (an `if __name__ == "__main__":` block), the helpers left out."""
+    return sorted(path.stem for path in BENCHMARKS.glob("*.py")
+                  if path.name not in HELPERS and '\nif __name__ == "__main__":' in path.read_text())
+
+
+def written(folder: Path) -> tuple[set[str], dict[str, float]]:
+    """The files under `folder` (but __pycache__), and when each results/ file was last written."""
+    files = {p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    return ({str(p.relative_to(folder)) for p in files},
+            {str(p): p.stat().st_mtime for p in files if p.parent.name == "results"})
+
+
+def test_every_script_is_listed_and_has_a_dry_run():
+    found = scripts()
+    assert len(found) >= 17 and "vs_trainer" in found and "_gpu_check" in found
+    modules = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS)
+    assert found == modules, f"not scripts (no __main__ block): {sorted(set(modules) - set(found))}"
+    missing = [name for name in found if "--dry-run" not in (BENCHMARKS / f"{name}.py").read_text()]
+    assert not missing, f"scripts without --dry-run: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", scripts())
+def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_dir, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           "EFFITRAIN_BENCH_DRY_RUN_MODEL": str(tiny_model_dir)}  # _common.dry_run_model: built once here
+    before = written(BENCHMARKS)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--dry-run"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300)
+    seconds = time.perf_counter() - started
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert written(BENCHMARKS) == before
+    assert "dry run" in done.stdout.lower(), done.stdout[-2000:]
+    print(f"{name}: {seconds:.1f} s")

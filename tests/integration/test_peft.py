@@ -1,0 +1,390 @@
+"""LoRA and QLoRA (--peft): what trains, what is saved, equivalences and resume under adapters."""
+
+import json
+import signal
+import sys
+
+import effitrain
+import pytest
+import torch
+from effitrain.commands.evaluate import evaluate
+from effitrain.commands.predict import predict
+from effitrain.errors import UserError
+from effitrain.models import adapters
+from test_distributed import TINY_GPT2, torchrun
+from test_resume import read_log, resumed_here, train
+
+from conftest import read_jsonl, read_weights
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    """A tiny BERT 64 wide: bitsandbytes' CPU 4-bit kernels need input widths that are multiples of 64."""
+    from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny-bert-64")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def small(model, out, **overrides):
+    values = dict(model=str(model), output_dir=str(out), max_train_samples=48, max_eval_samples=16, batch_size=8,
+                  max_steps=4, log_every=1, lr=1e-2, warmup_ratio=0.0, precision="fp32", peft="lora",
+                  lora_dropout=0.0)
+    values.update(overrides)
+    return values
+
+
+def adapter_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_lora_trains_the_adapters_and_the_head_only_and_saves_both_forms(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=6))
+    out = tmp_path / "o"
+    counts = metrics["parameters"]
+    head = 32 * 2 + 2  # the tiny BERT's classifier
+    lora = 2 * (4 * 2 * 8 * 32 + 2 * 8 * (32 + 64)) + 8 * 64  # per layer q,k,v,o and the MLP's two; the pooler
+    assert counts["trainable"] == head + lora and counts["total"] > 10 * counts["trainable"]
+    # AdamW's two fp32 moments per trainable parameter (and a step counter per tensor): nothing for the body.
+    assert 8 * counts["trainable"] <= metrics["optimizer_state_bytes"] <= 8 * counts["trainable"] + 4 * 64
+    assert metrics["adapter_bytes"] == sum(t.numel() * 4 for t in adapter_weights(out).values())
+    assert {p.name for p in out.iterdir()} >= {"model", "adapter", "metrics.json"}
+    # The body's weights did not move; the head and every adapter did.
+    before = read_weights_of(tiny_model_dir)
+    merged = read_weights(out)
+    assert torch.equal(merged["bert.embeddings.word_embeddings.weight"], before["bert.embeddings.word_embeddings.weight"])
+    assert not torch.equal(merged["classifier.weight"], before["classifier.weight"])
+    assert all(t.abs().sum() > 0 for name, t in adapter_weights(out).items() if "lora_B" in name)
+
+    # model/ (merged, plain transformers) and PeftModel(base, adapter/) compute the same logits.
+    inputs = {"input_ids": torch.randint(1000, 2000, (3, 12)), "attention_mask": torch.ones(3, 12, dtype=torch.long)}
+    plain = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**inputs).logits, adapted(**inputs).logits, rtol=1e-4, atol=1e-4)
+    texts = [f"message {i} win a prize now" if i % 2 else f"see you at {i}" for i in range(12)]
+    from_model = predict(str(out / "model"), texts)
+    from_adapter = predict(str(out / "adapter"), texts)
+    assert [p["label"] for p in from_model] == [p["label"] for p in from_adapter]
+    for a, b in zip(from_model, from_adapter):
+        assert a["score"] == pytest.approx(b["score"], abs=1e-4)
+
+
+def read_weights_of(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.mark.parametrize("task, train_samples", [("sequence-classification", 18), ("causal-lm", 18)])
+def test_lora_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir, tmp_path, task, train_samples):
+    """(2 processes x 4 x accumulation 2) == (1 x 4 x 4) == (1 x 16) under LoRA, adapter dropout 0."""
+    model = str(tiny_model_dir) if task == "sequence-classification" else TINY_GPT2
+    common = dict(model=model, task=task, max_train_samples=train_samples, max_eval_samples=16, epochs=2, lr=1e-2,
+                  warmup_ratio=0.0, log_every=1, eval_batch_size=16, peft="lora", lora_dropout=0.0, lora_r=4)
+    flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
+    result = torchrun(2, "train", *flags, "--batch-size", 4, "--grad-accum", 2, "--output-dir", tmp_path / "ddp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    effitrain.train({**common, "batch_size": 4, "grad_accum": 4, "output_dir": str(tmp_path / "accum")})
+    effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
+    single, single_adapter = read_weights(tmp_path / "single"), adapter_weights(tmp_path / "single")
+    assert any("lora_B" in name and t.abs().sum() > 0 for name, t in single_adapter.items())
+    # AdamW divides each update by its own running gradient size: at the few weights whose gradient is near
+    # zero, the rounding of another summation order grows to ~1e-6 (GPT-2's c_attn: 1.15e-6 on a Xeon with
+    # AMX, 2026-12-04); a wrong accumulation moves every adapted weight by about the learning rate (1e-2).
+    atol = 5e-6 if task == "causal-lm" else 1e-6
+    for other in ("ddp", "accum"):
+        weights, adapter = read_weights(tmp_path / other), adapter_weights(tmp_path / other)
+        for name in single:
+            torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=atol)
+        for name in single_adapter:
+            torch.testing.assert_close(adapter[name], single_adapter[name], rtol=1e-5, atol=atol)
+    runs = {d: json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ddp", "single")}
+    assert runs["ddp"]["world_size"] == 2 and runs["ddp"]["parameters"] == runs["single"]["parameters"]
+    assert runs["ddp"]["test"]["loss"] == pytest.approx(runs["single"]["test"]["loss"], rel=1e-5)
+
+
+def test_lora_with_gradient_checkpointing_trains_and_gives_the_same_losses(tiny_model_dir, tmp_path):
+    """The trap of peft #137: with a frozen body, reentrant checkpointing trains nothing. Non-reentrant
+    checkpointing gives the very losses of a run without it, and the adapters move."""
+    effitrain.train(small(tiny_model_dir, tmp_path / "plain"))
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "ckpt", gradient_checkpointing=True))
+    assert metrics["gradient_checkpointing"] is True
+    plain, ckpt = (read_jsonl(tmp_path / d / "log.jsonl") for d in ("plain", "ckpt"))
+    losses = [(a["loss"], b["loss"]) for a, b in zip(plain, ckpt) if "split" not in a]
+    assert len(losses) == 4 and losses[0][0] != losses[-1][0]  # it learned
+    for a, b in losses:
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    first, second = adapter_weights(tmp_path / "plain"), adapter_weights(tmp_path / "ckpt")
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], rtol=1e-5, atol=1e-6)
+    assert all(t.abs().sum() > 0 for name, t in second.items() if "lora_B" in name)
+
+
+def test_lean_adapter_dropout_is_peft_dropout_to_the_bit(tiny_model_dir, tmp_path, monkeypatch):
+    """adapters.lean_dropout recomputes each adapter's dropout in the backward instead of keeping its
+    copy: the same masks (the RNG is restored), so the same losses and weights, bit for bit."""
+    lean = effitrain.train(small(tiny_model_dir, tmp_path / "lean", lora_dropout=0.3))
+    monkeypatch.setattr(adapters, "lean_dropout", lambda model: None)  # peft's own nn.Dropout
+    plain = effitrain.train(small(tiny_model_dir, tmp_path / "plain", lora_dropout=0.3))
+    assert lean["test"]["loss"] == plain["test"]["loss"]
+    losses = [[r["loss"] for r in read_jsonl(tmp_path / d / "log.jsonl") if "split" not in r] for d in ("lean", "plain")]
+    assert losses[0] == losses[1] and len(set(losses[0])) > 1
+    first, second = adapter_weights(tmp_path / "lean"), adapter_weights(tmp_path / "plain")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_lean_adapter_dropout_keeps_no_dropped_copies(tiny_model_dir):
+    """What the backward keeps: with adapter dropout, no more than without any (the inputs are shared)."""
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from transformers import AutoModelForSequenceClassification
+
+    def saved_bytes(dropout):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+        config = cfg.build(None, {"peft": "lora", "lora_dropout": dropout})
+        model = adapters.apply(model, tasks.get("sequence-classification"), config).train()
+        storages = {}
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=torch.randint(1000, 2000, (8, 32)), attention_mask=torch.ones(8, 32, dtype=torch.long))
+        return sum(size for ptr, size in storages.items() if ptr not in params)
+
+    assert saved_bytes(0.1) == saved_bytes(0.0)
+
+
+def test_a_killed_lora_run_resumes_bitwise(tiny_model_dir, tmp_path, cli_here):
+    common = ["--model", tiny_model_dir, "--max-train-samples", 40, "--max-eval-samples", 16, "--batch-size", 4,
+              "--epochs", 1, "--lr", 1e-2, "--log-every", 1, "--save-every", 3, "--seed", 7, "--peft", "lora",
+              "--lora-dropout", 0.1]  # adapter dropout on: resuming must restore the RNG
+    straight = cli_here("train", *common, "--output-dir", tmp_path / "straight")  # in this process
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    job = train(*common, "--output-dir", out)  # a process of its own, to be killed
+    import time
+
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 5 for r in read_log(out)):
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert "resumed from" in resumed_here(cli_here, *common, "--output-dir", out)  # in this process
+    for read in (read_weights, adapter_weights):
+        straight, resumed = read(tmp_path / "straight"), read(out)
+        assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+    # The checkpoint is of a LoRA run: resuming it without --peft is refused, nothing changed.
+    (out / "metrics.json").unlink()
+    before = (out / "config.yaml").read_text()
+    no_peft = [a for a in common if a not in ("--peft", "lora", "--lora-dropout", 0.1)]
+    refused = cli_here("train", *no_peft, "--output-dir", out, "--resume", "auto")  # in this process
+    assert refused.returncode == 2 and "was made with peft='lora', this run has 'none'" in refused.stderr, \
+        refused.stderr
+    assert (out / "config.yaml").read_text() == before
+
+
+def test_keep_best_under_lora_puts_the_best_adapter_back(tiny_model_dir, tmp_path):
+    metrics = effitrain.train(small(tiny_model_dir, tmp_path / "o", max_steps=6, eval_every=2, keep="best",
+                                    metric_for_best="loss"))
+    best = metrics["best"]
+    assert (tmp_path / "o" / "best" / "adapter_config.json").is_file()
+    assert all(torch.equal(a, b) for a, b in zip(adapter_weights(tmp_path / "o").values(),
+                                                 load_file_values(tmp_path / "o" / "best")))
+    evaluated = evaluate(str(tmp_path / "o" / "model"), {"data": "sms-spam", "max_eval_samples": 16},
+                                   split="validation")
+    assert evaluated["loss"] == pytest.approx(best["value"], rel=1e-4)
+
+
+def load_file_values(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors")).values()
+
+
+def test_qlora_base_is_4bit_and_model_dir_is_the_function_that_was_trained(wide_model_dir, tmp_path):
+    """QLoRA: the frozen linear layers are bitsandbytes 4-bit NF4 (double quantised), the head is not;
+    model/ (the adapters merged into the dequantised base) gives the test loss the run measured."""
+    metrics = effitrain.train(small(wide_model_dir, tmp_path / "q", peft="qlora", max_steps=6))
+    assert metrics["peft"] == "qlora"
+    evaluated = evaluate(str(tmp_path / "q" / "model"), {"data": "sms-spam", "max_eval_samples": 16})
+    assert evaluated["loss"] == pytest.approx(metrics["test"]["loss"], rel=1e-4)
+    config = json.loads((tmp_path / "q" / "model" / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain model
+    merged, full = read_weights(tmp_path / "q"), read_weights_of(wide_model_dir)
+    query = "bert.encoder.layer.0.attention.self.query"
+    adapter = adapter_weights(tmp_path / "q")
+    update = 16 / 8 * (adapter[f"base_model.model.{query}.lora_B.weight"] @ adapter[f"base_model.model.{query}.lora_A.weight"])
+    # merged = dequantised base + update: it differs from the full-precision merge by the 4-bit rounding
+    # alone (NF4's widest gap between levels is 0.3 of a block's largest value).
+    error = (merged[f"{query}.weight"] - full[f"{query}.weight"] - update).abs().max()
+    assert 0 < error <= 0.16 * full[f"{query}.weight"].abs().max()
+
+
+def test_qlora_loads_linear_layers_in_4bit(wide_model_dir):
+    from bitsandbytes.nn import Linear4bit
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from effitrain.engine import setup
+    from effitrain.models import loading
+
+    config = cfg.build(None, {"model": str(wide_model_dir), "peft": "qlora"})
+    task = tasks.get(config.task)
+    source = loading.resolve_source(config.model)
+    processor = task.load_processor(source)
+    data = setup.Data(processor, None, None, ["ham", "spam"])
+    plan = setup.RunPlan(1)
+    model, _ = setup.build_model(task, source, data, plan, config, torch.device("cpu"))
+    inner = model.get_base_model()
+    assert isinstance(inner.bert.encoder.layer[0].attention.self.query.base_layer, Linear4bit)
+    quant = inner.bert.encoder.layer[0].attention.self.query.base_layer.weight.quant_state
+    assert quant.quant_type == "nf4" and quant.nested  # double quantisation
+    assert not isinstance(inner.classifier.modules_to_save["default"], Linear4bit)
+    assert all(p.requires_grad == ("lora_" in n or "modules_to_save" in n) for n, p in model.named_parameters())
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("values, needle", [
+    ({"peft": "lora", "lora_r": 0}, "--lora-r must be >= 1"),
+    ({"lora_r": 4}, "--lora-r applies to adapters, and --peft is none"),
+    ({"lora_target_modules": "query"}, "--lora-target-modules applies to adapters"),
+    ({"peft": "lora", "lora_dropout": 1.0}, "--lora-dropout must be in [0, 1)"),
+    ({"peft": "lora", "lora_alpha": 0}, "--lora-alpha must be > 0"),
+    ({"peft": "dora"}, "unknown --peft `dora`"),
+])
+def test_bad_peft_settings_are_refused_before_anything_loads(values, needle):
+    from effitrain import config as cfg
+
+    with pytest.raises(UserError, match=needle.replace("[", r"\[").replace(")", r"\)")):
+        cfg.build(None, values)
+
+
+def test_an_unknown_target_module_lists_the_linear_modules(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError) as err:
+        effitrain.train(small(tiny_model_dir, tmp_path / "o", lora_target_modules="query,q_proj"))
+    assert "`q_proj` is not a linear module of BertForSequenceClassification" in str(err.value)
+    assert "pass some of dense, key, query, value" in str(err.value)
+    with pytest.raises(UserError, match="`classifier` is the task's head, which is trained in full"):
+        effitrain.train(small(tiny_model_dir, tmp_path / "o2", lora_target_modules="classifier"))
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
+
+
+def test_qlora_without_bitsandbytes_4bit_is_one_line(wide_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails, as where it is not installed
+    with pytest.raises(UserError, match="--peft qlora needs bitsandbytes' 4-bit layers"):
+        effitrain.train(small(wide_model_dir, tmp_path / "o", peft="qlora"))
+
+
+def test_qlora_on_a_cpu_refuses_widths_its_kernels_get_wrong(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"multiple of 64 \(bert.encoder.layer.0.attention.self.query: 32\)"):
+        effitrain.train(small(tiny_model_dir, tmp_path / "o", peft="qlora"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_qlora_on_a_model_built_from_a_config_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--peft qlora quantises pretrained weights"):
+        effitrain.train(small(TINY_GPT2, tmp_path / "o", peft="qlora", task="causal-lm"))
+
+
+def test_an_adapter_folder_names_the_task_class_not_the_base_class(tiny_model_dir):
+    """A base checkpoint's config names its bare model (all-MiniLM's: BertModel); the adapter folder's
+    config must name the task's class, or predict and evaluate cannot tell the task."""
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    model.config.architectures = ["BertModel"]
+    adapted = adapters.apply(model, tasks.get("sequence-classification"), cfg.build(None, {"peft": "lora"}))
+    assert adapters.plain_config(adapted).architectures == ["BertForSequenceClassification"]
+
+
+def test_target_names_resolve_to_the_body_only(tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    head = adapters.head_modules(model)
+    assert head == ["classifier"]
+    every = adapters.targets(model, "all-linear", head)
+    assert "classifier" not in every and "bert.pooler.dense" in every and len(every) == 2 * 6 + 1
+    assert adapters.targets(model, "query,value", head) == [
+        f"bert.encoder.layer.{i}.attention.self.{n}" for n in ("query", "value") for i in range(2)]
+
+
+def random_llama_dir(path, hidden: int):
+    """A Llama-shaped causal LM with random weights and an untied output layer, saved with the default
+    model's tokenizer."""
+    from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                 max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_an_untied_lm_head_can_take_an_adapter_and_merges_into_model(tmp_path):
+    """A causal LM's output layer is left out of all-linear (peft's rule) but may be named when it is
+    not tied to the input embeddings; model/ then holds the merged output layer: the same logits as
+    the base with the adapter through peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir = random_llama_dir(tmp_path / "base", hidden=32)
+    effitrain.train(small(base_dir, tmp_path / "o", task="causal-lm", lora_target_modules="q_proj,lm_head",
+                          max_length=32))
+    out = tmp_path / "o"
+    assert any(".lm_head.lora_A" in key for key in adapter_weights(out))
+    ids = torch.randint(5, 1000, (2, 12))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "model").eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter").eval()
+        through_peft = adapted(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base_dir).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, through_peft, rtol=0, atol=1e-4)
+    assert (merged - plain).abs().max() > 1e-3  # the adapters changed the function
+
+
+def test_a_tied_lm_head_is_refused_as_a_target(tmp_path):
+    with pytest.raises(UserError, match="`lm_head` shares its weight with the input embeddings"):
+        effitrain.train(small(TINY_GPT2, tmp_path / "o", task="causal-lm", lora_target_modules="c_attn,lm_head"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_causal_lm_from_a_config_learns_under_lora(tmp_path):
+    """Issue 13's bar: LoRA alone (the output layer's adapter included) halves a random Llama-shaped
+    model's validation perplexity on a real text set in a short run. Over all-linear only it cannot:
+    the frozen random output layer bounds the logits (benchmarks/peft_causal_lm.py)."""
+    base_dir = random_llama_dir(tmp_path / "base", hidden=64)
+    data = {"data": "bbc-news", "max_eval_samples": 32, "max_length": 32}
+    before = evaluate(base_dir, data, split="validation")["perplexity"]
+    after = effitrain.train(small(base_dir, tmp_path / "o", task="causal-lm", data="bbc-news", max_length=32,
+                                  max_train_samples=192, max_eval_samples=32, batch_size=16, max_steps=12,
+                                  lora_r=16, lora_alpha=32, lora_target_modules="q_proj,v_proj,down_proj,lm_head",
+                                  log_every=10))
+    print(f"perplexity {before:.0f} -> {after['validation']['perplexity']:.0f}")
+    assert after["validation"]["perplexity"] <= before / 2, (before, after["validation"]["perplexity"])
+    # adapters only: r x (64 + vocabulary) on the output layer is most of it in a model this small
+    assert after["parameters"]["trainable"] == sum(v.numel() for v in adapter_weights(tmp_path / "o").values())

@@ -1,0 +1,53 @@
+"""model/README.md as the Hub reads it: metadata, model-index, the training procedure (no training here)."""
+
+import pytest
+from effitrain.config import TrainConfig
+from effitrain.outputs import model_card
+from huggingface_hub import ModelCard
+
+
+def result(**overrides) -> dict:
+    values = {"test": {"loss": 3.2, "perplexity": 24.5, "token_accuracy": 0.31, "samples": 40, "tokens": 900},
+              "validation": {"loss": 3.3, "perplexity": 27.1, "token_accuracy": 0.30, "samples": 40, "tokens": 880},
+              "best": {"metric": "loss", "value": 3.3, "step": 20, "kept_in_model": True}, "grad_accum": 2,
+              "world_size": 2, "steps": 20, "epochs": 1.5, "labels": None, "optimizer": "adamw", "precision": "bf16",
+              "gradient_checkpointing": True, "parameters": {"trainable": 1000, "total": 100000},
+              "trainable_share": 0.01, "device": "cpu", "wall_seconds": 12.5, "train_seconds": 9.0,
+              "train_samples_per_second": 35.5, "peak_memory_bytes": 2**30, "pieces_per_micro_batch": 2,
+              "examples": {"train": 300, "validation": 40, "test": 40}}
+    return {**values, **overrides}
+
+
+def facts() -> dict:
+    return {"pipeline_tag": "text-generation", "is_text": True, "hardware": "Some CPU"}
+
+
+@pytest.mark.parametrize("model, expected", [("default", "sentence-transformers/all-MiniLM-L6-v2"),
+                                             ("gpt2", "gpt2"), ("org/name", "org/name"),
+                                             ("gpt2:n_layer=2", None), ("./runs/x/model", None),
+                                             ("/abs/model", None), ("a/b/c", None), ("config.json", None)])
+def test_base_model_is_a_hub_id_or_nothing(model, expected):
+    assert model_card.base_model(model) == expected
+
+
+def test_a_lora_causal_lm_card():
+    config = TrainConfig(model="gpt2", task="causal-lm", data="bbc-news", output_dir="runs/news", peft="qlora",
+                         gradient_checkpointing=True, lr=1e-3).to_dict()
+    card = ModelCard(model_card.render(config, result(), facts()))
+    assert card.data.base_model == "gpt2" and card.data.pipeline_tag == "text-generation"
+    assert card.data.datasets == ["SetFit/bbc-news"] and card.data.tags == ["effitrain", "qlora"]
+    assert {r.metric_name: r.metric_value for r in card.data.eval_results} == {
+        "Loss": 3.2, "Perplexity": 24.5, "Token accuracy": 0.31}  # counts are not metrics
+    text = card.text
+    assert "20 (1.5 epochs) of 16 x 2 x 2 process(es) = 64 examples per step" in text
+    assert "gradient checkpointing" in text and "qlora (r 8, alpha 16.0" in text and "in 2 pieces" in text
+    assert "NF4 base the adapter was trained over, dequantised to fp32" in text and "best validation loss (3.3000, step 20)" in text
+    assert "| Perplexity | 27.1000 | 24.5000 |" in text and "max length 128" in text
+
+
+def test_data_from_a_file_names_no_hub_dataset():
+    config = TrainConfig(data="/data/mine.csv", output_dir="o").to_dict()
+    card = ModelCard(model_card.render(config, result(test={"accuracy": 0.9}, validation={}, best={}),
+                                       {**facts(), "pipeline_tag": "text-classification"}))
+    assert card.data.datasets is None and card.data.eval_results[0].dataset_type == "mine.csv"
+    assert "techniques: gradient checkpointing" in card.text and "| Accuracy | 0.9000 |" in card.text

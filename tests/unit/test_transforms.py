@@ -1,0 +1,75 @@
+"""models/transforms.py: the one ordered pipeline. The model `train` builds (engine set-up) and the model
+the memory planner simulates (meta device, fake tensors) come out of it with the same modules and the
+same parameters, for every combination of the settings its conditions read."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from effitrain import config as cfg
+from effitrain import tasks
+from effitrain.engine import setup
+from effitrain.errors import UserError
+from effitrain.models import adapters, loading, transforms
+from effitrain.planning import planner, simulate
+from effitrain.speedups import dropout
+
+# What the planner leaves out by design (Settings.speed_ups off): the CPU speed-ups, which change how values
+# are computed, not which tensors are held; and compile, which fake tensors do not run.
+NOT_SIMULATED = ["fast-dropout", "first-token-head", "onednn-linear", "compile"]
+# The one module type a left-out speed-up swaps: effitrain's dropout for torch's.
+SPEED_UP_TYPES = {dropout.Dropout: torch.nn.Dropout}
+
+
+def test_every_entry_says_why_it_sits_where_it_does_and_names_are_unique():
+    names = [transform.name for transform in transforms.PIPELINE]
+    assert len(names) == len(set(names)) and names[-1] == "compile"
+    assert all(transform.why for transform in transforms.PIPELINE)
+
+
+def test_skip_leaves_out_named_entries_and_refuses_unknown_names(tiny_model_dir):
+    settings = transforms.Settings(tasks.get("sequence-classification"), gradient_checkpointing=True)
+    model = tasks.get("sequence-classification").build_model(loading.ModelSource(tiny_model_dir), ["a", "b"], None)
+    model, applied = transforms.apply_all(model, settings, skip={"first-token-head"})
+    assert applied[0] == "fast-dropout" and "first-token-head" not in applied and "gradient-checkpointing" in applied
+    assert "forward" not in vars(model.bert.encoder.layer[-1]) and model.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="no transform named"):
+        transforms.apply_all(model, settings, skip={"fast dropout"})
+
+
+def modules(model) -> list[tuple[str, str]]:
+    return [(name, SPEED_UP_TYPES.get(type(module), type(module)).__qualname__)
+            for name, module in model.named_modules()]
+
+
+def parameters(model) -> list[tuple[str, tuple, bool]]:
+    return [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
+
+
+GRID = list(itertools.product(["fp32", "bf16"], [False, True], ["none", "lora"], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("precision, checkpointing, peft, packing, compiled", GRID,
+                         ids=["-".join(map(str, combination)) for combination in GRID])
+def test_training_and_the_planner_build_the_same_model(tiny_model_dir, monkeypatch, precision, checkpointing, peft,
+                                                       packing, compiled):
+    try:
+        config = cfg.build(None, {"model": str(tiny_model_dir), "precision": precision, "peft": peft,
+                                  "gradient_checkpointing": checkpointing, "packing": packing, "compile": compiled})
+    except UserError:
+        pytest.skip("config validation refuses this combination")
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)  # the tree, not the graphs
+    task, source, device = tasks.get(config.task), loading.resolve_source(config.model), torch.device("cpu")
+    plan = setup.RunPlan(1, gradient_checkpointing=checkpointing, precision={"fp32": "no"}.get(precision, precision))
+    trained, applied = setup.build_model(task, source, setup.Data(None, None, None, ["ham", "spam"]), plan, config, device)
+    shapes = planner.model_shapes(config.task, config.model, 2, peft=adapters.Peft.of(config))
+    _mode, planned = simulate._fake_model(config.task, shapes.config, checkpointing, shapes.peft, precision)
+
+    assert modules(trained) == modules(planned)
+    assert parameters(trained) == parameters(planned)
+    assert getattr(trained, "is_gradient_checkpointing", False) == planned.is_gradient_checkpointing == checkpointing
+    assert ("compile" in applied) == compiled and ("adapters" in applied) == (peft != "none")
+    simulated = transforms.chosen(simulate.settings(config.task, checkpointing, shapes.peft))
+    assert [t.name for t in simulated] == [name for name in applied if name not in NOT_SIMULATED]
