@@ -119,16 +119,23 @@ def test_no_engine_function_is_longer_than_60_lines():
     assert longest[0][0] <= 60, longest[:3]
 
 
-def test_no_task_name_is_compared_outside_tasks():
-    names = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
+def compared(names: tuple[str, ...], allowed) -> list[str]:
+    """Where a module that `allowed(relative path)` does not exempt compares something with one of `names`."""
     found = []
     for path in SRC.rglob("*.py"):
-        if "tasks" in path.relative_to(SRC).parts:
+        relative = path.relative_to(SRC)
+        if allowed(relative):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
-                found += [f"{path.name}:{node.lineno}" for c in constants if c in names]
+                found += [f"{relative}:{node.lineno}" for c in constants if c in names]
+    return found
+
+
+def test_no_task_name_is_compared_outside_tasks():
+    names = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
+    found = compared(names, lambda relative: "tasks" in relative.parts)
     assert not found, found
 
 
@@ -180,18 +187,9 @@ def test_no_peft_or_compile_setting_is_decided_on_outside_its_modules():
 def test_no_strategy_name_is_compared_outside_the_strategies_and_only_fsdp_imports_sharding():
     """The engine calls its Strategy's methods (engine/strategies/); config.py's validation and the memory
     planner, which plans for a strategy by name (planning/, commands/plan.py), may compare names."""
-    names = ("ddp", "fsdp", "deepspeed")
     allowed = {"config.py", "commands/plan.py"}
-    found = []
-    for path in SRC.rglob("*.py"):
-        relative = path.relative_to(SRC)
-        if relative.parts[0] == "planning" or relative.parts[:2] == ("engine", "strategies") \
-                or relative.as_posix() in allowed:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
-                found += [f"{relative}:{node.lineno}" for c in constants if c in names]
+    found = compared(("ddp", "fsdp", "deepspeed"), lambda relative: relative.parts[0] == "planning"
+                     or relative.parts[:2] == ("engine", "strategies") or relative.as_posix() in allowed)
     assert not found, found
     importers = sorted(module for module, targets in import_graph().items() if "engine.sharding" in targets)
     assert importers == ["engine.strategies.fsdp"], importers
