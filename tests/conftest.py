@@ -87,9 +87,9 @@ def tiny_bert(**overrides):
     return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))
 
 
-def tiny_run(model, out, **overrides) -> dict:
+def tiny_run(model_dir, out, **overrides) -> dict:
     """A training run's settings that finish in seconds: 64 examples, micro-batch 8, 6 steps."""
-    return {**dict(model=str(model), output_dir=str(out), max_train_samples=64, max_eval_samples=40, batch_size=8,
+    return {**dict(model=str(model_dir), output_dir=str(out), max_train_samples=64, max_eval_samples=40, batch_size=8,
                    eval_batch_size=16, max_steps=6, log_every=2, lr=1e-3), **overrides}
 
 

@@ -19,17 +19,19 @@ class MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def mapped_blocks() -> int:
-    """glibc's count of blocks it mapped on their own (mallinfo2's hblks)."""
+def mallinfo() -> MallInfo2:
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = MallInfo2
-    return libc.mallinfo2().hblks
+    return libc.mallinfo2()
 
 
 def held_in_its_own_mapping() -> bool:
-    before = mapped_blocks()
-    block = torch.empty(BLOCK, dtype=torch.uint8)
-    mapped = mapped_blocks() > before
+    """Whether glibc maps a large block on its own. The block is larger than the whole heap (arena), so no
+    free chunk left there by earlier runs in this process can serve it: only a fresh mapping or the heap's
+    growth can (pages untouched, so nothing is written)."""
+    before = mallinfo()
+    block = torch.empty(BLOCK + before.arena, dtype=torch.uint8)
+    mapped = mallinfo().hblks > before.hblks  # hblks: blocks glibc mapped on their own
     del block
     return mapped
 

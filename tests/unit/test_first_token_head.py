@@ -93,28 +93,25 @@ def test_left_alone_where_it_would_not_hold(tokenizer):
     assert not first_token_head.apply(AutoModel.from_config(config))  # no head: every row is the output
 
 
-def test_a_training_run_prunes_unless_packing(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_training_run_prunes_unless_packing(tiny_model_dir, tmp_path):
     """Through the engine: the classifier of a run computes its last layer for the first token only, and
     a packed run (whose head reads each example's first token) is left whole."""
     import effitrain
-    from effitrain.engine import setup
 
     built = []
-    original = setup.build_model
 
-    def recording(*args, **kwargs):
-        model = original(*args, **kwargs)
-        built.append(model)
-        return model
+    class Recorder:  # the model a run trains, as set-up built it
+        def on_train_begin(self, job):
+            built.append(job.accelerator.unwrap_model(job.model))
 
     rows = "\n".join(f"\"message number {i} {'win a prize' if i % 3 == 0 else 'see you'}\","
                      f"{['ham', 'spam'][i % 3 == 0]}" for i in range(40))
     (tmp_path / "d.csv").write_text("text,label\n" + rows + "\n")
-    monkeypatch.setattr(setup, "build_model", recording)
     for packing in (False, True):
-        effitrain.train({"model": str(tiny_model_dir), "data": str(tmp_path / "d.csv"), "max_steps": 2,
-                         "batch_size": 8, "max_length": 24, "packing": packing,
-                         "output_dir": str(tmp_path / f"run-{packing}")})
+        metrics = effitrain.train({"model": str(tiny_model_dir), "data": str(tmp_path / "d.csv"), "max_steps": 2,
+                                   "batch_size": 8, "max_length": 24, "packing": packing,
+                                   "output_dir": str(tmp_path / f"run-{packing}")}, callbacks=[Recorder()])
+        assert ("first-token-head" in metrics["transforms"]) == (not packing)
     plain, packed = built
     assert "forward" in vars(plain.base_model.encoder.layer[-1])
     assert "forward" not in vars(packed.base_model.encoder.layer[-1])
