@@ -27,13 +27,13 @@ it starts the process) to the moment the model and tokenizer are saved (the chil
 its save returns: `effitrain.train` returning, `trainer.save_model`). Time to exit: the same start to
 the process's end, measured by the parent: it adds the interpreter's teardown, which both sides run in
 the same way (a script calling `effitrain.train`, not the `effitrain` command, which skips most of it).
-Each optimizer step is also timed (forward to zero_grad, without loading the batch: the Trainer's
-on_step_begin -> on_step_end, effitrain's StepRunner.run), and the parent sums the steps by the width the
-batch is padded to: where each side's time goes.
-Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training. For effitrain
-that moment is taken by wrapping `effitrain.engine.evaluator.evaluate` (first called right after the
-loop); the training collator is wrapped the same way in both runs to count real and padded tokens.
-The wrappers only observe: they return what the wrapped functions return.
+Each optimizer step is also timed, without loading the batch, through each side's callbacks: the
+Trainer's on_step_begin -> on_step_end, effitrain's (engine/callbacks.py, `Observer` below) the same,
+which also takes in its step's log line (one record, on the last step); the parent sums the steps by
+the width the batch is padded to: where each side's time goes.
+Peak memory: the subprocess's peak resident set (`ru_maxrss`) at the end of training: effitrain's
+on_train_end callback, the Trainer's end of `train()`. Real and padded tokens are counted from each
+step's batches (effitrain's on_step_begin) and by wrapping the Trainer's collator.
 
 Each run also records the CPU that other processes used during its training (/proc/stat minus its
 own getrusage); above 0.1 core the parent prints a WARNING, since two torch threads sharing two cores
@@ -102,17 +102,13 @@ def parse_args(argv=None):
 
 
 class CountingCollator:
-    """Wraps a collator; records examples, real (attention_mask) and padded tokens of each batch."""
+    """Wraps the Trainer's collator; records examples, real (attention_mask) and padded tokens of each batch."""
 
-    def __init__(self, inner, first_batch_size: int = 0):
+    def __init__(self, inner):
         self.inner = inner
         self.batches: list[tuple[int, int, int]] = []
-        self.first_batch_size = first_batch_size
-        self.first_snapshot = None  # cpu_snapshot() when the first batch of that size is collated
 
     def __call__(self, features):
-        if self.first_snapshot is None and len(features) == self.first_batch_size:
-            self.first_snapshot = cpu_snapshot()
         batch = self.inner(features)
         mask = batch["attention_mask"]
         self.batches.append((int(mask.shape[0]), int(mask.sum()), int(mask.numel())))
@@ -371,18 +367,12 @@ def accuracy(prediction) -> dict:
 
 def run_effitrain(args) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    observed: dict = {}
-    counters: list[CountingCollator] = []
-    step_seconds: list[float] = []
-    observe_effitrain(args, observed, counters, step_seconds)
+    observer = Observer()
+    observed, batches = observer.observed, observer.batches
     out_dir = Path(tempfile.mkdtemp(prefix="vs_trainer_effitrain_")) / "run"
     config = effitrain_config(args, out_dir)
-    metrics, loss, call_seconds, saved_at = train_effitrain(config, out_dir)
-    tokens, batches = None, []
-    if counters:
-        # The loop collates one 1-example stand-in batch before training; leave it out.
-        batches = [b for b in counters[-1].batches if not (b[0] == 1 and args.batch_size > 1)]
-        tokens = token_summary(batches, args.steps)
+    metrics, loss, call_seconds, saved_at = train_effitrain(config, out_dir, observer)
+    tokens = token_summary(batches, args.steps) if batches else None
     seconds = metrics["train_seconds"]
     samples = args.steps * args.batch_size
     return {
@@ -401,8 +391,8 @@ def run_effitrain(args) -> dict:
         "peak_memory_bytes": metrics.get("peak_memory_bytes"),
         "cuda_peak_allocated_bytes": cuda_peak(),
         # from the first training batch to the end of the loop: close to train_seconds
-        "cpu": (cpu_share(counters[-1].first_snapshot, observed["cpu_end_of_training"])
-                if counters and counters[-1].first_snapshot and "cpu_end_of_training" in observed else None),
+        "cpu": (cpu_share(observer.first_snapshot, observed["cpu_end_of_training"])
+                if observer.first_snapshot and "cpu_end_of_training" in observed else None),
         "train_loss_mean": loss,
         "test": metrics.get("test"),
         "validation": metrics.get("validation"),
@@ -410,55 +400,52 @@ def run_effitrain(args) -> dict:
         "call_seconds": call_seconds,
         "saved_at": saved_at,
         "tokens": tokens,
-        "step_seconds": step_seconds,
+        "step_seconds": observer.step_seconds,
         "step_widths": widths(batches, args.steps),
         "dtype": observed.get("dtype"),
         "head_checksum": observed.get("head_checksum"),
-        "settings": effitrain_settings(args, counters),
+        "settings": effitrain_settings(args, observed),
         "config": config,
         **versions(effitrain_too=True),
     }
 
 
-def observe_effitrain(args, observed: dict, counters: list, step_seconds: list) -> None:
-    """Wrap effitrain's pieces to record the peak RSS and CPU at the end of training (the first
-    evaluation), the training batches (the collator), the model's dtype and initial head, and each
-    optimizer step's seconds. Instrumentation only: each wrapper returns what the wrapped function returns."""
-    from effitrain import tasks
-    from effitrain.engine import evaluator as evaluation
-    from effitrain.engine import step as engine_step
+class Observer:
+    """effitrain's callbacks (engine/callbacks.py), to record what the Trainer's side records: the model's
+    dtype and initial head, the tokens of each step's batches and the CPU from the first one, each
+    optimizer step's seconds (from before its forward to after its log line, the Trainer's on_step_begin
+    to on_step_end), and the peak RSS and CPU when the loop ends (before the test evaluation)."""
 
-    task = tasks.get("sequence-classification")
-    evaluate, collators, build_model = evaluation.evaluate, task.collators, task.build_model
-    run_step = engine_step.StepRunner.run
+    def __init__(self):
+        self.observed: dict = {}
+        self.batches: list[tuple[int, int, int]] = []  # (examples, real tokens, padded tokens)
+        self.first_snapshot = None
+        self.step_seconds: list[float] = []
+        self.started = 0.0
 
-    def evaluate_after_training(*a, **k):
-        observed.setdefault("rss_end_of_training", rss_peak_bytes())  # the first call follows the loop
-        observed.setdefault("cpu_end_of_training", cpu_snapshot())
-        return evaluate(*a, **k)
-
-    def counting_collators(*a, **k):
-        train_collate, eval_collate = collators(*a, **k)
-        counters.append(CountingCollator(train_collate, args.batch_size))
-        return counters[-1], eval_collate
-
-    def recording_build_model(*a, **k):
-        model = build_model(*a, **k)
-        observed["dtype"] = str(next(model.parameters()).dtype)
+    def on_train_begin(self, job):
+        model = job.accelerator.unwrap_model(job.model)
+        self.observed["dtype"] = str(next(model.parameters()).dtype)
         if hasattr(model, "classifier"):
-            observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
-        return model
+            self.observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
+        collate = getattr(job.train_dl, "collate_fn", None)
+        self.observed["pad_to_multiple_of"] = getattr(collate, "pad_to_multiple_of", None)
 
-    def timed_step(self, *a, **k):  # the same span as the Trainer's: forward to zero_grad, not the loading
-        started = time.perf_counter()
-        result = run_step(self, *a, **k)
-        step_seconds.append(time.perf_counter() - started)
-        return result
+    def on_step_begin(self, state, group):
+        if self.first_snapshot is None:
+            self.first_snapshot = cpu_snapshot()
+        for batch in group:
+            if batch is not None:
+                mask = batch["attention_mask"]
+                self.batches.append((int(mask.shape[0]), int(mask.sum()), int(mask.numel())))
+        self.started = time.perf_counter()
 
-    evaluation.evaluate = evaluate_after_training
-    task.collators = counting_collators
-    task.build_model = recording_build_model
-    engine_step.StepRunner.run = timed_step
+    def on_step_end(self, state, result):
+        self.step_seconds.append(time.perf_counter() - self.started)
+
+    def on_train_end(self, state):
+        self.observed["rss_end_of_training"] = rss_peak_bytes()
+        self.observed["cpu_end_of_training"] = cpu_snapshot()
 
 
 def effitrain_config(args, out_dir: Path) -> dict:
@@ -479,14 +466,14 @@ def effitrain_config(args, out_dir: Path) -> dict:
     return config
 
 
-def train_effitrain(config: dict, out_dir: Path) -> tuple[dict, float | None, float, float]:
-    """effitrain.train(config): its metrics, the mean training loss, the call's seconds and the time the
+def train_effitrain(config: dict, out_dir: Path, observer: Observer) -> tuple[dict, float | None, float, float]:
+    """effitrain.train(config) watched by `observer`: its metrics, the mean training loss, the call's seconds and the time the
     model was saved; the run's folder is then removed."""
     import effitrain
 
     try:
         start = time.perf_counter()
-        metrics = effitrain.train(config)
+        metrics = effitrain.train(config, callbacks=[observer])
         call_seconds, saved_at = time.perf_counter() - start, time.time()
         loss = metrics.get("train_loss")  # log_every = steps: the mean over every example of the run
         log_path = out_dir / "log.jsonl"
@@ -500,7 +487,7 @@ def train_effitrain(config: dict, out_dir: Path) -> tuple[dict, float | None, fl
     return metrics, loss, call_seconds, saved_at
 
 
-def effitrain_settings(args, counters: list) -> dict:
+def effitrain_settings(args, observed: dict) -> dict:
     """What effitrain ran with: the optimizer its AdamW factory builds, its sampling, padding, schedule."""
     import torch
 
@@ -517,7 +504,7 @@ def effitrain_settings(args, counters: list) -> dict:
         "fused": probe.defaults.get("fused") if probe is not None else None,
         "foreach": probe.defaults.get("foreach") if probe is not None else None,
         "group_by_length": defaults.group_by_length,
-        "pad_to_multiple_of": getattr(counters[-1].inner, "pad_to_multiple_of", None) if counters else None,
+        "pad_to_multiple_of": observed.get("pad_to_multiple_of"),
         "warmup_steps": optim.warmup_steps(args.steps, WARMUP_RATIO),
         "eval_batch_size": defaults.eval_batch_size,
     }
