@@ -54,6 +54,9 @@ def test_callbacks_see_each_step_evaluation_and_save_in_order(tiny_model_dir, tm
 def test_a_callback_without_hooks_is_refused_and_a_raising_one_stops_the_run(tiny_model_dir, tmp_path):
     with pytest.raises(TypeError, match="has none of the hooks"):
         Callbacks([object()])
+    with pytest.raises(TypeError, match="has none of the hooks"):  # before anything is loaded or written
+        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "never"), callbacks=[object()])
+    assert not (tmp_path / "never").exists()
 
     class Stop:
         def on_step_end(self, state, result):

@@ -18,9 +18,11 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
     `effitrain` command, whose process start counts as the run's start-up (imports, arguments).
     `callbacks`: hooks into the loop (engine/callbacks.py)."""
     from effitrain.data import sources
+    from effitrain.engine import callbacks as hooks
     from effitrain.engine import checkpoint
     from effitrain.models import loading
 
+    callbacks = hooks.checked(callbacks)  # before anything runs or is written
     loading.check_local(config.model, config.allow_pickle)  # paths first: no library needed to refuse them
     for flag, source in (("--data", config.data), ("--validation-file", config.validation_file),
                          ("--test-file", config.test_file)):

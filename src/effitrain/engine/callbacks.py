@@ -17,12 +17,19 @@ from __future__ import annotations
 HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_evaluate", "on_save", "on_train_end")
 
 
+def checked(callbacks) -> list:
+    """The callbacks as a list; refuses, before a run starts, one that has none of the hooks (a typo in
+    a method's name would otherwise watch nothing, silently)."""
+    callbacks = list(callbacks)
+    for callback in callbacks:
+        if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+            raise TypeError(f"{callback!r} has none of the hooks {', '.join(HOOKS)}")
+    return callbacks
+
+
 class Callbacks:
     def __init__(self, callbacks=()):
-        self.callbacks = list(callbacks)
-        for callback in self.callbacks:
-            if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-                raise TypeError(f"{callback!r} has none of the hooks {', '.join(HOOKS)}")
+        self.callbacks = checked(callbacks)
 
     def call(self, hook: str, *args) -> None:
         assert hook in HOOKS, hook
