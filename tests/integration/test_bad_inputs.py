@@ -249,6 +249,12 @@ CASES = [
     (["launch", "--nproc", "2"], "needs the command to run after `--`"),
     pytest.param(["launch", "--nnodes", "2", "--", "train"], "needs --master-port", marks=FRESH),
     pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
+    # bench's --extra, parsed and validated as train would before any run (issue 28, item 6)
+    (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr"],
+     "--extra: argument --lr: expected one argument"),
+    (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr -1"], "--extra: --lr must be > 0"),
+    (["bench", "--output-dir", "new", "--extra=--no-such-flag"], "--extra: unrecognized arguments: --no-such-flag"),
+    (["bench", "--output-dir", "new", "--extra=--config nan.yaml"], "--extra: --lr must be a finite number"),
     # data of the wrong type, encoding or kind of file (issue 12, item 5)
     (["train", *TINY, "--data", "num_text.jsonl", "--output-dir", "new"], "column `text` (text) holds integers"),
     (["train", *TINY, "--data", "list_text.jsonl", "--output-dir", "new"], "column `text` (text) holds lists"),

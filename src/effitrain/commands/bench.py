@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     explicit = args.variants is not None
     names = select_variants(args.variants)
     for name in names:  # a setting that cannot work fails now, not after the other variants ran
-        variant_settings(name, args.batch_size)
+        check_train_flags(args, variant_settings(name, args.batch_size), extra)
     inputs = (args.model, args.data, *(flag for flag in extra if not flag.startswith("-")))
     held = run_folder.RunDir(args.output_dir, args.overwrite, inputs=inputs, kind="bench").acquire()
     bench_dir = held.path
@@ -147,6 +147,27 @@ def parse_extra(extra: str | None) -> list[str]:
             raise UserError(f"--extra sets {name}, which the bench sets on every run itself",
                             f"use `effitrain bench {RESERVED_FLAGS[name]}` instead")
     return flags
+
+
+class _Refusing(argparse.ArgumentParser):
+    def error(self, message: str):  # what bench itself passes is valid: the mistake is --extra's
+        raise UserError(f"--extra: {message}", "see `effitrain train --help`")
+
+
+def check_train_flags(args: argparse.Namespace, settings: dict[str, Any], extra: list[str]) -> None:
+    """A variant's `effitrain train` flags (--extra with them) parsed and validated here as train would,
+    so that a mistake in --extra is one line before any run starts or anything is written."""
+    from effitrain.commands import train
+
+    parser = _Refusing(prog="effitrain")
+    train.add_parser(parser.add_subparsers(dest="command", parser_class=_Refusing))
+    values = vars(parser.parse_args(train_command(args, settings, Path("."), extra)[3:]))
+    values.pop("command")
+    config_file = values.pop("config", None)
+    try:
+        cfg.build(cfg.load_yaml(config_file) if config_file else None, values)
+    except UserError as err:
+        raise UserError(f"--extra: {err.problem}" if extra else err.problem, err.fix) from None
 
 
 def select_variants(spec: str | None) -> list[str]:
