@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -270,6 +271,17 @@ def base_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
+_QUOTED = reprlib.Repr()  # keyword arguments only from Python 3.12
+_QUOTED.maxlevel, _QUOTED.maxstring, _QUOTED.maxother, _QUOTED.maxlong = 2, 60, 60, 60
+_QUOTED.maxtuple = _QUOTED.maxlist = _QUOTED.maxdict = _QUOTED.maxset = 4
+
+
+def quoted(value: Any) -> str:
+    """A value as a message quotes it: bounded, whatever its size or nesting (a YAML file's aliases can
+    make a list of billions of items, which repr() would build in full)."""
+    return value if isinstance(value, str) and len(value) <= 60 else _QUOTED.repr(value)
+
+
 def coerce(key: str, value: Any, where: str) -> Any:
     """Check one YAML value against its field's type; ints are accepted for floats, nothing else converts."""
     kind, nullable = base_type(field_types()[key])
@@ -282,7 +294,7 @@ def coerce(key: str, value: Any, where: str) -> Any:
         choices, shown = meta(key).get("choices"), meta(key).get("example") or _example(kind)
         example = f"one of {', '.join(map(str, choices))}" if choices else f"e.g. `{key}: {shown}`"
         raise UserError(f"{where}: `{key}` must be {kind.__name__}{' or null' if nullable else ''}, "
-                        f"got {type(value).__name__} {value!r}", f"write {example}")
+                        f"got {type(value).__name__} {quoted(value)}", f"write {example}")
     return value
 
 
@@ -396,7 +408,7 @@ def _words(name: str, value: Any, rules: typing.Mapping[str, Any], default: Any)
     lo, hi = rules.get("within", (None, None))
     ends = rules.get("ends", "[)")
     choices = [str(choice) for choice in rules.get("choices", ())]
-    return {"flag": flag(name), "value": value, "default": default, "either": " or ".join(choices),
+    return {"flag": flag(name), "value": quoted(value), "default": default, "either": " or ".join(choices),
             "one_of": ", ".join(choices), "at_least": rules.get("at_least"),
             "range": f"{ends[0]}{lo}, {_bound(hi)}{ends[1]}"}
 
@@ -425,7 +437,7 @@ def check_plan(plan: dict, batch_size: int) -> None:
                             f"a plan holds only {', '.join(PLAN_VALUES)} (as config.yaml writes it)")
         allowed, words = PLAN_VALUES[key]
         if not allowed(value, batch_size):
-            raise UserError(f"config: plan `{key}: {value!r}` is not {words}",
+            raise UserError(f"config: plan `{key}: {quoted(value)}` is not {words}",
                             "rerun with the config.yaml as the run wrote it, or drop the plan block")
 
 

@@ -7,10 +7,18 @@ class UserError(Exception):
     exit_code = 2
 
     def __init__(self, problem: str, fix: str):
-        # One line, always: tools grep stderr and people read the last line.
-        self.problem = " ".join(str(problem).split())
-        self.fix = " ".join(str(fix).split())
+        # One line, always: tools grep stderr and people read the last line. Bounded too: a message may
+        # quote what the user gave (a path, a flag's value), which may be megabytes.
+        self.problem = bounded(" ".join(str(problem).split()))
+        self.fix = bounded(" ".join(str(fix).split()))
         super().__init__(f"{self.problem}; fix: {self.fix}")
+
+
+LONGEST = 1000  # characters of a problem or a fix; the rest is cut
+
+
+def bounded(text: str) -> str:
+    return text if len(text) <= LONGEST else text[:LONGEST - 30] + f" ... ({len(text) - LONGEST + 30:,} more characters)"
 
 
 class Diverged(UserError):

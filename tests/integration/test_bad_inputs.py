@@ -80,6 +80,11 @@ def write_output_cases(root, tiny_model_dir):
         (root / name / MARKER).write_text('{"kind": "train"}')
     (root / "marked" / "notes.txt").write_text("mine")
     (root / "nan.yaml").write_text("lr: .nan\n")
+    # 9**12 items by aliases under a known key: its message must not build them (issue 28, item 3)
+    anchors = ['&a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for previous, name in zip("abcdefghijk", "bcdefghijkl"):
+        anchors.append(f"&{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
+    (root / "bomb.yaml").write_text("lr: [" + ", ".join(anchors) + "]\n")
     config = BertConfig.from_pretrained(tiny_model_dir)
     config.hidden_size, config.intermediate_size = 64, 128
     BertForSequenceClassification(config).save_pretrained(root / "wrongsize")
@@ -236,6 +241,7 @@ CASES = [
     (["train", "--lr", "inf"], "--lr must be a finite number"),
     (["train", "--max-grad-norm", "nan"], "--max-grad-norm must be a finite number"),
     (["train", "--config", "nan.yaml"], "--lr must be a finite number"),
+    (["train", "--config", "bomb.yaml"], "`lr` must be float or null, got list [['lol', 'lol', 'lol', 'lol', ...], "),
     (["train", "--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
      "do not fit its config.json"),

@@ -205,3 +205,18 @@ def test_a_commands_shared_value_is_refused_in_trains_words(cli_here, tmp_path):
     plan = cli_here("plan", "--batch-size", "0", cwd=tmp_path)
     assert train.returncode == plan.returncode == 2 and train.stderr == plan.stderr
     assert "--batch-size must be > 0, got 0; fix: pass a positive value to --batch-size" in plan.stderr
+
+
+def test_messages_quote_user_values_within_bounds():
+    """A YAML alias bomb or a megabyte flag value: the message is built at once and stays short."""
+    from effitrain.errors import LONGEST, UserError
+
+    deep = ["lol"] * 9
+    for _ in range(20):  # 9**21 items if expanded
+        deep = [deep] * 9
+    assert len(cfg.quoted(deep)) < 200 and cfg.quoted("short") == "short"
+    with pytest.raises(UserError) as caught:
+        cfg.build(None, {"report_to": "x" * 10**6})  # quoted in its message
+    assert len(str(caught.value)) < 2 * LONGEST + 20
+    err = UserError("p" * 10**6, "f" * 10**6)
+    assert len(err.problem) == LONGEST and err.problem.endswith("more characters)") and len(err.fix) == LONGEST
