@@ -241,6 +241,9 @@ CASES = [
     (["train", "--lr", "inf"], "--lr must be a finite number"),
     (["train", "--max-grad-norm", "nan"], "--max-grad-norm must be a finite number"),
     (["train", "--config", "nan.yaml"], "--lr must be a finite number"),
+    (["plan", "--memory", "0"], "--memory must be > 0, got 0"),
+    (["train", *TINY, "--peft", "lora", "--lora-r", "40", "--output-dir", "new"],
+     "--lora-r 40 is above the smaller side of `bert.encoder.layer.0.attention.self.query` (32 inputs x 32 outputs)"),
     (["train", "--config", "bomb.yaml"], "`lr` must be float or null, got list [['lol', 'lol', 'lol', 'lol', ...], "),
     (["train", "--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
@@ -253,6 +256,7 @@ CASES = [
     (["predict", "--model", "prev/model", "--input", "missing.jsonl"], "does not exist"),
     (["inspect", "./missing-model"], "is not a directory"),
     (["launch", "--nproc", "2"], "needs the command to run after `--`"),
+    (["launch", "--nproc", "1000", "--", "train"], "--nproc 1000 is more than 4 processes per CPU core"),
     pytest.param(["launch", "--nnodes", "2", "--", "train"], "needs --master-port", marks=FRESH),
     pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
     # bench's --extra, parsed and validated as train would before any run (issue 28, item 6)

@@ -274,6 +274,23 @@ def local_accelerators() -> int:
     return torch.cuda.device_count()
 
 
+# CPU workers per core beyond which more processes only wait on each other, each with its own copy of
+# the model (1,000 workers on 2 cores were accepted, and stuck in their store connects).
+CPU_WORKERS_PER_CORE = 4
+
+
+def check_nproc(nproc: int) -> None:
+    """--nproc within what this node can run: one process per accelerator, or a few per CPU core."""
+    devices, cores = local_accelerators(), os.cpu_count() or 1
+    if devices and nproc > devices:
+        raise UserError(f"--nproc {nproc} is more processes than this node's {devices} accelerator(s)",
+                        f"pass --nproc {devices} or less (one process per device)")
+    if not devices and nproc > CPU_WORKERS_PER_CORE * cores:
+        raise UserError(f"--nproc {nproc} is more than {CPU_WORKERS_PER_CORE} processes per CPU core of this node "
+                        f"({cores} cores)", f"pass --nproc {cores} or less (on CPUs, fewer processes with more "
+                        "threads each do more)")
+
+
 def from_environment(env: Mapping[str, str], want_nproc: bool = True) -> Cluster | None:
     """Slurm (any SLURM_JOB_ID), else a PyTorchJob or torchrun-style environment, else None."""
     if _first(env, "SLURM_JOB_ID", "SLURM_JOBID"):
@@ -376,6 +393,7 @@ def launch(args, command: list[str]) -> int:
     check_command(command)
     args, origin = resolve(args, os.environ)
     check_numbers(args)
+    check_nproc(args.nproc)
     if origin:
         print(origin, file=sys.stderr, flush=True)
 

@@ -53,7 +53,9 @@ def main(args) -> int:
     for name in ("seq_len", "world_size", "num_labels"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
     if args.memory is not None:
-        sizes.parse_size(args.memory)  # a mistake answers before torch is imported
+        if sizes.parse_size(args.memory) <= 0:  # a mistake answers before torch is imported
+            raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
+                            "for what is free on the device now")
     import torch
 
     from effitrain.planning import planner as plan

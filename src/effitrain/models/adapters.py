@@ -169,12 +169,32 @@ def apply(model, task, config):
 
     head = head_modules(model) if task.has_labels else []
     keep_4bit_layout(model)
+    names = targets(model, config.lora_target_modules, head)
+    check_rank(model, names, config.lora_r)
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets(model, config.lora_target_modules, head),
-                      modules_to_save=head or None, task_type=peft_task_type(task))
+                      target_modules=names, modules_to_save=head or None, task_type=peft_task_type(task))
     adapted = get_peft_model(model, lora)
     lean_dropout(adapted)
     return adapted
+
+
+def shape(module) -> tuple[int, int]:
+    """(inputs, outputs) of a module an adapter wraps: nn.Linear's and bitsandbytes' (whose 4-bit weight
+    is packed) from their attributes, GPT-2's Conv1D (weight: inputs x outputs) from its weight."""
+    if hasattr(module, "in_features"):
+        return module.in_features, module.out_features
+    return tuple(module.weight.shape)
+
+
+def check_rank(model, names: list[str], rank: int) -> None:
+    """A rank above a target's smaller side is refused: its update B @ A would be no lower-rank than the
+    matrix itself, with more numbers to train (peft builds it without a word)."""
+    modules = dict(model.named_modules())
+    name, (inputs, outputs) = min(((name, shape(modules[name])) for name in names), key=lambda item: min(item[1]))
+    if rank > min(inputs, outputs):
+        raise UserError(f"--lora-r {rank} is above the smaller side of `{name}` ({inputs} inputs x {outputs} "
+                        "outputs): its adapter would be no lower-rank than the layer itself",
+                        f"pass --lora-r {min(inputs, outputs)} or less (LoRA's ranks are usually 4 to 64)")
 
 
 def keep_4bit_layout(model) -> None:
