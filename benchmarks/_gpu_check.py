@@ -7,7 +7,7 @@
     python benchmarks/_gpu_check.py --dry-run   # each of the above once, on samples: needs no GPU
 
 `validate` parses a command line with effitrain's own parser (cli.build_parser) and, for train, builds
-and validates its TrainConfig exactly as `cmd_train` does before it trains (config.build); launch's
+and validates its TrainConfig exactly as `effitrain train` (commands/train.main) does before it trains (config.build); launch's
 options go through launch.check. Nothing runs: checks that need the devices (--strategy fsdp's refusal
 on CPUs, NCCL, CUDA memory) happen when a run sets up, and are not made here. `validate-script` runs a
 script's own argparse parser on its arguments and stops there (for scripts without a --dry-run).
@@ -43,14 +43,14 @@ def validate_effitrain(argv: list[str]) -> None:
 
         from effitrain.commands import launch
 
-        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv  # as cli.cmd_launch reads it
+        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv  # as commands/launch.main reads it
         if hasattr(launch, "resolve"):  # flags left out are taken from a cluster's environment
             launch.check_command(command)
             launch.check_numbers(launch.resolve(args, os.environ)[0])
         else:
             launch.check(args, command)
         validate_effitrain(command)
-    elif args.command == "train":  # cli.cmd_train, up to runs.train
+    elif args.command == "train":  # commands/train.main, up to commands/train.train
         values = vars(args).copy()
         values.pop("command")
         config_file = values.pop("config", None)

@@ -1,4 +1,4 @@
-"""What keeping freed memory in glibc's heap (engine/allocator.py) buys a CPU training step and evaluation,
+"""What keeping freed memory in glibc's heap (speedups/allocator.py) buys a CPU training step and evaluation,
 and what it costs in resident memory.
 
 Each run is a fresh subprocess of this script (glibc's settings and heap are per process), in two

@@ -1,4 +1,4 @@
-"""What dropout costs in a training step, and what effitrain's fast_dropout takes off, each change alone.
+"""What dropout costs in a training step, and what effitrain's speedups/dropout.py takes off, each change alone.
 
 The default model (all-MiniLM-L6-v2, BERT, dropout 0.1 in 13 hidden-state layers and 6 attention
 layers) trains on random token batches of `--batch-size` x `--length` (all real tokens), one full
@@ -7,14 +7,14 @@ the same weights, in this one process:
 
   torch      the model as transformers builds it: nn.Dropout (CPU `bernoulli_` masks), SDPA attention,
              which falls back to its math path (and `bernoulli_`) whenever dropout is on
-  layers     fast_dropout.apply(layers=True, attention=False): the nn.Dropout layers only
-  attention  fast_dropout.apply(layers=False, attention=True): the attention dropout only
-  both       fast_dropout.apply(): both
+  layers     dropout.apply(layers=True, attention=False): the nn.Dropout layers only
+  attention  dropout.apply(layers=False, attention=True): the attention dropout only
+  both       dropout.apply(): both
   effitrain  both, and first_token_head.apply(): the classifier's last layer computes the first token's
              row only (first_token_head.py), and onednn_linear.apply(): fp32 linear layers through oneDNN
              where effitrain prefers it (CPUs not Intel's), what `effitrain train` runs
 
-`--keep-freed-memory` makes glibc keep freed memory for reuse in this process (engine/allocator.py, as
+`--keep-freed-memory` makes glibc keep freed memory for reuse in this process (speedups/allocator.py, as
 `effitrain train` does on CPUs), for every variant.
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a

@@ -1,7 +1,7 @@
 """What computing only the first token's row in the last layer (first_token_head.py) buys a sequence
 classifier's training step and its evaluation.
 
-The default model (all-MiniLM-L6-v2, BERT, 6 layers) with effitrain's dropout (fast_dropout.apply, as
+The default model (all-MiniLM-L6-v2, BERT, 6 layers) with effitrain's dropout (speedups.dropout.apply, as
 `effitrain train` runs it), in two copies from the same weights in this one process:
 
   whole        every layer computes every token's row

@@ -185,7 +185,7 @@ def cli_here(monkeypatch, capfd):
         for logger in [logging.root, *(lg for lg in logging.root.manager.loggerDict.values()
                                        if isinstance(lg, logging.Logger))]:
             if logger.name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
-                patch.setattr(logger, "level", logging.NOTSET)  # models.quiet_import_warnings sets them
+                patch.setattr(logger, "level", logging.NOTSET)  # runtime/libraries.quiet_import_warnings sets them
             for handler in logger.handlers:
                 if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
                     patch.setattr(handler, "stream", sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import reprlib
@@ -259,6 +260,7 @@ def _field(name: str) -> dataclasses.Field:
     return next(f for f in fields() if f.name == name)
 
 
+@functools.cache  # every flag and every YAML key asks; get_type_hints resolves all the fields each time
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from effitrain import config as cfg
 from effitrain.errors import UserError
+from effitrain.report.svg import times
 
 BASELINE = "baseline"
 BASE_SETTINGS = {"precision": "fp32", "optim": "adamw"}
@@ -95,8 +96,8 @@ def main(args: argparse.Namespace) -> int:
     extra = parse_extra(args.extra)
     explicit = args.variants is not None
     names = select_variants(args.variants)
-    for name in names:  # a setting that cannot work fails now, not after the other variants ran
-        check_train_flags(args, variant_settings(name, args.batch_size), extra)
+    # a setting that cannot work fails now, not after the other variants ran
+    check_train_flags(args, [variant_settings(name, args.batch_size) for name in names], extra)
     inputs = (args.model, args.data, *(flag for flag in extra if not flag.startswith("-")))
     held = run_folder.RunDir(args.output_dir, args.overwrite, inputs=inputs, kind="bench").acquire()
     bench_dir = held.path
@@ -154,20 +155,21 @@ class _Refusing(argparse.ArgumentParser):
         raise UserError(f"--extra: {message}", "see `effitrain train --help`")
 
 
-def check_train_flags(args: argparse.Namespace, settings: dict[str, Any], extra: list[str]) -> None:
-    """A variant's `effitrain train` flags (--extra with them) parsed and validated here as train would,
-    so that a mistake in --extra is one line before any run starts or anything is written."""
+def check_train_flags(args: argparse.Namespace, variants: list[dict[str, Any]], extra: list[str]) -> None:
+    """Each variant's `effitrain train` flags (--extra with them) parsed and validated here as train
+    would, so that a mistake in --extra is one line before any run starts or anything is written."""
     from effitrain.commands import train
 
     parser = _Refusing(prog="effitrain")
     train.add_parser(parser.add_subparsers(dest="command", parser_class=_Refusing))
-    values = vars(parser.parse_args(train_command(args, settings, Path("."), extra)[3:]))
-    values.pop("command")
-    config_file = values.pop("config", None)
-    try:
-        cfg.build(cfg.load_yaml(config_file) if config_file else None, values)
-    except UserError as err:
-        raise UserError(f"--extra: {err.problem}" if extra else err.problem, err.fix) from None
+    for settings in variants:
+        values = vars(parser.parse_args(train_command(args, settings, Path("."), extra)[3:]))
+        values.pop("command")
+        config_file = values.pop("config", None)
+        try:
+            cfg.build(cfg.load_yaml(config_file) if config_file else None, values)
+        except UserError as err:
+            raise UserError(f"--extra: {err.problem}" if extra else err.problem, err.fix) from None
 
 
 def select_variants(spec: str | None) -> list[str]:
@@ -359,11 +361,6 @@ def add_ratios(results: list[dict]) -> None:
         ok = result["status"] == "ok" and baseline is not None
         result["ratios"] = {key: ratio(result["metrics"].get(key), baseline.get(key)) if ok else None
                             for key, _, _ in MEASURES}
-
-
-def times(rel: float) -> str:
-    """A ratio as "0.92x"; small ones keep two significant digits (adafactor's state is ~0.003x AdamW's)."""
-    return f"{rel:.2f}x" if rel >= 0.1 else f"{rel:.2g}x"
 
 
 def cell(value: Any, rel: float | None, fmt) -> str:

@@ -27,7 +27,6 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
 
-    from effitrain import config as cfg
     from effitrain.engine import evaluator as engine_evaluate
     from effitrain.engine import precision
     from effitrain.models import loading

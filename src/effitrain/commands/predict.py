@@ -112,7 +112,7 @@ def main(args) -> int:
     from effitrain.runtime import libraries
     from effitrain.tasks.base import PredictOptions
 
-    if not args.debug:  # models.quiet_libraries would import datasets, which prediction never uses
+    if not args.debug:  # libraries.quiet_libraries would import datasets, which prediction never uses
         import transformers
 
         transformers.logging.set_verbosity_error()

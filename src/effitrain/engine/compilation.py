@@ -1,4 +1,5 @@
-"""--compile: torch.compile per transformer block (regional compilation), and what compiling cost.
+"""--compile: what compiling costs, and no silent fall-back to eager. The blocks are compiled by the last
+entry of models/transforms.py (compile_blocks), per transformer block (regional compilation).
 
 The blocks (models/blocks.py: the repeated layers) are alike, so dynamo compiles one of them and the
 others reuse its graph: six layers cost one compile, as in PyTorch's regional compilation recipe and

@@ -14,7 +14,6 @@ from effitrain.engine import compilation, optim, saving, summary
 from effitrain.engine import evaluator as evaluation
 from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
-from effitrain.engine.evaluator import Evaluator
 from effitrain.engine.setup import Run, setup
 from effitrain.engine.state import TrainState, process_age_seconds
 from effitrain.engine.step import StepRunner
@@ -42,7 +41,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
             if job.resume_state["world_size"] != job.world:
                 optim.continue_schedule(job.scheduler, state.step, job.world)
             job.main_print(f"resumed from {job.resume_from} at step {state.step}")
-        evaluator = Evaluator(job.accelerator, job.task, job.data.label_names, job.eval_dls["validation"],
+        evaluator = evaluation.Evaluator(job.accelerator, job.task, job.data.label_names, job.eval_dls["validation"],
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
                               eval_every=config.eval_every, metric=config.metric_for_best or "loss",
                               patience=config.early_stopping_patience, threshold=config.early_stopping_threshold,
@@ -126,8 +125,8 @@ def card_facts(job: Run) -> dict:
             "sharding": job.strategy.technique()}
 
 
-def train(job: Run, state: TrainState, runner: StepRunner, evaluator: Evaluator, checkpointer: Checkpointer,
-          hooks: Callbacks) -> bool:
+def train(job: Run, state: TrainState, runner: StepRunner, evaluator: evaluation.Evaluator,
+          checkpointer: Checkpointer, hooks: Callbacks) -> bool:
     """The steps from state.step on; True if early stopping ended them."""
     groups = batches(job, state.step)
     while state.step < job.total_steps:
@@ -267,7 +266,7 @@ def log_window(job: Run, state: TrainState, result) -> None:
     state.last_loss = loss
 
 
-def validate(job: Run, state: TrainState, evaluator: Evaluator, hooks: Callbacks) -> bool:
+def validate(job: Run, state: TrainState, evaluator: evaluation.Evaluator, hooks: Callbacks) -> bool:
     """Evaluate on the validation split; keep the best weights in best/ when asked; True to stop early."""
     with state.timed("evaluation"):
         improved = evaluator.validate(job.model, state)

@@ -119,7 +119,7 @@ class Run:
 
 def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folder.RunDir | None) -> Run:
     """Everything a run needs; `cleanup` gets what must be closed even if the run raises. `run_dir`: the
-    output folder process 0 holds (checked and locked by runs.train; None on the other processes)."""
+    output folder process 0 holds (checked and locked by commands/train.train; None on the other processes)."""
     from accelerate.utils import set_seed
 
     libraries.quiet_libraries(config.debug)

@@ -241,7 +241,7 @@ def _dropout_then_linear(x, weight, p: float):
     import torch
 
     # torch's dropout, as peft's: the lean layer draws peft's very masks (tests/integration/test_peft.py checks it
-    # to the bit), which fast_dropout's cheaper draw would not.
+    # to the bit), which speedups/dropout's cheaper draw would not.
     return torch.nn.functional.linear(torch.nn.functional.dropout(x, p, training=True), weight)
 
 

@@ -1,5 +1,5 @@
 """A model's transformer blocks: the units FSDP shards (engine/sharding.py) and --compile compiles
-(engine/compilation.py)."""
+(models/transforms.compile_blocks)."""
 
 from __future__ import annotations
 

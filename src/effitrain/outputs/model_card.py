@@ -21,7 +21,7 @@ def base_model(model: str) -> str | None:
 
     if model == "default":
         return DEFAULT_MODEL_HUB_ID
-    # As models.resolve tells a Hub id from a path; `type:key=value` and a .json file are configs.
+    # As loading.resolve tells a Hub id from a path; `type:key=value` and a .json file are configs.
     local = model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).expanduser().exists()
     return None if local or ":" in model or model.endswith(".json") else model
 

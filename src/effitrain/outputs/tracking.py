@@ -102,7 +102,7 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class TrackerLog:
-    """The trackers as a sink of the run log (outputs.RunLog): accelerator.log writes on the main
+    """The trackers as a sink of the run log (outputs/sinks.RunLog): accelerator.log writes on the main
     process only."""
 
     def __init__(self, accelerator):

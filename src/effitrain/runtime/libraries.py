@@ -3,8 +3,6 @@ unless --debug so that a user error stays one line."""
 
 from __future__ import annotations
 
-from importlib import metadata
-
 
 def quiet_libraries(debug: bool) -> None:
     """transformers prints a load report and progress bars, torchao and torch warn at import: keep them
@@ -37,6 +35,8 @@ LIBRARIES = ("effitrain", "torch", "transformers", "accelerate", "datasets", "sa
 
 
 def versions() -> dict[str, str | None]:
+    from importlib import metadata  # not at import: every command loads this module to quiet the libraries
+
     found = {}
     for name in LIBRARIES:
         try:
