@@ -112,7 +112,7 @@ class TrainConfig:
     beta2: float = _opt(0.999, "second-moment decay", "optimizer", within=(0, 1), fix="pass e.g. {flag} 0.9")
     eval_batch_size: int = _opt(128, "batch per device for evaluation", "evaluation", positive=True)
     lr: float | None = _opt(None, "peak learning rate (default 1e-4; 1e-3 with --peft: adapters learn at a "
-                            "higher rate than full fine-tuning)", "schedule", positive=True)
+                            "higher rate than full fine-tuning)", "schedule", positive=True, example=1e-4)
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)", "optimizer",
                                at_least=0)
     warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0",
@@ -391,7 +391,7 @@ def check_value(name: str, value: Any, rules: typing.Mapping[str, Any] | None = 
         return
     if isinstance(value, float) and not math.isfinite(value):  # a NaN passes every comparison
         raise UserError(f"{flag(name)} must be a finite number, got {value}",
-                        f"pass e.g. {flag(name)} {default if default is not None else 1.0}")
+                        f"pass e.g. {flag(name)} {rules.get('example', default if default is not None else 1.0)}")
     for rule, (refused, problem, fix) in RULES.items():
         if rule in rules and refused(value, rules):
             words = _words(name, value, rules, default)

@@ -154,7 +154,7 @@ def test_every_rule_in_the_metadata_is_enforced(f):
     ({"peft": "lora", "lora_alpha": 0.0}, "--lora-alpha must be > 0, got 0.0; fix: pass e.g. --lora-alpha 16"),
     ({"keep_last": 0}, "--keep-last must be > 0, got 0; fix: pass a positive value to --keep-last"),
     ({"run_name": " "}, "--run-name is empty; fix: pass a value to --run-name, or leave the flag out"),
-    ({"lr": float("nan")}, "--lr must be a finite number, got nan; fix: pass e.g. --lr 1.0"),
+    ({"lr": float("nan")}, "--lr must be a finite number, got nan; fix: pass e.g. --lr 0.0001"),
 ])
 def test_refusals_keep_their_words(values, words):
     with pytest.raises(UserError) as err:

@@ -1,4 +1,4 @@
-"""fast_dropout: torch's dropout semantics (keep 1 - p, scale 1 / (1 - p), one mask for forward and
+"""speedups/dropout.py: torch's dropout semantics (keep 1 - p, scale 1 / (1 - p), one mask for forward and
 backward) with masks drawn by rand_like, and the attention that applies it, against SDPA and a
 reference computed by hand from the same draws."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from effitrain.speedups import dropout as fast_dropout
+from effitrain.speedups import dropout
 
 from conftest import tiny_bert
 
@@ -30,34 +30,34 @@ def batch():
 def test_dropout_keeps_one_minus_p_scaled_and_the_backward_uses_the_same_mask():
     torch.manual_seed(0)
     x = torch.randn(400, 500, requires_grad=True)
-    y = fast_dropout.dropout(x, 0.3)
+    y = dropout.dropout(x, 0.3)
     kept = y != 0
     assert abs(kept.float().mean().item() - 0.7) < 0.005
     torch.testing.assert_close(y[kept], x[kept] / 0.7)
     y.sum().backward()
     torch.testing.assert_close(x.grad, kept.float() / 0.7)  # the forward's mask, not a second draw
-    assert fast_dropout.dropout(x, 0.3, training=False) is x and fast_dropout.dropout(x, 0.0) is x
+    assert dropout.dropout(x, 0.3, training=False) is x and dropout.dropout(x, 0.0) is x
 
 
 def test_uniforms_follow_torchs_seed_and_not_the_thread_count():
     """Seeded from torch's generator: the same seed, the same draws, whatever the number of threads;
     spread over chunks whose draws are independent and uniform."""
-    x = torch.empty(3 * fast_dropout.CHUNK + 5)
+    x = torch.empty(3 * dropout.CHUNK + 5)
     threads = torch.get_num_threads()
     draws = []
     for count in (1, 2):
         torch.set_num_threads(count)
         torch.manual_seed(11)
-        draws.append(fast_dropout.uniform(x))
+        draws.append(dropout.uniform(x))
     torch.set_num_threads(threads)
     assert torch.equal(draws[0], draws[1])
     u = draws[0]
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 1e-3
-    chunks = u[: 3 * fast_dropout.CHUNK].view(3, -1)
+    chunks = u[: 3 * dropout.CHUNK].view(3, -1)
     assert not torch.equal(chunks[0], chunks[1])  # each chunk its own stream
     assert abs(torch.corrcoef(chunks[:2])[0, 1].item()) < 5e-3
     torch.manual_seed(12)
-    assert not torch.equal(fast_dropout.uniform(x), u)
+    assert not torch.equal(dropout.uniform(x), u)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -65,7 +65,7 @@ def test_the_mask_is_the_uniforms_compared_and_scaled_bit_for_bit(dtype):
     """keep_mask compares the draws' integers a block at a time; it must give exactly the mask of the
     fp32 uniforms compared with p and scaled in x's dtype, across blocks, chunks and thread counts, and
     for p that fp32 rounds (0.1) or that keeps all (tiny) or nothing (1 - 1e-9)."""
-    sizes = (1, 999, fast_dropout.BLOCK + 3, 2 * fast_dropout.CHUNK + fast_dropout.BLOCK + 7)
+    sizes = (1, 999, dropout.BLOCK + 3, 2 * dropout.CHUNK + dropout.BLOCK + 7)
     threads = torch.get_num_threads()
     try:
         for count, size, p in [(2, n, p) for n in sizes for p in (0.1, 0.25, 1 / 3, 0.9)] + \
@@ -73,10 +73,10 @@ def test_the_mask_is_the_uniforms_compared_and_scaled_bit_for_bit(dtype):
             torch.set_num_threads(count)
             x = torch.empty(size, dtype=dtype)
             torch.manual_seed(7)
-            mask = fast_dropout.keep_mask(x, p)
+            mask = dropout.keep_mask(x, p)
             after_mask = torch.get_rng_state()
             torch.manual_seed(7)
-            expected = fast_dropout.uniform(x).ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
+            expected = dropout.uniform(x).ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
             assert mask.dtype == dtype and mask.shape == x.shape
             assert torch.equal(mask.view(torch.uint8), expected.view(torch.uint8)), (count, size, p)
             assert torch.equal(after_mask, torch.get_rng_state())  # torch's generator moved on alike
@@ -88,7 +88,7 @@ def test_bf16_inputs_keep_the_same_share():
     """The uniform draw is made in fp32 even for bf16 inputs (bf16 uniforms are rounded)."""
     torch.manual_seed(0)
     x = torch.ones(1000, 1000, dtype=torch.bfloat16)
-    y = fast_dropout.dropout(x, 0.1)
+    y = dropout.dropout(x, 0.1)
     assert y.dtype == torch.bfloat16 and abs((y != 0).float().mean().item() - 0.9) < 0.002
 
 
@@ -102,7 +102,7 @@ def test_dropout_keeps_what_torchs_cpu_dropout_keeps_for_the_backward():
             function(x)
         return [(t.dtype, t.numel()) for t in saved]
 
-    assert saved_by(lambda x: fast_dropout.dropout(x, 0.5)) == saved_by(lambda x: torch.nn.functional.dropout(x, 0.5))
+    assert saved_by(lambda x: dropout.dropout(x, 0.5)) == saved_by(lambda x: torch.nn.functional.dropout(x, 0.5))
 
 
 def test_gradient_matches_finite_differences():
@@ -110,7 +110,7 @@ def test_gradient_matches_finite_differences():
 
     def seeded(t):
         torch.manual_seed(3)  # the same mask at every evaluation
-        return fast_dropout.dropout(t, 0.4)
+        return dropout.dropout(t, 0.4)
 
     assert torch.autograd.gradcheck(seeded, (x,))
 
@@ -133,7 +133,7 @@ def test_attention_math_path_equals_sdpa(mask_kind):
     keep = batch()["attention_mask"][:, None, None, :10].bool().expand(3, 1, 10, 10)
     mask = {"bool": keep, "float": torch.zeros(3, 1, 10, 10).masked_fill(~keep, -1e9), "none": None,
             "causal": None}[mask_kind]
-    ours, _ = fast_dropout.attention(module, q, k, v, mask, dropout=1e-12, scaling=0.3)
+    ours, _ = dropout.attention(module, q, k, v, mask, dropout=1e-12, scaling=0.3)
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.3)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
@@ -144,24 +144,24 @@ def test_attention_dropout_is_the_softmax_dropped_by_a_mask_of_the_same_draws():
     q, k, v = qkv()
     keep = batch()["attention_mask"][:, None, None, :10].bool().expand(3, 1, 10, 10)
     torch.manual_seed(5)
-    ours, _ = fast_dropout.attention(module, q, k, v, keep, dropout=0.25, scaling=0.5)
+    ours, _ = dropout.attention(module, q, k, v, keep, dropout=0.25, scaling=0.5)
     torch.manual_seed(5)
     probs = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~keep, torch.finfo(q.dtype).min).softmax(-1)
-    expected = (probs * (fast_dropout.uniform(probs) >= 0.25) / 0.75) @ v
+    expected = (probs * (dropout.uniform(probs) >= 0.25) / 0.75) @ v
     torch.testing.assert_close(ours, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 
 def test_apply_keeps_the_model_its_evaluation_and_its_saved_config(tmp_path):
     model = dropping_bert()
     plain = copy.deepcopy(model)
-    assert fast_dropout.apply(model) == 8  # embeddings, 3 per layer, the head
+    assert dropout.apply(model) == 8  # embeddings, 3 per layer, the head
     assert all(type(m) is not torch.nn.Dropout for m in model.modules())
-    assert model.config._attn_implementation == fast_dropout.ATTENTION
+    assert model.config._attn_implementation == dropout.ATTENTION
     model.eval(), plain.eval()
     inputs = {k: v for k, v in batch().items() if k != "labels"}
     assert torch.equal(model(**inputs).logits, plain(**inputs).logits)  # evaluation: SDPA, no dropout
     model.save_pretrained(tmp_path)
-    assert fast_dropout.ATTENTION not in (tmp_path / "config.json").read_text()
+    assert dropout.ATTENTION not in (tmp_path / "config.json").read_text()
     assert json.loads((tmp_path / "config.json").read_text())["hidden_dropout_prob"] == 0.1
 
 
@@ -172,7 +172,7 @@ def test_training_with_dropout_draws_the_expected_share_and_recomputes_the_same_
     grads = []
     for checkpointing in (False, True):
         model = dropping_bert(dropout=0.2)
-        fast_dropout.apply(model)
+        dropout.apply(model)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -183,7 +183,7 @@ def test_training_with_dropout_draws_the_expected_share_and_recomputes_the_same_
     torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
     # and dropout really ran: another seed gives other gradients
     model = dropping_bert(dropout=0.2)
-    fast_dropout.apply(model)
+    dropout.apply(model)
     model.train()
     inputs = batch()
     torch.manual_seed(8)
