@@ -120,7 +120,10 @@ def main(args) -> int:
         print(files.json_text(metrics))
         if output is not None:
             try:
-                files.write_json(output, metrics)
+                files.place(output, lambda temporary: files.write_json(temporary, metrics))
+            except FileExistsError:
+                raise UserError(f"--output {output} appeared while the model was evaluated; it was left as it is",
+                                "pass a new file path (effitrain never replaces a file it did not write)") from None
             except OSError as err:
                 raise UserError(f"--output {output} cannot be written ({err.strerror or err})",
                                 "pass a file path you can write") from err

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def read_json(path: Path, notes: list[str] | None = None) -> dict:
@@ -55,3 +56,19 @@ def write_yaml(path: Path, data: dict) -> None:
     import yaml
 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def place(path: Path, write: Callable[[Path], object], replace: bool = False) -> None:
+    """Writes a file through `write(temporary path)` beside `path`, then gives it its name: by a hard
+    link, which fails if the name exists (FileExistsError), so that a file that appeared after the
+    caller's checks is never replaced; `replace`: the caller checked that `path` is its own earlier
+    output, which is replaced whole (os.replace). A reader never sees half a file either way."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temporary)
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

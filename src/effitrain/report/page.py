@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import UserError
-from effitrain.outputs import run_folder
+from effitrain.outputs import files, run_folder
 from effitrain.report import png, svg
 from effitrain.report.runs import (
     GENERATOR,
@@ -293,9 +293,14 @@ def write(given: list[str], out: str | None = None) -> tuple[Path, list[Path]]:
     runs = find_runs(given)
     page = Path(out) if out else default_page(given)
     check_page(page, given)
+    earlier = {path for path in (page, *(page.with_name(name) for name in png_names(page.name))) if path.exists()}
     try:
-        page.write_text(render(runs))
-        return page, png.write_pngs(runs, page)
+        text = render(runs)
+        files.place(page, lambda temporary: temporary.write_text(text), replace=page in earlier)
+        return page, png.write_pngs(runs, page, earlier)
+    except FileExistsError as err:
+        raise UserError(f"--out: {err.filename or page} appeared while the report was made; it was left as it is",
+                        "pass another --out (effitrain never replaces a file it did not write)") from None
     except OSError as err:
         raise UserError(f"--out {page} cannot be written ({err.strerror or err})", "pass a path you can write") \
             from err

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from effitrain.outputs import files
 from effitrain.report import svg
 from effitrain.report.runs import GENERATOR, ReportedRun, confusion_matrix, finite
 
 PNG_PANELS = ("loss", "metrics", "throughput", "memory")
 
 
-def write_pngs(runs: list[ReportedRun], page: Path) -> list[Path]:
+def write_pngs(runs: list[ReportedRun], page: Path, earlier: set[Path] | None = None) -> list[Path]:
     """<stem>-curves.png (loss, validation metrics, throughput, memory) and, for one classification run,
-    <stem>-confusion.png; an older one of a chart that has nothing to show is removed."""
+    <stem>-confusion.png; an older one of a chart that has nothing to show is removed. `earlier`: the
+    files an earlier report wrote (replaced); any other is created new and never replaces a file."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -27,7 +29,8 @@ def write_pngs(runs: list[ReportedRun], page: Path) -> list[Path]:
         fig = Figure(figsize=(11, 7) if name == "curves" else (6, 5), dpi=90)
         FigureCanvasAgg(fig)
         draw(fig, wanted)
-        fig.savefig(path, metadata={"Software": GENERATOR})
+        files.place(path, lambda temporary: fig.savefig(temporary, format="png", metadata={"Software": GENERATOR}),
+                    replace=earlier is None or path in earlier)
         written.append(path)
     return written
 
