@@ -51,3 +51,19 @@ def test_data_from_a_file_names_no_hub_dataset():
                                        {**facts(), "pipeline_tag": "text-classification"}))
     assert card.data.datasets is None and card.data.eval_results[0].dataset_type == "mine.csv"
     assert "techniques: gradient checkpointing" in card.text and "| Accuracy | 0.9000 |" in card.text
+
+
+def test_words_from_the_data_are_escaped_as_the_report_escapes_them():
+    """Label names, the run's folder and file names come from the user's data: no HTML gets through, and
+    Markdown's marks in them are taken literally (issue 28, item 8)."""
+    config = TrainConfig(data="/data/we`ird <b>.csv", output_dir="runs/<i>x", model="./m_1").to_dict()
+    labels = ["<script>alert(1)</script>", "a|b"]
+    metrics = {"accuracy": 0.5, **{f"f1_{label}": 0.25 for label in labels}, "loss": 0.7, "samples": 4}
+    card = ModelCard(model_card.render(config, result(test=metrics, validation={}, best={}, labels=labels),
+                                       {**facts(), "pipeline_tag": "text-classification"}))
+    text = card.text
+    assert "<script>" not in text and "<i>" not in text
+    assert "labels &lt;script&gt;alert(1)&lt;/script&gt;, a\\|b" in text and "# &lt;i&gt;x" in text
+    assert "| F1 (a\\|b) | 0.2500 |" in text  # one cell, not two
+    assert "- data: ``/data/we`ird <b>.csv``:" in text  # a code span shows HTML literally
+    assert all(line.count("|") - line.count("\\|") == 3 for line in text.splitlines() if line.startswith("| F1"))

@@ -4,6 +4,9 @@ results), then how the model was trained and what it scored, so that a saved mod
 
 from __future__ import annotations
 
+import html
+import re
+
 from pathlib import Path
 
 from effitrain.models import adapters
@@ -30,6 +33,20 @@ def dataset_id(data: str) -> str | None:
     from effitrain.data.builtins import HUB_IDS
 
     return HUB_IDS.get(data)
+
+
+def text(value) -> str:
+    """Words from the data or the user (label names, a run's folder name) as Markdown text: HTML escaped,
+    as report.html escapes them, and Markdown's own marks taken literally (a label `a|b` in the table)."""
+    return re.sub(r"([\\`*_\[\]|#~])", r"\\\1", html.escape(str(value), quote=False))
+
+
+def code(value) -> str:
+    """A path or setting as a Markdown code span, whatever backticks it holds (CommonMark: a longer run of
+    backticks delimits); shown literally, HTML included."""
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", str(value))), default=0) + 1)
+    padded = f" {value} " if str(value).startswith("`") or str(value).endswith("`") else str(value)
+    return f"{ticks}{padded}{ticks}"
 
 
 def metric_label(name: str) -> tuple[str, str]:
@@ -73,10 +90,10 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         (f"micro-batches run in {pieces} pieces (--memory-budget)", pieces > 1),
     ) if on]
     return [
-        f"- base model: `{config['model']}`" + (f" ({base})" if base not in (None, config["model"]) else ""),
+        f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else ""),
         f"- task: {config['task']}",
-        f"- data: `{config['data']}`: {examples.get('train', 0)} train / {examples.get('validation', 0)} validation / "
-        f"{examples.get('test', 0)} test examples" + (f", labels {', '.join(map(str, result['labels']))}"
+        f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
+        f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
         f"- steps: {result['steps']} ({result['epochs']} epochs) of {config['batch_size']} x {grad_accum} x "
         f"{world} process(es) = {config['batch_size'] * grad_accum * world} examples per step",
@@ -110,7 +127,7 @@ def results_table(result: dict) -> list[str]:
     lines = ["| metric | " + " | ".join(splits) + " |", "| --- |" + " --- |" * len(splits)]
     for name in names:
         cells = [f"{result[split][name]:.4f}" if name in result[split] else "" for split in splits]
-        lines.append(f"| {metric_label(name)[1]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {text(metric_label(name)[1])} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -123,7 +140,7 @@ def render(config: dict, result: dict, facts: dict) -> str:
     kept = (f"The weights are those of the best validation {best['metric']} ({best['value']:.4f}, step "
             f"{best['step']}).\n\n" if best.get("kept_in_model") and best.get("step") else "")
     body = "\n".join([
-        f"# {name}", "",
+        f"# {text(name)}", "",
         f"A {config['task']} model fine-tuned with effitrain {versions()['effitrain']}.", "",
         "```python",
         "from transformers import pipeline",
