@@ -73,3 +73,19 @@ def test_training_and_the_planner_build_the_same_model(tiny_model_dir, monkeypat
     assert ("compile" in applied) == compiled and ("adapters" in applied) == (peft != "none")
     simulated = transforms.chosen(simulate.settings(config.task, checkpointing, shapes.peft))
     assert [t.name for t in simulated] == [name for name in applied if name not in NOT_SIMULATED]
+
+
+def test_only_the_transforms_that_changed_the_model_are_listed():
+    """The first-token head's condition holds on a decoder, which it leaves as it is: metrics.json's
+    `transforms` does not name it there, and does on a sequence classifier."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    decoder = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
+    settings = transforms.Settings(tasks.get("causal-lm"))
+    assert "first-token-head" in [t.name for t in transforms.chosen(settings)]
+    _, applied = transforms.apply_all(decoder, settings)
+    assert "first-token-head" not in applied and "fast-dropout" in applied
+    from conftest import tiny_bert
+
+    _, applied = transforms.apply_all(tiny_bert(), transforms.Settings(tasks.get("sequence-classification")))
+    assert applied[:2] == ["fast-dropout", "first-token-head"]

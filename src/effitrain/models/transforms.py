@@ -53,25 +53,38 @@ def compiles(config) -> bool:
 
 @dataclass(frozen=True)
 class Transform:
-    """One step of the pipeline. `applies` reads the settings only: an entry whose condition holds still
-    leaves a model it does not fit as it is (the first-token head on a decoder)."""
+    """One step of the pipeline. `applies` reads the settings only; `apply` returns the model and whether
+    it changed it: an entry whose condition holds may leave a model it does not fit as it is (the
+    first-token head on a decoder), and metrics.json lists only what changed the model."""
 
     name: str
     applies: Callable[[Settings], bool]
-    apply: Callable[[torch.nn.Module, Settings], torch.nn.Module]
+    apply: Callable[[torch.nn.Module, Settings], tuple[torch.nn.Module, bool]]
     why: str = ""  # why it sits where it does in the order
 
 
-def _in_place(change: Callable[[torch.nn.Module], object]) -> Callable[[torch.nn.Module, Settings], torch.nn.Module]:
-    """A change made in place (returning a count or a flag) as a transform's apply."""
-    def apply(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
-        change(model)
-        return model
+Applied = tuple[torch.nn.Module, bool]
+
+
+def _in_place(change: Callable[[torch.nn.Module], object]) -> Callable[[torch.nn.Module, Settings], Applied]:
+    """A change made in place as a transform's apply: it changed the model unless it says it did not (a
+    count of 0, or False; None: the change always takes)."""
+    def apply(model: torch.nn.Module, settings: Settings) -> Applied:
+        said = change(model)
+        return model, said is None or bool(said)
     return apply
 
 
-def _adapters(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
-    return adapters.apply(model, settings.task, settings.peft)
+def _fast_dropout(model: torch.nn.Module, settings: Settings) -> Applied:
+    """Its dropout layers swapped, or its attention moved to effitrain's SDPA (a model may have either)."""
+    swapped = dropout.apply(model)
+    moved = any(getattr(getattr(module, "config", None), "_attn_implementation", None) == dropout.ATTENTION
+                for module in model.modules())
+    return model, bool(swapped) or moved
+
+
+def _adapters(model: torch.nn.Module, settings: Settings) -> Applied:
+    return adapters.apply(model, settings.task, settings.peft), True
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
@@ -85,13 +98,13 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return len(found)
 
 
-def _compile(model: torch.nn.Module, settings: Settings) -> torch.nn.Module:
-    compile_blocks(model)
-    return model
+def _compile(model: torch.nn.Module, settings: Settings) -> Applied:
+    compile_blocks(model)  # a model without blocks is refused
+    return model, True
 
 
 PIPELINE = (
-    Transform("fast-dropout", lambda s: s.speed_ups, _in_place(dropout.apply),
+    Transform("fast-dropout", lambda s: s.speed_ups, _fast_dropout,
               why="on the plain model, before the adapters: its nn.Dropout layers and attention function, not the "
                   "dropout peft adds (adapters.lean_dropout keeps peft's very masks)"),
     Transform("first-token-head", lambda s: s.speed_ups and not s.packing, _in_place(first_token_head.apply),
@@ -124,8 +137,11 @@ def chosen(settings: Settings, skip=(), pipeline=PIPELINE) -> list[Transform]:
 
 def apply_all(model: torch.nn.Module, settings: Settings, skip=(), pipeline=PIPELINE
               ) -> tuple[torch.nn.Module, list[str]]:
-    """The model through every entry that applies, in order; and their names (metrics.json's `transforms`)."""
-    applied = chosen(settings, skip, pipeline)
-    for transform in applied:
-        model = transform.apply(model, settings)
-    return model, [transform.name for transform in applied]
+    """The model through every entry that applies, in order; and the names of those that changed it
+    (metrics.json's `transforms`)."""
+    applied = []
+    for transform in chosen(settings, skip, pipeline):
+        model, changed = transform.apply(model, settings)
+        if changed:
+            applied.append(transform.name)
+    return model, applied
