@@ -81,3 +81,70 @@ def test_bf16_autocast_matches_the_plain_path_under_autocast():
 def test_chunk_rows_keeps_a_chunk_of_logits_bounded():
     assert chunked_lm_loss.chunk_rows(151_936) * 151_936 * 4 <= max(chunked_lm_loss.CHUNK_BYTES, 64 * 151_936 * 4)
     assert chunked_lm_loss.chunk_rows(100) > 1000
+
+
+# -- the causal-lm task with the transform: the model's output layer hands its input to the loss -------
+def tiny_decoder(kind):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":  # tied input and output embeddings, a biasless head
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64))
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                        tie_word_embeddings=False))
+
+
+def lm_batch():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (3, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[2, :5] = -100  # a prompt left out of the loss
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_task_loss_and_gradients_equal_the_full_logits_path(kind):
+    import copy
+
+    from effitrain import tasks
+
+    task = tasks.get("causal-lm")
+    plain_model = tiny_decoder(kind)
+    model = copy.deepcopy(plain_model)
+    assert chunked_lm_loss.apply(model)
+    assert chunked_lm_loss.output_layer(plain_model) is None and chunked_lm_loss.output_layer(model) is not None
+    batch = lm_batch()
+    torch.manual_seed(2)  # the same dropout masks on both sides
+    expected = task.loss_sum(plain_model, batch)
+    torch.manual_seed(2)
+    got = task.loss_sum(model, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    expected.backward()
+    got.backward()
+    for (name, theirs), mine in zip(plain_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5, msg=name)
+    model.eval(), plain_model.eval()
+    with torch.no_grad():
+        for mine, theirs in zip(task.eval_outputs(model, batch), task.eval_outputs(plain_model, batch)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    # outside the loss the model gives logits, as generation and a saved model need
+    torch.testing.assert_close(model(input_ids=batch["input_ids"]).logits,
+                               plain_model(input_ids=batch["input_ids"]).logits)
+    copied = copy.deepcopy(model)  # a bound method: the copy's output layer is the copy's own
+    assert chunked_lm_loss.output_layer(copied) is copied.get_output_embeddings()
+    torch.testing.assert_close(task.loss_sum(copied, batch), task.loss_sum(plain_model, batch))
+
+
+def test_a_model_that_changes_its_logits_after_the_output_layer_keeps_the_plain_loss():
+    """Gemma 2 soft-caps its logits: the hidden states times the weight are not its logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                           final_logit_softcapping=3.0))
+    assert not chunked_lm_loss.apply(model)
+    assert chunked_lm_loss.output_layer(model) is None
+    assert not hasattr(model.get_output_embeddings(), "effitrain_forward")

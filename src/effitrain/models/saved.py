@@ -8,6 +8,7 @@ from pathlib import Path
 
 from effitrain import tasks
 from effitrain.models import adapters, loading
+from effitrain.speedups import chunked_lm_loss
 
 
 @dataclass
@@ -32,10 +33,15 @@ def load(path: Path, task) -> SavedModel:
 
 def build(path: Path, task, processor):
     """The saved model, head as it is (no labels given); an adapter folder (adapter/, best/ of a --peft
-    run) is applied to its base model and merged."""
+    run) is applied to its base model and merged. A causal LM's loss is computed as in training, without
+    the whole logits (speedups/chunked_lm_loss.py)."""
     if adapters.is_adapter_dir(path):
-        return adapters.load_for_inference(path, task)
-    return task.build_model(loading.ModelSource(path), None, processor)
+        model = adapters.load_for_inference(path, task)
+    else:
+        model = task.build_model(loading.ModelSource(path), None, processor)
+    if task.chunked_loss:
+        chunked_lm_loss.apply(model)
+    return model
 
 
 def text_max_length(processor, model_config) -> int:

@@ -19,6 +19,7 @@ class Task:
     is_text: bool = False  # tokenised text: tokens/s, a tokenizer, a vocabulary
     has_labels: bool = True  # a label column, a classification head sized for it
     supports_packing: bool = False
+    chunked_loss: bool = False  # the loss multiplies the output layer itself (speedups/chunked_lm_loss.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
     def __init__(self, name: str):

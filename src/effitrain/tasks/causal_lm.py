@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from effitrain.errors import UserError
 from effitrain.models import loading
+from effitrain.speedups import chunked_lm_loss
 from effitrain.tasks.base import Task
 
 
@@ -17,6 +18,7 @@ class CausalLM(Task):
     is_text = True
     has_labels = False
     supports_packing = True
+    chunked_loss = True
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy",)
 
@@ -64,18 +66,34 @@ class CausalLM(Task):
             return (batch["position_ids"] == 0).sum()
         return super().example_count(batch)
 
+    def hidden_and_targets(self, model, batch, head):
+        """The final hidden states where the logits would be (the output layer passes its input through),
+        for the chunked loss to multiply only the positions that count."""
+        with chunked_lm_loss.hidden_states_of(head):
+            hidden = model(**self.inputs(batch), use_cache=False).logits
+        return hidden[:, :-1], batch["labels"][:, 1:]
+
     def loss_sum(self, model, batch) -> torch.Tensor:
+        head = chunked_lm_loss.output_layer(model)
+        if head is not None:
+            hidden, targets = self.hidden_and_targets(model, batch, head)
+            return chunked_lm_loss.loss_sum(hidden, head.weight, head.bias, targets)
         logits, targets = self.logits_and_targets(model, batch)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
                                ignore_index=-100)
 
     # -- evaluation --------------------------------------------------------------------------------
     def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
-        logits, targets = self.logits_and_targets(model, batch)
+        head = chunked_lm_loss.output_layer(model)
+        if head is not None:
+            hidden, targets = self.hidden_and_targets(model, batch, head)
+            losses, correct = chunked_lm_loss.per_position(hidden, head.weight, head.bias, targets)
+        else:
+            logits, targets = self.logits_and_targets(model, batch)
+            losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+            correct = logits.argmax(-1) == targets
         mask = targets != -100
-        losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
-        correct = (logits.argmax(-1) == targets) & mask
-        return losses.sum(-1), mask.sum(-1), correct.sum(-1)
+        return losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1)
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
         loss_total, tokens, correct = (float(t.double().sum()) for t in outputs)
