@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             if _launcher_speaks():  # a launched worker: it ends if its launcher dies
                 from effitrain.commands import launch
 
-                launch.end_with_launcher()
+                launch.end_with_launcher(received)
             args = build_parser().parse_args(argv)
             return command_module(args.command).main(args)
         except (SystemExit, GeneratorExit):  # --help, --version

@@ -511,7 +511,13 @@ def not_met(args, err: BaseException) -> UserError:
                      "start effitrain launch on every node with the same --nnodes, --master-addr and --master-port")
 
 
-def end_with_launcher() -> None:
+# A worker inside a C++ call (a store connect, retried for its whole timeout; a collective) runs no Python
+# signal handler until the call returns: after its launcher's death it gets this long to start unwinding
+# on its SIGTERM, and that long to finish (torchrun's shutdown timeout), then it ends outright.
+START_UNWIND_SECONDS, FINISH_UNWIND_SECONDS = 5.0, 30.0
+
+
+def end_with_launcher(unwinding: list | None = None) -> None:
     """In a worker of `effitrain launch`: SIGTERM when the launcher dies, however it dies (SIGKILL, the
     out-of-memory killer), so the worker unwinds as on any SIGTERM (its latest complete checkpoint kept, a
     save in progress removed, the output folder released) instead of training on alone and holding the
@@ -519,7 +525,8 @@ def end_with_launcher() -> None:
     the launcher's process group, and no agent is left to forward one. Linux's PR_SET_PDEATHSIG, which
     fires when the thread that started the worker ends: torch's agent starts them from its main thread.
     A launcher already gone is noticed here; a live process of that id that is not the parent means the
-    variables were copied from a worker's environment (nothing to follow)."""
+    variables were copied from a worker's environment (nothing to follow). `unwinding`: the signals the
+    command's handler has received (cli.py); given, a thread ends the worker if it is stuck in C++."""
     try:
         launcher = int(os.environ.get(LAUNCHER_PID, ""))
     except ValueError:
@@ -531,10 +538,29 @@ def end_with_launcher() -> None:
     if os.getppid() == launcher:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() == launcher:  # still alive after the call: the signal will come when it dies
+            if unwinding is not None:
+                _watch_launcher(launcher, unwinding)
             return
     elif _alive(launcher):
         return
     os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before this worker could follow it
+
+
+def _watch_launcher(launcher: int, unwinding: list) -> None:
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        deadline = time.monotonic() + START_UNWIND_SECONDS
+        while not unwinding and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if unwinding:  # the handler runs: it unwinds the run (removes a save in progress, releases the folder)
+            time.sleep(FINISH_UNWIND_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="effitrain-follows-launcher", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
