@@ -402,7 +402,7 @@ def failure_line(failures: dict, world: int | None = None) -> tuple[str, int]:
         return killed_line(rank, -failure.exitcode, world or len(failures), lost), 1
     if (own := PeerLost.parse(cause)) is not None:  # the process that ended ran on another node
         return (f"effitrain launch: error: process {rank}: {own} (on another node: its launcher says why); "
-                f"fix: {rerun_fix(own.checkpoint)}"), 1
+                f"fix: {rerun_fix([own])}"), 1
     if failure.exitcode == 2 and cause.startswith("UserError: "):
         cause = cause.removeprefix("UserError: ")
         others = [describe(f) for r, f in failures.items() if r != rank and not stopped_by_launcher(f)]
@@ -419,17 +419,20 @@ def killed_line(rank: int, signum: int, world: int, lost: list[PeerLost]) -> str
         name = f"signal {signum}"
     steps = sorted(p.step for p in lost if p.step is not None)
     during = f" during step {steps[-1]}" if steps else ""
-    checkpoint = next((p.checkpoint for p in lost if p.checkpoint), None)
     why = ("check the memory (dmesg for the out-of-memory killer), " if signum == signal.SIGKILL else
            "find what sent it, ")
     return (f"effitrain launch: error: worker {rank} of {world} was killed by {name} (signal {signum}){during}; "
-            f"fix: {why}{rerun_fix(checkpoint)}")
+            f"fix: {why}{rerun_fix(lost)}")
 
 
-def rerun_fix(checkpoint: str | None) -> str:
+def rerun_fix(known: list[PeerLost]) -> str:
+    """What the surviving processes knew of the checkpoints (nothing, if the launcher stopped them first)."""
+    checkpoint = next((p.checkpoint for p in known if p.checkpoint), None)
     if checkpoint:
         return f"then rerun with --resume auto (continues from {checkpoint})"
-    return "then rerun (no checkpoint was saved: --save-every N keeps some)"
+    if known:
+        return "then rerun (no checkpoint was saved: --save-every N keeps some)"
+    return "then rerun (with --resume auto if the run saved checkpoints)"
 
 
 def quiet_torchrun() -> None:
