@@ -90,7 +90,7 @@ def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
 
     from effitrain.commands.launch import LaunchEnded
     from effitrain.errors import Terminated
-    from effitrain.runtime import peers
+    from effitrain.runtime import distributed, peers
 
     raised = err
     if isinstance(err, PermissionError):  # always the user's file or folder, wherever it was met
@@ -110,8 +110,9 @@ def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
         code, line = 128 + sig, f"effitrain: stopped by {sig.name}"
     elif isinstance(err, Terminated):  # also raised by a run's own SIGTERM handler (commands/train.py)
         code, line = err.exit_code, "effitrain: stopped by SIGTERM"
-    elif peers.lost_peer(err):  # another process ended: it (or its launcher) says why, this one what it knows
-        lost = err if isinstance(err, peers.PeerLost) else peers.PeerLost()
+    elif distributed.launcher_world_size() > 1 and peers.lost_peer(err):  # another process of the job ended: it
+        # (or its launcher) says why, this one what it knows
+        lost = err if isinstance(err, peers.PeerLost) else peers.PeerLost(looked=False)
         _record_for_launcher(lost)
         resume = ", with --resume auto to continue from it" if lost.checkpoint else ""
         code, line = 1, (f"effitrain: error: {lost}; fix: see why the other process ended (its output; dmesg for "

@@ -520,6 +520,7 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line_or_left_to_the_launcher(
     error_file = tmp_path / "error.json"
     monkeypatch.setattr(env_command, "main", broken)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.delenv(launch.LAUNCHER_PID, raising=False)
     if launched:
@@ -529,7 +530,12 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line_or_left_to_the_launcher(
     assert cli.main(["env"]) == 1
     recorded = json.loads(error_file.read_text())["message"]["message"]
     assert recorded == "PeerLost: another process of the job ended during step 7; latest checkpoint out/checkpoints/step-6"
-    assert PeerLost.parse(recorded).step == 7
+    assert vars(PeerLost.parse(recorded)) == vars(PeerLost(7, "out/checkpoints/step-6"))
+    # Met outside the training loop (set-up, the final test): nothing said of checkpoints it did not look for.
+    unknown = PeerLost.parse(f"PeerLost: {PeerLost(looked=False)}")
+    assert (str(unknown), unknown.step, unknown.looked) == ("another process of the job ended", None, False)
+    assert launch.rerun_fix([unknown]) == "then rerun (with --resume auto if the run saved checkpoints)"
+    assert launch.rerun_fix([PeerLost(3)]) == "then rerun (no checkpoint was saved: --save-every N keeps some)"
     assert capsys.readouterr().err == ("" if launched else (
         "effitrain: error: another process of the job ended during step 7; latest checkpoint out/checkpoints/step-6; "
         "fix: see why the other process ended (its output; dmesg for the out-of-memory killer) and rerun, with "

@@ -430,7 +430,7 @@ def rerun_fix(known: list[PeerLost]) -> str:
     checkpoint = next((p.checkpoint for p in known if p.checkpoint), None)
     if checkpoint:
         return f"then rerun with --resume auto (continues from {checkpoint})"
-    if known:
+    if any(p.looked for p in known):
         return "then rerun (no checkpoint was saved: --save-every N keeps some)"
     return "then rerun (with --resume auto if the run saved checkpoints)"
 

@@ -33,17 +33,18 @@ class PeerLost(RuntimeError):
     """This process's collective failed because another process of the job ended. Its message is what the
     launcher reads back (parse): the step, and the checkpoint a rerun resumes from."""
 
-    def __init__(self, step: int | None = None, checkpoint: str | None = None):
-        self.step, self.checkpoint = step, checkpoint
+    def __init__(self, step: int | None = None, checkpoint: str | None = None, looked: bool = True):
+        """`looked`: the checkpoints were looked for (False: nothing is said of them)."""
+        self.step, self.checkpoint, self.looked = step, checkpoint, looked or checkpoint is not None
         where = f" during step {step}" if step is not None else ""
-        latest = f"; latest checkpoint {checkpoint}" if checkpoint else "; no checkpoint saved"
+        latest = f"; latest checkpoint {checkpoint}" if checkpoint else "; no checkpoint saved" if looked else ""
         super().__init__(f"another process of the job ended{where}{latest}")
 
     @classmethod
     def parse(cls, message: str) -> PeerLost | None:
         """The PeerLost a worker recorded (its message, as the launcher reads it), or None."""
-        match = re.search(r"another process of the job ended(?: during step (\d+))?; (?:latest checkpoint (.+)|no "
-                          r"checkpoint saved)$", message.strip())
+        match = re.search(r"another process of the job ended(?: during step (\d+))?(; latest checkpoint (.+)|; no "
+                          r"checkpoint saved)?$", message.strip())
         if not match:
             return None
-        return cls(int(match[1]) if match[1] else None, match[2])
+        return cls(int(match[1]) if match[1] else None, match[3], looked=match[2] is not None)
