@@ -10,7 +10,7 @@ import math
 import time
 
 from effitrain.config import TrainConfig
-from effitrain.engine import compilation, optim, saving, summary
+from effitrain.engine import checkpoint, compilation, optim, saving, summary
 from effitrain.engine import evaluator as evaluation
 from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
@@ -20,6 +20,7 @@ from effitrain.engine.step import StepRunner
 from effitrain.errors import Diverged
 from effitrain.outputs import model_card
 from effitrain.outputs.console import Console
+from effitrain.runtime import peers
 from effitrain.runtime.devices import cpu_name, peak_memory_bytes
 
 
@@ -52,13 +53,27 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
         announce(job)
         hooks.call("on_train_begin", job)
         # Local SGD: no gradient sync inside; leaving it averages the parameters of every process.
-        with job.local_sgd or contextlib.nullcontext():
+        with peers_watched(job, state), job.local_sgd or contextlib.nullcontext():
             state.add_phase("start_up", start_up)  # added to what a restored checkpoint's invocations took
             state.add_phase("set_up", time.perf_counter() - wall_start)
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, hooks)
         console.close()  # before the test and the summary, which would print on the bar's line
         hooks.call("on_train_end", state)
         return finish(job, state, stopped_early, hooks)
+
+
+@contextlib.contextmanager
+def peers_watched(job: Run, state: TrainState):
+    """A collective that failed because another process of the job ended becomes one PeerLost naming the
+    step and the checkpoint to resume from: the process that ended says why (or its launcher does), this
+    one only what it knows, without gloo's or NCCL's traceback."""
+    try:
+        yield
+    except Exception as err:
+        if job.world < 2 or not peers.lost_peer(err):
+            raise
+        saved = checkpoint.complete(job.out_dir)
+        raise peers.PeerLost(state.step + 1, str(saved[-1]) if saved else None) from err
 
 
 def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -> dict:
