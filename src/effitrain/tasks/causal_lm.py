@@ -1,4 +1,5 @@
-"""Causal language modelling: every token predicts the next one."""
+"""Causal language modelling: every token predicts the next one; on instruction and chat data, only the
+answers' tokens are learnt (data/answers.py)."""
 
 from __future__ import annotations
 
