@@ -215,3 +215,11 @@ def test_chatml_adds_its_tokens_and_becomes_the_eos_of_a_tokenizer_without_one(t
     assert bert.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [ids[0], ids[-1]]
     encoded = answers.encode(bert, {"messages": CONVERSATION[1:3]}, conversations.MESSAGES)
     assert runs(encoded.labels) == [bert("It is four.", add_special_tokens=False)["input_ids"] + [ids[-1]]]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_end_of_turn_token_is_what_ends_the_answers(bpe, name):
+    tokenizer = with_template(bpe, TEMPLATES[name])
+    assert answers.end_of_turn_id(tokenizer, conversations.MESSAGES) == tokenizer.convert_tokens_to_ids(
+        END_OF_TURN[name])
+    assert answers.end_of_turn_id(tokenizer, conversations.PROMPT_COMPLETION) == tokenizer.eos_token_id

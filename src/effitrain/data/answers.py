@@ -183,6 +183,15 @@ def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
                             remove_columns=splits["train"].column_names)
 
 
+def end_of_turn_id(tokenizer, fmt: str) -> int:
+    """The token that ends an answer in `fmt` data, what generation should stop at: the last label of a
+    probe example (<|im_end|> for ChatML, <|eot_id|> for Llama 3, EOS for prompt-completion strings)."""
+    if fmt == conversations.PROMPT_COMPLETION:
+        return end_of_text_id(tokenizer)
+    probe = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    return [label for label in encode(tokenizer, probe, conversations.MESSAGES).labels if label != IGNORE][-1]
+
+
 def has_answer(labels: list[int]) -> bool:
     """Whether an example teaches anything: a label after its first position (which nothing predicts)."""
     return any(label != IGNORE for label in labels[1:])
