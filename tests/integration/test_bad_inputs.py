@@ -52,7 +52,40 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_orphan_adapter(root, tiny_model_dir)
     write_output_cases(root, tiny_model_dir)
     write_report_cases(root)
+    write_chat_cases(root)
     return root
+
+
+def write_chat_cases(root):
+    """Instruction and chat data with a mistake each, a template that does not parse, one that never ends
+    a turn with a special token, and a causal LM whose tokenizer has neither a pad nor an EOS token."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    def jsonl(name, rows):
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def chat(n, *turns):
+        return {"messages": [{"role": role, "content": f"{content} {n}"} for role, content in turns]}
+
+    good = [chat(n, ("user", "hi"), ("assistant", "hello")) for n in range(12)]
+    jsonl("chat.jsonl", good)
+    jsonl("chat_role.jsonl", good[:5] + [chat(5, ("robot", "hi"), ("assistant", "hello"))] + good[6:])
+    jsonl("chat_user_end.jsonl", good[:3] + [chat(3, ("user", "hi"), ("assistant", "hello"), ("user", "bye"))])
+    jsonl("chat_long.jsonl", [chat(n, ("user", "word " * 40), ("assistant", "hello")) for n in range(12)])
+    jsonl("pc_empty.jsonl", [{"prompt": f"hi {n}", "completion": "" if n == 2 else "hello"} for n in range(12)])
+    jsonl("mixed.jsonl", good[:6] + [{"text": f"plain text {n}"} for n in range(6)])
+    (root / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }\n")
+    (root / "no_end.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                                       "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    vocabulary = {word: i for i, word in enumerate(["[UNK]", "hi", "hello", "bye"])}
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(root / "nopad")
+    LlamaForCausalLM(LlamaConfig(vocab_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                 num_key_value_heads=1, intermediate_size=8)).save_pretrained(root / "nopad")
 
 
 def write_report_cases(root):
@@ -162,6 +195,8 @@ def write_bad_models(root, tiny_model_dir):
 CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines without an accelerator")
 NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 TINY = ["--model", "prev/model", "--max-train-samples", "8"]
+LLAMA = ["--model", "llama:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
+         "intermediate_size=16", "--task", "causal-lm", "--max-train-samples", "8"]
 # Rows marked FRESH run as `python -m effitrain` in a new process: one or more for each command and for each
 # library a refusal imports (datasets, transformers, peft, bitsandbytes, torch.distributed), so that what
 # importing prints is seen too. The others call effitrain.cli.main in this process (conftest's cli_here:
@@ -346,6 +381,29 @@ CASES = [
     (["report", "prev", "--out", "marked/report.html"], "is inside the effitrain run marked"),
     (["report", "prev", "--out", "page.html"], "page.html already exists and is not an effitrain report"),
     pytest.param(["report", "prev", "--out", "ro/r.html"], "the folder ro is not writable", marks=NOT_ROOT),
+    # instruction and chat data for causal LMs (issue 29)
+    (["train", *LLAMA, "--data", "chat_role.jsonl", "--output-dir", "new"],
+     "row 6 message 1 has the unknown role `robot`"),
+    pytest.param(["train", *LLAMA, "--data", "chat_user_end.jsonl", "--output-dir", "new"], "row 4 ends on a user turn",
+                 marks=FRESH),
+    (["train", *LLAMA, "--data", "pc_empty.jsonl", "--output-dir", "new"], "row 3 has no value in column `completion`"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "broken.jinja", "--output-dir", "new"],
+     "--chat-template broken.jinja does not parse as a Jinja template (line 1: "),
+    (["train", *LLAMA, "--data", "mixed.jsonl", "--output-dir", "new"],
+     "mixes data formats: it has `messages` and `text`"),
+    (["train", "--model", "nopad", "--task", "causal-lm", "--data", "chat.jsonl", "--output-dir", "new"],
+     "the tokenizer in nopad has no pad token (nor an EOS token to pad with)"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--output-dir", "new"], "has no chat template to render conversations"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "no_end.jinja", "--output-dir", "new"],
+     "puts no special token (end of turn"),
+    (["train", *LLAMA, "--data", "d.csv", "--chat-template", "chatml", "--output-dir", "new"],
+     "--chat-template applies to conversations"),
+    (["train", *LLAMA, "--data", "chat_long.jsonl", "--chat-template", "chatml", "--max-length", "24", "--output-dir",
+      "new"], "keep no answer token within --max-length 24"),
+    (["train", "--chat-template", "chatml"],
+     "--chat-template applies to --task causal-lm, not sequence-classification"),
+    (["train", *LLAMA, "--chat-template", "chatl"], "is neither a built-in template (chatml) nor a file"),
+    (["train", "--loss-on", "answers"], "invalid choice"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

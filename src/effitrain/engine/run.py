@@ -311,7 +311,9 @@ def announce(job: Run) -> None:
     if plan.note:
         job.main_print(plan.note)
         job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, **(plan.memory or {})})
-    job.main_print(f"training {config.model} ({job.task.name}) on {config.data}: {len(encoded['train'])} train / "
+    described = job.task.data_description(data.loaded.splits, config)
+    job.main_print(f"training {config.model} ({job.task.name}) on {config.data}"
+                   + (f" ({described})" if described else "") + f": {len(encoded['train'])} train / "
                    f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"
                    + (f", {skipped} bad rows skipped" if skipped else "")
                    + (f", labels {data.label_names}" if data.label_names else "")

@@ -189,6 +189,8 @@ def load_data(task, config: TrainConfig, source, accelerator) -> Data:
     label_names = train.features["label"].names if "label" in train.column_names else None
     with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
         encoded = task.preprocess(loaded.splits, processor, config, loaded.base_dir)
+    encoded, dropped = task.drop_untrainable(encoded, config)
+    loaded.skipped_rows += dropped
     return Data(processor, loaded, encoded, label_names)
 
 

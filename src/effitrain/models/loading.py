@@ -305,6 +305,9 @@ def load_text_tokenizer(source: ModelSource):
                         "`effitrain train` does in model/")
     tokenizer = load_tokenizer(source.path or default_model_dir())
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:  # nothing to fill a batch's shorter rows with
+            raise UserError(f"the tokenizer in {source.path} has no pad token (nor an EOS token to pad with)",
+                            "set one and save it: tokenizer.pad_token = ...; tokenizer.save_pretrained(DIR)")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

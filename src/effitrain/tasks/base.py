@@ -20,6 +20,7 @@ class Task:
     has_labels: bool = True  # a label column, a classification head sized for it
     supports_packing: bool = False
     chunked_loss: bool = False  # the loss multiplies the output layer itself (speedups/chunked_lm_loss.py)
+    supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
     def __init__(self, name: str):
@@ -40,6 +41,13 @@ class Task:
         if config.packing and not self.supports_packing:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")
+        if not self.supports_chat:
+            from effitrain.config import TrainConfig
+
+            changed = next((flag for flag, name in (("--chat-template", "chat_template"), ("--loss-on", "loss_on"))
+                            if getattr(config, name) != getattr(TrainConfig, name)), None)
+            if changed:
+                raise UserError(f"{changed} applies to --task causal-lm, not {self.name}", f"drop {changed}")
 
     def supports(self, model_config) -> bool:
         return type(model_config) in self.auto_class._model_mapping
@@ -126,6 +134,16 @@ class Task:
 
         self.check_lengths(config)
         return sources.load(config, self.columns(config))
+
+    def drop_untrainable(self, encoded, config) -> tuple[object, int]:
+        """(the preprocessed splits, how many examples were left out): examples that would train on nothing
+        (a causal LM's answer cut away by --max-length) are refused, or dropped and counted with
+        --skip-bad-rows. Every example of most tasks teaches something."""
+        return encoded, 0
+
+    def data_description(self, splits, config) -> str:
+        """What the run's first line says about the data beyond its sizes (causal-lm: its format)."""
+        return ""
 
     def check_lengths(self, config) -> None:
         """--max-length within the model's positions (read from --model's config; no weights loaded)."""
