@@ -21,7 +21,7 @@ class SavedModel:
 def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None = None) -> tuple[Path, object]:
     """The directory and its task (refused when it is not `expected_task`); reads config.json only, so
     that bad inputs are refused before any weights load."""
-    path = loading.resolve(model_dir, allow_pickle)
+    path = loading.resolve(model_dir, allow_pickle, adapter=True)  # an adapter folder is applied to its base
     return path, tasks.for_model_config(loading.load_config(path), str(path), expected_task)
 
 
