@@ -441,24 +441,33 @@ def load_for_inference(path: Path, task):
 
 def apply_saved(model, path: Path):
     """peft's PeftModel.from_pretrained, with an adapter_config.json that does not match its weights
-    refused: peft raises on another rank or a module the model lacks, and only warns about (or says
-    nothing of) weights the config leaves out or names without weights, which would run as untrained."""
+    refused: peft raises on another rank or when no target module is found, but says nothing of one
+    target among others that the model lacks, and only warns about (or ignores) weights the config
+    leaves out or names without weights, which would run as untrained."""
     import warnings
 
-    from peft import PeftModel, get_peft_model_state_dict
+    from peft import PeftConfig, PeftModel, get_peft_model_state_dict
     from safetensors import safe_open
 
     from effitrain.models import adapter_base, loading
 
-    problem = f"{path / ADAPTER_MARK} does not match the weights in adapter_model.safetensors"
     fix = f"restore the adapter_config.json that training wrote, or use the merged model {adapter_base.merged_model(path)}"
+    try:
+        settings = PeftConfig.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise UserError(f"{path / ADAPTER_MARK} is not a valid peft adapter config ({loading.first_line(err)})", fix)
+    problem = f"{path / ADAPTER_MARK} does not match the weights in adapter_model.safetensors"
+    absent = absent_targets(model, getattr(settings, "target_modules", None))
+    if absent:
+        raise UserError(f"{problem}: its target_modules name {', '.join(absent[:3])}, which "
+                        f"{type(model).__name__} does not have", fix)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # missing keys: compared below, as one line
-            adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER)
+            adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER, config=settings)
         with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as weights:
             saved = set(weights.keys())
-    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as err:
+    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, OSError) as err:
         lines = [line.strip() for line in str(err).splitlines() if "size mismatch" in line] or [loading.first_line(err)]
         raise UserError(f"{problem}: {lines[0][:300]}", fix)
     expected = set(get_peft_model_state_dict(adapted, adapter_name=ADAPTER, save_embedding_layers=False))
@@ -468,3 +477,13 @@ def apply_saved(model, path: Path):
                  for keys, what in ((missing, "named without weights"), (extra, "weights it does not name")) if keys]
         raise UserError(f"{problem}: {'; '.join(found)}", fix)
     return adapted
+
+
+def absent_targets(model, target_modules) -> list[str]:
+    """The names of a target_modules list that match no module of `model` (peft's rule: the whole name,
+    or its last parts after a dot); a regular expression (a string) is left to peft."""
+    if not isinstance(target_modules, (list, set, tuple)):
+        return []
+    names = [name for name, _ in model.named_modules()]
+    return sorted(target for target in target_modules
+                  if not any(name == target or name.endswith(f".{target}") for name in names))
