@@ -33,13 +33,15 @@ def weight_files(base: Path) -> list[Path]:
 _digests: dict[tuple, dict[str, str]] = {}  # a run saves best/ many times over one base: hashed once
 
 
-def digests(base: Path) -> dict[str, str]:
+def digests(base: Path, cached: bool = False) -> dict[str, str]:
     """sha256 of each weight file's bytes, streamed (about 1.4 GB/s here: 0.07 s for all-MiniLM-L6-v2's
     91 MB, 0.2 s for 300 MiB). The files' bytes, not the tensors' values: a base saved again with the
-    same values in another layout counts as other weights, which is the safe side."""
+    same values in another layout counts as other weights, which is the safe side. `cached`: for the
+    saves of one run only (a file's times are too coarse to tell a base replaced within milliseconds)."""
     files = weight_files(base)
-    key = tuple((str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files)
-    if key not in _digests:
+    key = tuple((str(path.resolve()), path.stat().st_ino, path.stat().st_size, path.stat().st_mtime_ns)
+                for path in files)
+    if key not in _digests or not cached:
         found = {}
         for path in files:
             with path.open("rb") as handle:
@@ -77,7 +79,8 @@ def record(folder: Path, base: str | None) -> None:
     absolute = Path(base).resolve()
     run = Path(folder).resolve().parent  # adapter/ and best/ sit in the run folder
     content = {"path": str(absolute), "path_from_run": os.path.relpath(absolute, run),
-               "model_type": model_type(absolute), "sha256": digests(absolute), "shapes": shapes(absolute)}
+               "model_type": model_type(absolute), "sha256": digests(absolute, cached=True),
+               "shapes": shapes(absolute)}
     (Path(folder) / RECORD).write_text(json.dumps(content, indent=1) + "\n", encoding="utf-8")
 
 
@@ -117,9 +120,9 @@ def candidates(adapter: Path, content: dict) -> list[Path]:
     return unique
 
 
-def find(adapter: Path, content: dict) -> Path:
+def find(adapter: Path, content: dict, weights: bool = True) -> Path:
     """The base the record names, with its own weights; refused when it is missing, of another
-    architecture, of other shapes or holds other weights."""
+    architecture, of other shapes or (`weights`: its files hashed) holds other weights."""
     places = candidates(adapter, content)
     present = [path for path in places if (path / "config.json").is_file()]
     fix = (f"put the base it was trained on back at {places[0]}, or use the merged model {merged_model(adapter)}, "
@@ -127,14 +130,14 @@ def find(adapter: Path, content: dict) -> Path:
     if not present:
         raise UserError(f"the base model of the adapter in {adapter} is missing: nothing at "
                         f"{' nor at '.join(map(str, places))}", fix)
-    problems = [mismatch(path, content) for path in present]
+    problems = [mismatch(path, content, weights) for path in present]
     for path, problem in zip(present, problems):
         if problem is None:
             return path
     raise UserError(f"the base model of the adapter in {adapter}: {problems[0]}", fix)
 
 
-def mismatch(base: Path, content: dict) -> str | None:
+def mismatch(base: Path, content: dict, weights: bool = True) -> str | None:
     """What differs between `base` and the base the adapter was trained on (None: nothing), the cheap
     differences first, so that the message names the deepest one: architecture, shapes, then values."""
     found, wanted = model_type(base), content.get("model_type")
@@ -148,7 +151,7 @@ def mismatch(base: Path, content: dict) -> str | None:
                 return (f"{base} has other shapes than the base the adapter was trained on ({name}: "
                         f"{now.get(name, 'absent')} there, {recorded.get(name, 'absent')} in the base it was "
                         "trained on)")
-    now = digests(base)
+    now = digests(base) if weights else content["sha256"]
     if now != content["sha256"]:
         return (f"{base} holds other weights than the base the adapter was trained on (sha256 of "
                 f"{', '.join(sorted(set(now) | set(content['sha256'])))} differs)")

@@ -388,17 +388,18 @@ def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / ADAPTER_MARK).is_file()
 
 
-def base_of(path: Path) -> Path:
+def base_of(path: Path, weights: bool = True) -> Path:
     """The base model an adapter folder was trained on: the one effitrain's record names, found and
-    checked (models/adapter_base.py); for a folder saved before that record, peft's
-    base_model_name_or_path as it is, of the adapter's own model_type."""
+    checked (models/adapter_base.py; `weights`: its files hashed too, else only what is cheap); for a
+    folder saved before that record, peft's base_model_name_or_path as it is, of the adapter's own
+    model_type."""
     import json
 
     from effitrain.models import adapter_base, loading
 
     content = adapter_base.read(path)
     if content is not None:
-        return adapter_base.find(path, content)
+        return adapter_base.find(path, content, weights)
     try:
         base = json.loads((Path(path) / ADAPTER_MARK).read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
