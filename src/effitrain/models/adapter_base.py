@@ -34,10 +34,10 @@ _digests: dict[tuple, dict[str, str]] = {}  # a run saves best/ many times over 
 
 
 def digests(base: Path, cached: bool = False) -> dict[str, str]:
-    """sha256 of each weight file's bytes, streamed (about 1.4 GB/s here: 0.07 s for all-MiniLM-L6-v2's
-    91 MB, 0.2 s for 300 MiB). The files' bytes, not the tensors' values: a base saved again with the
-    same values in another layout counts as other weights, which is the safe side. `cached`: for the
-    saves of one run only (a file's times are too coarse to tell a base replaced within milliseconds)."""
+    """sha256 of each weight file's bytes, streamed (its cost: docs/adapters.md). The files' bytes, not
+    the tensors' values: a base saved again with the same values in another layout counts as other
+    weights, which is the safe side. `cached`: for the saves of one run only (a file's times are too
+    coarse to tell a base replaced within milliseconds)."""
     files = weight_files(base)
     key = tuple((str(path.resolve()), path.stat().st_ino, path.stat().st_size, path.stat().st_mtime_ns)
                 for path in files)
