@@ -50,6 +50,7 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_bad_data(root)
     write_bad_models(root, tiny_model_dir)
     write_orphan_adapter(root, tiny_model_dir)
+    write_adapter_cases(root, tiny_model_dir)
     write_output_cases(root, tiny_model_dir)
     write_report_cases(root)
     write_chat_cases(root)
@@ -173,6 +174,49 @@ def write_orphan_adapter(root, tiny_model_dir):
     (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "/nowhere/base", '
                                                 '"r": 8, "lora_alpha": 16, "target_modules": ["query"]}')
     save_file({}, str(folder / "adapter_model.safetensors"))
+
+
+def save_adapter_run(run, base):
+    """RUN/adapter as `train --peft lora` writes it (untrained adapters: only whether it loads matters here)."""
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from effitrain.models import adapters
+    from transformers import BertForSequenceClassification
+
+    labels = {"id2label": {0: "ham", 1: "spam"}, "label2id": {"ham": 0, "spam": 1}}  # d.csv's: evaluate gets to the model
+    adapted = adapters.apply(BertForSequenceClassification.from_pretrained(base, **labels),
+                             tasks.get("sequence-classification"), cfg.build(None, {"peft": "lora"}))
+    adapters.save_adapter(adapted, run / "adapter")
+    adapters.plain_config(adapted).save_pretrained(run / "adapter")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, run / "adapter" / name)
+
+
+def write_adapter_cases(root, tiny_model_dir):
+    """Adapter runs whose base is gone or was replaced after training (by another architecture, other
+    shapes, other weights), one whose adapter_config.json was edited, and one that is fine (lora-run)."""
+    import json
+
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
+
+    for name in ("lora", "gone", "arch", "shapes", "weights"):
+        shutil.copytree(tiny_model_dir, root / f"{name}-base")
+        save_adapter_run(root / f"{name}-run", root / f"{name}-base")
+    shutil.rmtree(root / "gone-base")
+    for name in ("arch", "shapes", "weights"):
+        shutil.rmtree(root / f"{name}-base")
+    torch.manual_seed(1)
+    GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=32, n_head=2)).save_pretrained(root / "arch-base")
+    config = BertConfig.from_pretrained(tiny_model_dir)
+    BertForSequenceClassification(config).save_pretrained(root / "weights-base")  # seed 1: other values
+    config.intermediate_size = 48
+    BertForSequenceClassification(config).save_pretrained(root / "shapes-base")
+    shutil.copytree(root / "lora-run", root / "edited-run")
+    settings = json.loads((root / "edited-run" / "adapter" / "adapter_config.json").read_text())
+    (root / "edited-run" / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "r": 4}))
+    shutil.copytree(root / "lora-run", root / "retargeted-run")
+    settings["target_modules"] = [*settings["target_modules"], "bert.encoder.layer.0.attention.self.nosuch"]
+    (root / "retargeted-run" / "adapter" / "adapter_config.json").write_text(json.dumps(settings))
 
 
 def write_bad_models(root, tiny_model_dir):
@@ -369,6 +413,29 @@ CASES = [
                  "dequantise wrongly when a layer's input width is not a multiple of 64", marks=[CPU_ONLY, FRESH]),
     (["predict", "--model", "orphan-adapter", "--text", "hello"],
      "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
+    # an adapter applied to its own base only (issue 28, item 1)
+    (["predict", "--model", "gone-run/adapter", "--text", "hi"], "the base model of the adapter in gone-run/adapter "
+                                                                  "is missing: nothing at "),
+    (["predict", "--model", "arch-run/adapter", "--text", "hi"],
+     "arch-base is a gpt2 model, and the adapter was trained on a bert model"),
+    pytest.param(["evaluate", "--model", "shapes-run/adapter", "--data", "d.csv"],
+                 "shapes-base has other shapes than the base the adapter was trained on "
+                 "(bert.encoder.layer.0.intermediate.dense.bias: 48 there, 64 in the base it was trained on)",
+                 marks=FRESH),
+    (["predict", "--model", "weights-run/adapter", "--text", "hi"],
+     "weights-base holds other weights than the base the adapter was trained on (sha256 of model.safetensors "
+     "differs); fix: put the base it was trained on back at"),
+    pytest.param(["predict", "--model", "edited-run/adapter", "--text", "hi"],
+                 "edited-run/adapter/adapter_config.json does not match the weights in adapter_model.safetensors: "
+                 "size mismatch for ", marks=FRESH),
+    (["evaluate", "--model", "retargeted-run/adapter", "--data", "d.csv"],
+     "its target_modules name bert.encoder.layer.0.attention.self.nosuch, which BertForSequenceClassification does "
+     "not have"),
+    (["train", "--model", "lora-run/adapter", "--max-train-samples", "8", "--output-dir", "new"],
+     "lora-run/adapter is an adapter folder (LoRA weights over a base model, from `train --peft`), where a whole "
+     "model is needed; fix: pass the merged model lora-run/model"),
+    (["train", "--model", "lora-run/adapter", "--peft", "lora", "--output-dir", "new"], "is an adapter folder"),
+    (["inspect", "lora-run/adapter"], "is an adapter folder"),
     # effitrain report
     (["report", "missing-run"], "RUN missing-run does not exist"),
     (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),

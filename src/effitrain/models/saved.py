@@ -20,10 +20,14 @@ class SavedModel:
 
 
 def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None = None) -> tuple[Path, object]:
-    """The directory and its task (refused when it is not `expected_task`); reads config.json only, so
-    that bad inputs are refused before any weights load."""
-    path = loading.resolve(model_dir, allow_pickle)
-    return path, tasks.for_model_config(loading.load_config(path), str(path), expected_task)
+    """The directory and its task (refused when it is not `expected_task`); reads config.json only (and,
+    for an adapter folder, finds its base and checks its architecture and shapes: its weights are hashed
+    when it loads), so that bad inputs are refused before any weights or data load."""
+    path = loading.resolve(model_dir, allow_pickle, adapter=True)  # an adapter folder is applied to its base
+    task = tasks.for_model_config(loading.load_config(path), str(path), expected_task)
+    if adapters.is_adapter_dir(path):
+        adapters.base_of(path, weights=False)
+    return path, task
 
 
 def load(path: Path, task) -> SavedModel:

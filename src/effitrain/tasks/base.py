@@ -149,7 +149,8 @@ class Task:
         """--max-length within the model's positions (read from --model's config; no weights loaded)."""
         if not self.is_text:
             return
-        source = loading.resolve_source(config.model, config.allow_pickle)
+        # adapter=True: evaluate reads an adapter folder's config.json here (train refused one earlier).
+        source = loading.resolve_source(config.model, config.allow_pickle, adapter=True)
         loading.check_length(self.source_config(source), config.max_length, "--max-length")
 
     def sequence_length(self, config, processor) -> int:
