@@ -48,6 +48,7 @@ def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = BA
     options = options or PredictOptions()
     if task.is_text and options.max_length is None:
         options.max_length = inference.text_max_length(saved.processor, saved.model.config)
+    options.min_samples = task.shortest_input(saved.model.config)
     device = inference.device()
     model = saved.model.to(device)
     encodings = task.prediction_encodings(records, saved.processor, options)
