@@ -52,7 +52,38 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_orphan_adapter(root, tiny_model_dir)
     write_output_cases(root, tiny_model_dir)
     write_report_cases(root)
+    write_mismatched_media(root)
     return root
+
+
+WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
+            "conv_dim=[8,8],conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,"
+            "num_conv_pos_embeddings=4,num_conv_pos_embedding_groups=2")  # receptive field (8-1)*5+10 = 45 samples
+
+
+def write_mismatched_media(root):
+    """Clips shorter than a tiny wav2vec2's receptive field, a saved wav2vec2 classifier, an image and a saved
+    1-channel ViT (issue 28, item 5)."""
+    import numpy as np
+    import PIL.Image
+    import soundfile
+    from effitrain.data.audio import feature_extractor
+    from effitrain.models.loading import config_for
+    from transformers import ViTConfig, ViTForImageClassification, Wav2Vec2ForSequenceClassification
+
+    (root / "clips").mkdir()
+    for i in range(8):  # clip 3: 44 samples, one fewer than the receptive field
+        soundfile.write(root / "clips" / f"c{i}.wav", np.sin(np.arange(44 if i == 3 else 800) / 3.0), 16000)
+    (root / "clips.csv").write_text("path,label\n" + "".join(f"clips/c{i}.wav,{'ab'[i % 2]}\n" for i in range(8)))
+    # every row the short clip: whichever rows the split holds, it meets one
+    (root / "short.csv").write_text("path,label\n" + "".join(f"clips/c3.wav,{'ab'[i % 2]}\n" for i in range(8)))
+    config = config_for("wav2vec2", WAV2VEC2.partition(":")[2])
+    config.id2label, config.label2id = {0: "a", 1: "b"}, {"a": 0, "b": 1}
+    Wav2Vec2ForSequenceClassification(config).save_pretrained(root / "w2v")
+    feature_extractor(None, "wav2vec2").save_pretrained(root / "w2v")
+    PIL.Image.new("L", (16, 16), 128).save(root / "gray.png")
+    ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_channels=1,
+                                        intermediate_size=8, image_size=16, patch_size=8)).save_pretrained(root / "vit1")
 
 
 def write_report_cases(root):
@@ -320,6 +351,18 @@ CASES = [
                  "dequantise wrongly when a layer's input width is not a multiple of 64", marks=[CPU_ONLY, FRESH]),
     (["predict", "--model", "orphan-adapter", "--text", "hello"],
      "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
+    # model and data that do not fit each other, found before the first step (issue 28, item 5)
+    (["train", "--task", "image-classification", "--data", "digits", "--output-dir", "new", "--model",
+      "vit:image_size=8,patch_size=4,hidden_size=8,num_hidden_layers=1,num_attention_heads=1,num_channels=1"],
+     "takes 1-channel images (num_channels=1); effitrain decodes every image as RGB"),
+    (["predict", "--model", "vit1", "--input", "gray.png"], "model vit1 takes 1-channel images"),
+    pytest.param(["train", "--task", "audio-classification", "--data", "clips.csv", "--audio-column", "path",
+                  "--model", WAV2VEC2, "--output-dir", "new"],
+                 "clips/c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of "
+                 "45 samples", marks=FRESH),
+    (["evaluate", "--model", "w2v", "--data", "short.csv", "--audio-column", "path"],
+     "c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of 45 samples"),
+    (["predict", "--model", "w2v", "--input", "clips/c3.wav"], "shorter than the model's receptive field of 45"),
     # effitrain report
     (["report", "missing-run"], "RUN missing-run does not exist"),
     (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
