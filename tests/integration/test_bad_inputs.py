@@ -88,6 +88,8 @@ def write_mismatched_media(root):
 
 def write_report_cases(root):
     """Runs of two tasks for `effitrain report`, and a page of the user's that --out must not replace."""
+    import json
+
     from effitrain.outputs.run_folder import MARKER
 
     for name, task in (("cls-run", "sequence-classification"), ("lm-run", "causal-lm")):
@@ -95,6 +97,16 @@ def write_report_cases(root):
         (root / name / "config.yaml").write_text(f"task: {task}\n")
         (root / name / MARKER).write_text('{"kind": "train"}')
     (root / "page.html").write_text("<p>mine</p>\n")
+    (root / "emptydir").mkdir()
+    # benches without a variant run (issue 28, item 6): killed before its first variant; every variant refused
+    for name in ("bench-stopped", "bench-failed"):
+        (root / name).mkdir()
+        (root / name / MARKER).write_text('{"kind": "bench"}')
+    error = "effitrain: error: --data d.csv has no column `body` (columns: text, label); fix: pass --text-column"
+    (root / "bench-failed" / "bench.json").write_text(json.dumps(
+        {"variants": [{"name": "baseline", "status": "failed", "error": error},
+                      {"name": "bf16", "status": "skipped", "error": "no native bf16"}]}))
+    (root / "bench-failed" / "baseline.log").write_text("$ effitrain train --output-dir bench-failed/baseline\n")
     (root / "ro").mkdir()
     (root / "ro").chmod(0o555)
 
@@ -368,6 +380,11 @@ CASES = [
     (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
     (["report", "notes"], "RUN notes is not an effitrain run"),
     (["report", "prev/model"], "fix: pass the run's folder: effitrain report prev"),
+    (["report", "emptydir"], "RUN emptydir is not an effitrain run: the folder is empty"),
+    (["report", "bench-stopped"], "RUN bench-stopped is an unfinished bench folder: it stopped (killed or failed) "
+                                  "before its first variant ran"),
+    (["report", "bench-failed"], "RUN bench-failed is a bench folder in which no variant ran (1 failed, 1 skipped; "
+                                 "baseline: --data d.csv has no column `body` (columns: text, label))"),
     pytest.param(["report", "cls-run", "lm-run"], "the runs are of different tasks", marks=FRESH),
     (["report", "prev", "--out", "nowhere/r.html"], "no folder nowhere"),
     (["report", "prev", "--out", "notes"], "--out notes is a folder"),

@@ -386,3 +386,23 @@ def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_half_model(tiny_m
     assert code == 2 and len(lines) == 1 and "No space left on device writing" in lines[0] and "fix:" in lines[0]
     assert not (out / "model").exists() and not (out / ".tmp-model").exists()
     assert (out / "checkpoints" / "step-1").is_dir()  # what was saved before stays, for --resume auto
+
+
+def test_a_bench_whose_variants_failed_at_start_can_be_replaced(tmp_path):
+    """A variant refused at its start leaves its NAME.log but no folder; --overwrite still replaces the
+    bench (the corrected command runs), and a .log that bench did not write still stops it."""
+    bench = fake_run(tmp_path / "bench", **{"bench.json": '{"variants": []}'})
+    (bench / run_folder.MARKER).write_text('{"kind": "bench"}')
+    (bench / "baseline.log").write_text("$ effitrain train --output-dir bench/baseline\n--- stdout\n")
+    assert run_folder.foreign_entries(bench) == []
+    (bench / "mine.log").write_text("my notes\n")
+    assert run_folder.foreign_entries(bench) == ["mine.log"]
+    (bench / "mine.log").unlink()
+    held = run_folder.RunDir(bench, overwrite=True, kind="bench").acquire()
+    held.start()
+    assert sorted(p.name for p in bench.iterdir()) == sorted([run_folder.LOCK, run_folder.MARKER, run_folder.PREVIOUS])
+    held.succeed()
+    assert sorted(p.name for p in bench.iterdir()) == [run_folder.MARKER]
+    train = fake_run(tmp_path / "train")  # in a train run's folder, the same log is not effitrain's
+    (train / "baseline.log").write_text("$ effitrain train\n")
+    assert run_folder.foreign_entries(train) == ["baseline.log"]
