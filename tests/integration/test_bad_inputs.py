@@ -293,6 +293,9 @@ CASES = [
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
     (["predict", "--model", "nanmodel", "--text", "hi"], "gives non-finite outputs"),
+    (["train", "--model", "nanmodel", "--data", "d.csv", "--max-train-samples", "8", "--output-dir", "new"],
+     "the weights of model nanmodel are not finite before training (NaN or infinity in 1 tensor(s), e.g. "
+     "`classifier.bias`)"),
     pytest.param(["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs", marks=FRESH),
     # other commands
     (["predict", "--model", "prev/model"], "nothing to predict"),

@@ -186,6 +186,15 @@ def test_a_run_whose_every_step_was_skipped_is_not_a_success(tiny_model_dir, tmp
     assert not (tmp_path / "out" / "model").exists()
 
 
+def test_with_adapters_the_non_finite_message_names_their_settings(tiny_model_dir, tmp_path, monkeypatch):
+    skip_every_step(monkeypatch)
+    with pytest.raises(UserError, match=r"all 2 steps had a non-finite .* fix: lower --lr \(0.001 now\) or "
+                                        r"--lora-alpha \(alpha/r = 16/8 scales the adapters' updates\)"):
+        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "out", max_steps=2, peft="lora"))
+    with pytest.raises(UserError, match=r"all 2 steps had a non-finite .* fix: lower --lr, use --precision fp32"):
+        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "out2", max_steps=2))
+
+
 def test_non_finite_weights_are_never_saved_as_a_model(tiny_model_dir, tmp_path, monkeypatch):
     real = StepRunner.run
 
