@@ -119,6 +119,7 @@ def main(args) -> int:
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         libraries.quiet_import_warnings()
+        libraries.quiet_known_warnings()
     options = PredictOptions(max_length=args.max_length, max_duration=args.max_duration,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              all_scores=args.all_scores)
