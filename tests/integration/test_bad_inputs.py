@@ -82,8 +82,9 @@ def write_mismatched_media(root):
     Wav2Vec2ForSequenceClassification(config).save_pretrained(root / "w2v")
     feature_extractor(None, "wav2vec2").save_pretrained(root / "w2v")
     PIL.Image.new("L", (16, 16), 128).save(root / "gray.png")
-    ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_channels=1,
-                                        intermediate_size=8, image_size=16, patch_size=8)).save_pretrained(root / "vit1")
+    one_channel = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_channels=1,
+                            intermediate_size=8, image_size=16, patch_size=8)
+    ViTForImageClassification(one_channel).save_pretrained(root / "vit1")
 
 
 def write_report_cases(root):

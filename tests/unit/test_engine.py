@@ -332,7 +332,8 @@ def test_a_lora_checkpoint_resumed_without_peft_names_peft_not_the_lr_it_implies
     from effitrain.errors import UserError
 
     lora = cfg.build(None, {"peft": "lora"}).to_dict()
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": lora, "world_size": 1, "plan": {"grad_accum": 1}}))
+    state = {"config": lora, "world_size": 1, "plan": {"grad_accum": 1}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
     plain = cfg.build(None, {}).to_dict()
     assert (lora["lr"], plain["lr"]) == (1e-3, 1e-4)
     with pytest.raises(UserError, match=r"made with peft='lora', this run has 'none'.*fix: resume with --peft lora"):
