@@ -54,6 +54,7 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_output_cases(root, tiny_model_dir)
     write_report_cases(root)
     write_chat_cases(root)
+    write_mismatched_media(root)
     return root
 
 
@@ -89,8 +90,42 @@ def write_chat_cases(root):
                                  num_key_value_heads=1, intermediate_size=8)).save_pretrained(root / "nopad")
 
 
+
+WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
+            "conv_dim=[8,8],conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,"
+            "num_conv_pos_embeddings=4,num_conv_pos_embedding_groups=2")  # receptive field (8-1)*5+10 = 45 samples
+
+
+def write_mismatched_media(root):
+    """Clips shorter than a tiny wav2vec2's receptive field, a saved wav2vec2 classifier, an image and a saved
+    1-channel ViT (issue 28, item 5)."""
+    import numpy as np
+    import PIL.Image
+    import soundfile
+    from effitrain.data.audio import feature_extractor
+    from effitrain.models.loading import config_for
+    from transformers import ViTConfig, ViTForImageClassification, Wav2Vec2ForSequenceClassification
+
+    (root / "clips").mkdir()
+    for i in range(8):  # clip 3: 44 samples, one fewer than the receptive field
+        soundfile.write(root / "clips" / f"c{i}.wav", np.sin(np.arange(44 if i == 3 else 800) / 3.0), 16000)
+    (root / "clips.csv").write_text("path,label\n" + "".join(f"clips/c{i}.wav,{'ab'[i % 2]}\n" for i in range(8)))
+    # every row the short clip: whichever rows the split holds, it meets one
+    (root / "short.csv").write_text("path,label\n" + "".join(f"clips/c3.wav,{'ab'[i % 2]}\n" for i in range(8)))
+    config = config_for("wav2vec2", WAV2VEC2.partition(":")[2])
+    config.id2label, config.label2id = {0: "a", 1: "b"}, {"a": 0, "b": 1}
+    Wav2Vec2ForSequenceClassification(config).save_pretrained(root / "w2v")
+    feature_extractor(None, "wav2vec2").save_pretrained(root / "w2v")
+    PIL.Image.new("L", (16, 16), 128).save(root / "gray.png")
+    one_channel = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_channels=1,
+                            intermediate_size=8, image_size=16, patch_size=8)
+    ViTForImageClassification(one_channel).save_pretrained(root / "vit1")
+
+
 def write_report_cases(root):
     """Runs of two tasks for `effitrain report`, and a page of the user's that --out must not replace."""
+    import json
+
     from effitrain.outputs.run_folder import MARKER
 
     for name, task in (("cls-run", "sequence-classification"), ("lm-run", "causal-lm")):
@@ -98,6 +133,16 @@ def write_report_cases(root):
         (root / name / "config.yaml").write_text(f"task: {task}\n")
         (root / name / MARKER).write_text('{"kind": "train"}')
     (root / "page.html").write_text("<p>mine</p>\n")
+    (root / "emptydir").mkdir()
+    # benches without a variant run (issue 28, item 6): killed before its first variant; every variant refused
+    for name in ("bench-stopped", "bench-failed"):
+        (root / name).mkdir()
+        (root / name / MARKER).write_text('{"kind": "bench"}')
+    error = "effitrain: error: --data d.csv has no column `body` (columns: text, label); fix: pass --text-column"
+    (root / "bench-failed" / "bench.json").write_text(json.dumps(
+        {"variants": [{"name": "baseline", "status": "failed", "error": error},
+                      {"name": "bf16", "status": "skipped", "error": "no native bf16"}]}))
+    (root / "bench-failed" / "baseline.log").write_text("$ effitrain train --output-dir bench-failed/baseline\n")
     (root / "ro").mkdir()
     (root / "ro").chmod(0o555)
 
@@ -329,6 +374,9 @@ CASES = [
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
     (["predict", "--model", "nanmodel", "--text", "hi"], "gives non-finite outputs"),
+    (["train", "--model", "nanmodel", "--data", "d.csv", "--max-train-samples", "8", "--output-dir", "new"],
+     "the weights of model nanmodel are not finite before training (NaN or infinity in 1 tensor(s), e.g. "
+     "`classifier.bias`)"),
     pytest.param(["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs", marks=FRESH),
     # other commands
     (["predict", "--model", "prev/model"], "nothing to predict"),
@@ -436,11 +484,28 @@ CASES = [
      "model is needed; fix: pass the merged model lora-run/model"),
     (["train", "--model", "lora-run/adapter", "--peft", "lora", "--output-dir", "new"], "is an adapter folder"),
     (["inspect", "lora-run/adapter"], "is an adapter folder"),
+    # model and data that do not fit each other, found before the first step (issue 28, item 5)
+    (["train", "--task", "image-classification", "--data", "digits", "--output-dir", "new", "--model",
+      "vit:image_size=8,patch_size=4,hidden_size=8,num_hidden_layers=1,num_attention_heads=1,num_channels=1"],
+     "takes 1-channel images (num_channels=1); effitrain decodes every image as RGB"),
+    (["predict", "--model", "vit1", "--input", "gray.png"], "model vit1 takes 1-channel images"),
+    pytest.param(["train", "--task", "audio-classification", "--data", "clips.csv", "--audio-column", "path",
+                  "--model", WAV2VEC2, "--output-dir", "new"],
+                 "clips/c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of "
+                 "45 samples", marks=FRESH),
+    (["evaluate", "--model", "w2v", "--data", "short.csv", "--audio-column", "path"],
+     "c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of 45 samples"),
+    (["predict", "--model", "w2v", "--input", "clips/c3.wav"], "shorter than the model's receptive field of 45"),
     # effitrain report
     (["report", "missing-run"], "RUN missing-run does not exist"),
     (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
     (["report", "notes"], "RUN notes is not an effitrain run"),
     (["report", "prev/model"], "fix: pass the run's folder: effitrain report prev"),
+    (["report", "emptydir"], "RUN emptydir is not an effitrain run: the folder is empty"),
+    (["report", "bench-stopped"], "RUN bench-stopped is an unfinished bench folder: it stopped (killed or failed) "
+                                  "before its first variant ran"),
+    (["report", "bench-failed"], "RUN bench-failed is a bench folder in which no variant ran (1 failed, 1 skipped; "
+                                 "baseline: --data d.csv has no column `body` (columns: text, label))"),
     pytest.param(["report", "cls-run", "lm-run"], "the runs are of different tasks", marks=FRESH),
     (["report", "prev", "--out", "nowhere/r.html"], "no folder nowhere"),
     (["report", "prev", "--out", "notes"], "--out notes is a folder"),

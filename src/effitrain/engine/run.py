@@ -90,7 +90,7 @@ def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -
     test = job.task.metrics(gathered, job.data.label_names)
     log_record(job, state, split="test", **test)
     if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
-        raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
+        raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", non_finite_fix(job))
     result = summary.metrics(job, state, test, stopped_early,
                              confusion=job.task.confusion_matrix(gathered, job.data.label_names))
     with state.timed("saving"):
@@ -243,10 +243,18 @@ def after_step(job: Run, state: TrainState, result) -> None:
         # The weights now are those the last good step made, and they gave these non-finite losses:
         # not a model to hand out. Checkpoints and best/ (if any) stay, with the log.
         raise Diverged(f"{state.bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step {step}), "
-                       "so the run stopped; no model was saved", NON_FINITE_FIX)
+                       "so the run stopped; no model was saved", non_finite_fix(job))
 
 
-NON_FINITE_FIX = "lower --lr, use --precision fp32, or check the data for extreme values"
+def non_finite_fix(job: Run) -> str:
+    """What to change when training stopped being finite: with adapters, the adapters' settings (their
+    own default lr is 10x full fine-tuning's, and lora_alpha / lora_r scales every update they make).
+    The model's own weights were finite at the start (setup.check_finite_weights)."""
+    if job.adapted:
+        config = job.config
+        return (f"lower --lr ({config.lr:g} now) or --lora-alpha (alpha/r = {config.lora_alpha:g}/{config.lora_r} "
+                f"scales the adapters' updates), use --precision fp32, or check the data for extreme values")
+    return "lower --lr, use --precision fp32, or check the data for extreme values"
 
 
 def check_trained(job: Run, state: TrainState) -> None:
@@ -256,13 +264,13 @@ def check_trained(job: Run, state: TrainState) -> None:
 
     if state.step and state.skipped_steps >= state.step:
         raise Diverged(f"all {state.step} steps had a non-finite loss or gradient and were skipped, so the model "
-                        "did not train; no model was saved", NON_FINITE_FIX)
+                        "did not train; no model was saved", non_finite_fix(job))
     model = job.accelerator.unwrap_model(job.model)
     local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())  # FSDP: this process's shard
     bad = sum(int(not torch.isfinite(p).all()) for p in local)
     if job.reduce(torch.tensor([bad], device=job.accelerator.device)).item():
         raise Diverged("the trained weights are not finite (NaN or infinity), so no model was saved",
-                        NON_FINITE_FIX)
+                        non_finite_fix(job))
 
 
 def log_window(job: Run, state: TrainState, result) -> None:

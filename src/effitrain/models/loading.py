@@ -74,6 +74,18 @@ class ModelSource:
         return self.config is None
 
 
+def check_finite(model, where: str) -> None:
+    """Training must start from finite weights: from NaN or infinity every step is skipped as non-finite,
+    and the message would blame the learning rate. Quantised (integer) weights are finite by type."""
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"the weights of {where} are not finite before training (NaN or infinity in {len(bad)} "
+                        f"tensor(s), e.g. `{bad[0]}`)", "train from a model whose weights are finite (a model saved "
+                        "by a run that diverged is not), or from its config")
+
+
 def check_loaded(model, info: dict, source: ModelSource, new_head: bool) -> None:
     """Weights that do not fit the model are refused: training (or predicting) from random weights
     without a word is the worst failure there is. A new head (other labels, a base checkpoint) is

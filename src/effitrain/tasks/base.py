@@ -153,6 +153,10 @@ class Task:
         source = loading.resolve_source(config.model, config.allow_pickle, adapter=True)
         loading.check_length(self.source_config(source), config.max_length, "--max-length")
 
+    def shortest_input(self, model_config) -> int:
+        """The fewest samples (audio) an input must hold for this model; 0: no minimum."""
+        return 0
+
     def sequence_length(self, config, processor) -> int:
         """The longest input a micro-batch can hold (the planner's sequence length)."""
         return config.max_length
@@ -297,6 +301,7 @@ class PredictInputs:
 class PredictOptions:
     max_length: int | None = None  # text: tokens kept per input (None: the tokenizer's model_max_length)
     max_duration: float = 10.0  # audio: seconds kept per clip
+    min_samples: int = 0  # audio: shorter clips are refused (predict sets it from the model: task.shortest_input)
     max_new_tokens: int = 32  # causal LM: tokens generated per prompt
     temperature: float | None = None  # causal LM: sampling (instead of greedy) when this or top_p is set
     top_p: float | None = None
