@@ -90,7 +90,6 @@ def write_chat_cases(root):
                                  num_key_value_heads=1, intermediate_size=8)).save_pretrained(root / "nopad")
 
 
-
 WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
             "conv_dim=[8,8],conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,"
             "num_conv_pos_embeddings=4,num_conv_pos_embedding_groups=2")  # receptive field (8-1)*5+10 = 45 samples
