@@ -405,6 +405,9 @@ CASES = [
     (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr -1"], "--extra: --lr must be > 0"),
     (["bench", "--output-dir", "new", "--extra=--no-such-flag"], "--extra: unrecognized arguments: --no-such-flag"),
     (["bench", "--output-dir", "new", "--extra=--config nan.yaml"], "--extra: --lr must be a finite number"),
+    # a mistake only a run finds (the data's columns): the first run's one line, and the bench stops there
+    (["bench", "--variants", "baseline,bf16", "--output-dir", "new", "--data", "d.csv", "--extra=--text-column body"],
+     "the baseline run refused its settings: "),
     # data of the wrong type, encoding or kind of file (issue 12, item 5)
     (["train", *TINY, "--data", "num_text.jsonl", "--output-dir", "new"], "column `text` (text) holds integers"),
     (["train", *TINY, "--data", "list_text.jsonl", "--output-dir", "new"], "column `text` (text) holds lists"),
