@@ -19,7 +19,7 @@ import torch
 
 from effitrain.errors import UserError
 
-CHECK_TOKENS = 32  # of each example: past a short convolution's reach (3-4 tokens), and two forwards this short cost little
+CHECK_TOKENS = 32  # of each example: past a short convolution's reach (3-4 tokens); two short forwards cost little
 # The largest difference allowed whatever the first example shows, relative to the logits' magnitude: fp32's
 # packed and padded forwards measured 5e-6 of it (8-layer Llama), bf16's 1e-2 (both at most 1 unit here).
 FLOOR = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
