@@ -253,7 +253,7 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
     QLoRA's base loaded in 4 bits first), and the names of the transforms applied (metrics.json)."""
     options = adapters.load_options(task, source, config, plan.precision, device)
     model = task.build_model(source, data.label_names, data.processor, options)
-    task.check_model(model, data.encoded, data.processor, config)
+    task.check_built_model(model, data.encoded, data.processor, config)
     settings = transforms.of_run(config, plan, device, task)
     model, applied = transforms.apply_all(model, settings)
     model.train()

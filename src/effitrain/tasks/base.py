@@ -123,7 +123,7 @@ class Task:
     def adapt_model(self, model, processor) -> None:
         """After loading or building: what the task needs set on the model."""
 
-    def check_model(self, model, encoded, processor, config) -> None:
+    def check_built_model(self, model, encoded, processor, config) -> None:
         """The built model (before its transforms) on a few preprocessed examples, for what only running it
         shows; nothing by default."""
 
