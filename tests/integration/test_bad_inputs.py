@@ -538,6 +538,9 @@ CASES = [
      "--chat-template applies to --task causal-lm, not sequence-classification"),
     (["train", *LLAMA, "--chat-template", "chatl"], "is neither a built-in template (chatml) nor a file"),
     (["train", "--loss-on", "answers"], "invalid choice"),
+    (["train", "--model", "mamba:hidden_size=16,num_hidden_layers=1,state_size=4", "--task", "causal-lm", "--packing",
+      "--max-train-samples", "8", "--output-dir", "new"],
+     "--packing: with model type `mamba` the second example of a packed row gets other outputs"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

@@ -36,21 +36,28 @@ def write_chat(folder: Path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("task, train_samples, chat", [("sequence-classification", 14, False),
-                                                       ("sequence-classification", 18, False),
-                                                       ("causal-lm", 18, False), ("causal-lm", 18, True)])
-def test_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir, tmp_path, task, train_samples, chat):
+@pytest.mark.parametrize("task, train_samples, chat, packing", [("sequence-classification", 14, False, False),
+                                                                ("sequence-classification", 18, False, False),
+                                                                ("causal-lm", 18, False, False),
+                                                                ("causal-lm", 18, True, False),
+                                                                ("causal-lm", 18, True, True)])
+def test_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir, tmp_path, task, train_samples, chat,
+                                                            packing):
     """(2 processes x micro-batch 4 x accumulation 2), (1 x 4 x 4) and (1 x 16), 2 epochs, fp32.
     14 examples: micro-batches 4+4 | 4+2, a short one in the step. 18: 4+4 | 4+4 | 2+nothing, so the
     second process runs a zero-weight stand-in in the last step of each epoch. Causal LM: the loss is
     normalised over the non-pad tokens of the whole step, which differ between micro-batches; on chat
-    data over the answer tokens of the whole step (labels -100 elsewhere)."""
+    data over the answer tokens of the whole step (labels -100 elsewhere). With --packing each micro-batch
+    is one row of 4 (or 16) examples, whose positions restart at each example."""
     model = str(tiny_model_dir) if task == "sequence-classification" else TINY_GPT2
     common = dict(model=model, task=task, max_train_samples=train_samples, max_eval_samples=40, epochs=2,
                   lr=1e-3, warmup_ratio=0.0, log_every=1, eval_batch_size=16)
     if chat:
         common.update(data=write_chat(tmp_path), chat_template="chatml")
-    flags = [arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", value)]
+    if packing:
+        common.update(packing=True)
+    flags = [arg for key, value in common.items()
+             for arg in ((f"--{key.replace('_', '-')}",) if value is True else (f"--{key.replace('_', '-')}", value))]
     result = torchrun(2, "train", *flags, "--batch-size", 4, "--grad-accum", 2, "--output-dir",
                       tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]

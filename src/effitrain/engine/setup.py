@@ -254,6 +254,7 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
     options = adapters.load_options(task, source, config, plan.precision, device)
     model = task.build_model(source, data.label_names, data.processor, options)
     loading.check_finite(model, f"model {source.path}" if source.path else "the model built from its config")
+    task.check_built_model(model, data.encoded, data.processor, config)
     settings = transforms.of_run(config, plan, device, task)
     model, applied = transforms.apply_all(model, settings)
     model.train()

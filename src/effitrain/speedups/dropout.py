@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION = "effitrain_sdpa"
-# What the math path here handles; anything else in the call goes to transformers' SDPA.
+# What the math path here handles; anything else in the call goes to transformers' SDPA. `use_cache`: the
+# flag Llama-style models pass down to every layer (the causal-lm task's use_cache=False reaches here).
 _PLAIN_KWARGS = {"output_attentions", "head_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                 "max_length_q", "max_length_k"}
+                 "max_length_q", "max_length_k", "use_cache"}
 
 
 class _KeepMask(torch.autograd.Function):

@@ -123,6 +123,10 @@ class Task:
     def adapt_model(self, model, processor) -> None:
         """After loading or building: what the task needs set on the model."""
 
+    def check_built_model(self, model, encoded, processor, config) -> None:
+        """The built model (before its transforms) on a few preprocessed examples, for what only running it
+        shows; nothing by default."""
+
     # -- data --------------------------------------------------------------------------------------
     def columns(self, config) -> dict[str, str]:
         """The task's columns: canonical name -> the user's column name."""

@@ -39,6 +39,15 @@ class CausalLM(Task):
         if processor is not None and len(processor) > rows:  # a chat template's special tokens were added
             model.resize_token_embeddings(len(processor))
 
+    def check_built_model(self, model, encoded, processor, config) -> None:
+        """--packing: two training examples packed and padded give the same logits (tasks/packing_check.py).
+        Run on the plain model: the transforms after it change no computation across positions."""
+        from effitrain.tasks import packing_check
+
+        if config.packing:
+            packed, padded = self.collators(processor, config)
+            packing_check.check(model, packing_check.examples(encoded["train"]), packed, padded)
+
     def check_config(self, config) -> None:
         super().check_config(config)
         if config.chat_template is not None:
