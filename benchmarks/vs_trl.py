@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -93,6 +94,11 @@ def parse_args(argv=None):
     if args.dry_run:
         args.steps, args.batch_size, args.runs, args.precision, args.json = 2, 4, 1, ["fp32"], None
         args.sides = [side for side in args.sides if side in ("trl", "effitrain")] or ["trl", "effitrain"]
+    if args.only is None and importlib.util.find_spec("trl") is None:
+        if not args.dry_run:
+            parser.error("TRL is not installed: pip install -e '.[bench]' (the pinned version)")
+        print("dry run: TRL is not installed (pip install -e '.[bench]'): the effitrain side only", flush=True)
+        args.sides = [side for side in args.sides if not side.startswith("trl")] or ["effitrain"]
     return args
 
 
