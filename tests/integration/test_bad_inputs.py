@@ -79,6 +79,15 @@ def write_chat_cases(root):
     jsonl("chat_long.jsonl", [chat(n, ("user", "word " * 40), ("assistant", "hello")) for n in range(12)])
     jsonl("pc_empty.jsonl", [{"prompt": f"hi {n}", "completion": "" if n == 2 else "hello"} for n in range(12)])
     jsonl("mixed.jsonl", good[:6] + [{"text": f"plain text {n}"} for n in range(6)])
+    jsonl("chat_num.jsonl", good[:3] + [{"messages": [{"role": "user", "content": 5}, {"role": "assistant",
+                                                                                      "content": "7"}]}] + good[4:])
+    jsonl("chat_parts.jsonl", good[:3] + [{"messages": [{"role": "user", "content": ["a", "b"]},
+                                                        {"role": "assistant", "content": "x"}]}] + good[4:])
+    (root / "chat_latin.jsonl").write_bytes("".join(json.dumps(chat(n, ("user", "caf\xe9"), ("assistant", "ol\xe9")),
+                                                               ensure_ascii=False) + "\n" for n in range(12))
+                                            .encode("latin-1"))
+    (root / "range.jinja").write_text("{% for i in range(10**12) %}x{% endfor %}")  # beyond the sandbox's limit
+    (root / "include.jinja").write_text("{% include '/etc/passwd' %}")  # transformers' sandbox has no loader
     (root / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }\n")
     (root / "no_end.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
                                        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
@@ -538,6 +547,17 @@ CASES = [
      "--chat-template applies to --task causal-lm, not sequence-classification"),
     (["train", *LLAMA, "--chat-template", "chatl"], "is neither a built-in template (chatml) nor a file"),
     (["train", "--loss-on", "answers"], "invalid choice"),
+    # found by the adversarial pass (issue 28, item 10)
+    (["train", *LLAMA, "--data", "chat_num.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "row 4 message 1 has content that is a number, not text"),
+    (["train", *LLAMA, "--data", "chat_parts.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "row 4 message 1 has content that is a list, not text"),
+    (["train", *LLAMA, "--data", "chat_latin.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "data file chat_latin.jsonl is not UTF-8 text"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "range.jinja", "--output-dir", "new"],
+     "the chat template fails on a conversation (OverflowError: Range too big."),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "include.jinja", "--output-dir", "new"],
+     "the chat template fails on a conversation (TypeError: no loader for this environment specified)"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),
