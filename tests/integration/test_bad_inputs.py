@@ -267,6 +267,9 @@ def write_adapter_cases(root, tiny_model_dir):
     shutil.copytree(root / "lora-run", root / "edited-run")
     settings = json.loads((root / "edited-run" / "adapter" / "adapter_config.json").read_text())
     (root / "edited-run" / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "r": 4}))
+    shutil.copytree(root / "lora-run", root / "truncated-run")  # a copy that stopped part way
+    weights = root / "truncated-run" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
     shutil.copytree(root / "lora-run", root / "retargeted-run")
     settings["target_modules"] = [*settings["target_modules"], "bert.encoder.layer.0.attention.self.nosuch"]
     (root / "retargeted-run" / "adapter" / "adapter_config.json").write_text(json.dumps(settings))
@@ -487,6 +490,10 @@ CASES = [
     pytest.param(["predict", "--model", "edited-run/adapter", "--text", "hi"],
                  "edited-run/adapter/adapter_config.json does not match the weights in adapter_model.safetensors: "
                  "size mismatch for ", marks=FRESH),
+    (["predict", "--model", "truncated-run/adapter", "--text", "hi"],
+     "truncated-run/adapter/adapter_model.safetensors is not a whole safetensors file (Error while deserializing "
+     "header: invalid header length); fix: copy the adapter folder again from its run, or use the merged model "
+     "truncated-run/model"),
     (["evaluate", "--model", "retargeted-run/adapter", "--data", "d.csv"],
      "its target_modules name bert.encoder.layer.0.attention.self.nosuch, which BertForSequenceClassification does "
      "not have"),
