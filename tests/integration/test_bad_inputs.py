@@ -410,6 +410,10 @@ CASES = [
      "--master-addr no-such-host.invalid does not resolve on node 0"),
     (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "0", "--", "train"],
      "--join-timeout must be > 0 seconds"),
+    (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "1e308", "--", "train"],
+     "--join-timeout 1e+308 is longer than a week (604800 s)"),
+    (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "inf", "--", "train"],
+     "--join-timeout inf is longer than a week"),
     pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
     # bench's --extra, parsed and validated as train would before any run (issue 28, item 6)
     (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr"],
