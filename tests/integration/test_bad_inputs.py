@@ -172,6 +172,8 @@ def write_output_cases(root, tiny_model_dir):
     for previous, name in zip("abcdefghijk", "bcdefghijkl"):
         anchors.append(f"&{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
     (root / "bomb.yaml").write_text("lr: [" + ", ".join(anchors) + "]\n")
+    (root / "deep.yaml").write_text("lr: " + "[" * 5000 + "]" * 5000 + "\n")  # beyond PyYAML's recursion
+    (root / "digits.yaml").write_text("epochs: " + "9" * 5000 + "\n")  # beyond Python's 4300-digit int()
     config = BertConfig.from_pretrained(tiny_model_dir)
     config.hidden_size, config.intermediate_size = 64, 128
     BertForSequenceClassification(config).save_pretrained(root / "wrongsize")
@@ -381,6 +383,15 @@ CASES = [
      "--lora-r 40 is above the smaller side of `bert.encoder.layer.0.attention.self.query` (32 inputs x 32 outputs)"),
     (["train", "--config", "bomb.yaml"], "`lr` must be float or null, got list [['lol', 'lol', 'lol', 'lol', ...], "),
     (["train", "--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["train", "--config", "deep.yaml"], "config file deep.yaml is nested too deeply to read"),
+    (["train", "--config", "digits.yaml"], "config file digits.yaml holds a value that cannot be read (Exceeds the "
+                                           "limit (4300 digits) for integer string conversion)"),
+    (["train", "--model", "bert:hidden_size=" + "9" * 5000, "--output-dir", "new"],
+     "--model bert: the value of `hidden_size` cannot be read (5000 characters)"),
+    (["plan", "--model", "bert:hidden_size=" + "[" * 3000 + "]" * 3000],
+     "--model bert: the value of `hidden_size` cannot be read (6000 characters)"),
+    (["train", "--model", "bert:hidden_size=[1", "--output-dir", "new"], "the value of `hidden_size` cannot be read"),
+    (["train", "--epochs", "9" * 5000], "argument --epochs: invalid int value: '" + "9" * 80 + "...' (5000 characters)"),
     (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
