@@ -9,6 +9,7 @@ import contextlib
 import errno
 import importlib
 import os
+import re
 import sys
 
 from effitrain.errors import UserError
@@ -20,6 +21,9 @@ class Parser(argparse.ArgumentParser):
     """argparse prints usage plus a message over two lines; effitrain's contract is one line, exit 2."""
 
     def error(self, message: str):
+        # argparse quotes the value it refused: a huge one is cut, so that the line stays readable
+        message = re.sub(r"'([^']{80})[^']{20,}'", lambda m: f"'{m.group(1)}...' ({len(m.group(0)) - 2} characters)",
+                         message)
         raise UserError(message, f"see `{self.prog} --help`")
 
 

@@ -324,6 +324,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         line = getattr(getattr(err, "problem_mark", None), "line", None)
         at = f" at line {line + 1}" if line is not None else ""
         raise UserError(f"config file {path} is not valid YAML{at}", "fix the syntax (key: value per line)")
+    except RecursionError:  # thousands of nested brackets: PyYAML's composer recurses once per level
+        raise UserError(f"config file {path} is nested too deeply to read", "write one `key: value` per line") \
+            from None
+    except ValueError as err:  # an integer of more than 4300 digits (Python's limit on int() of a string)
+        raise UserError(f"config file {path} holds a value that cannot be read ({str(err).split(':')[0][:120]})",
+                        "write each setting's value at a sensible size (key: value per line)") from None
     if not isinstance(raw, dict):
         raise UserError(f"config file {path} must be a mapping of keys to values", "write one `key: value` per line")
     return {key: coerce(check_key(key, str(path)), value, str(path)) for key, value in raw.items()}

@@ -79,6 +79,15 @@ def write_chat_cases(root):
     jsonl("chat_long.jsonl", [chat(n, ("user", "word " * 40), ("assistant", "hello")) for n in range(12)])
     jsonl("pc_empty.jsonl", [{"prompt": f"hi {n}", "completion": "" if n == 2 else "hello"} for n in range(12)])
     jsonl("mixed.jsonl", good[:6] + [{"text": f"plain text {n}"} for n in range(6)])
+    jsonl("chat_num.jsonl", good[:3] + [{"messages": [{"role": "user", "content": 5}, {"role": "assistant",
+                                                                                      "content": "7"}]}] + good[4:])
+    jsonl("chat_parts.jsonl", good[:3] + [{"messages": [{"role": "user", "content": ["a", "b"]},
+                                                        {"role": "assistant", "content": "x"}]}] + good[4:])
+    (root / "chat_latin.jsonl").write_bytes("".join(json.dumps(chat(n, ("user", "caf\xe9"), ("assistant", "ol\xe9")),
+                                                               ensure_ascii=False) + "\n" for n in range(12))
+                                            .encode("latin-1"))
+    (root / "range.jinja").write_text("{% for i in range(10**12) %}x{% endfor %}")  # beyond the sandbox's limit
+    (root / "include.jinja").write_text("{% include '/etc/passwd' %}")  # transformers' sandbox has no loader
     (root / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }\n")
     (root / "no_end.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
                                        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
@@ -163,6 +172,8 @@ def write_output_cases(root, tiny_model_dir):
     for previous, name in zip("abcdefghijk", "bcdefghijkl"):
         anchors.append(f"&{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
     (root / "bomb.yaml").write_text("lr: [" + ", ".join(anchors) + "]\n")
+    (root / "deep.yaml").write_text("lr: " + "[" * 5000 + "]" * 5000 + "\n")  # beyond PyYAML's recursion
+    (root / "digits.yaml").write_text("epochs: " + "9" * 5000 + "\n")  # beyond Python's 4300-digit int()
     config = BertConfig.from_pretrained(tiny_model_dir)
     config.hidden_size, config.intermediate_size = 64, 128
     BertForSequenceClassification(config).save_pretrained(root / "wrongsize")
@@ -258,6 +269,9 @@ def write_adapter_cases(root, tiny_model_dir):
     shutil.copytree(root / "lora-run", root / "edited-run")
     settings = json.loads((root / "edited-run" / "adapter" / "adapter_config.json").read_text())
     (root / "edited-run" / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "r": 4}))
+    shutil.copytree(root / "lora-run", root / "truncated-run")  # a copy that stopped part way
+    weights = root / "truncated-run" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
     shutil.copytree(root / "lora-run", root / "retargeted-run")
     settings["target_modules"] = [*settings["target_modules"], "bert.encoder.layer.0.attention.self.nosuch"]
     (root / "retargeted-run" / "adapter" / "adapter_config.json").write_text(json.dumps(settings))
@@ -369,6 +383,15 @@ CASES = [
      "--lora-r 40 is above the smaller side of `bert.encoder.layer.0.attention.self.query` (32 inputs x 32 outputs)"),
     (["train", "--config", "bomb.yaml"], "`lr` must be float or null, got list [['lol', 'lol', 'lol', 'lol', ...], "),
     (["train", "--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["train", "--config", "deep.yaml"], "config file deep.yaml is nested too deeply to read"),
+    (["train", "--config", "digits.yaml"], "config file digits.yaml holds a value that cannot be read (Exceeds the "
+                                           "limit (4300 digits) for integer string conversion)"),
+    (["train", "--model", "bert:hidden_size=" + "9" * 5000, "--output-dir", "new"],
+     "--model bert: the value of `hidden_size` cannot be read (5000 characters)"),
+    (["plan", "--model", "bert:hidden_size=" + "[" * 3000 + "]" * 3000],
+     "--model bert: the value of `hidden_size` cannot be read (6000 characters)"),
+    (["train", "--model", "bert:hidden_size=[1", "--output-dir", "new"], "the value of `hidden_size` cannot be read"),
+    (["train", "--epochs", "9" * 5000], "argument --epochs: invalid int value: '" + "9" * 80 + "...' (5000 characters)"),
     (["train", "--model", "wrongsize", "--max-train-samples", "8", "--output-dir", "new"],
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
@@ -398,6 +421,10 @@ CASES = [
      "--master-addr no-such-host.invalid does not resolve on node 0"),
     (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "0", "--", "train"],
      "--join-timeout must be > 0 seconds"),
+    (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "1e308", "--", "train"],
+     "--join-timeout 1e+308 is longer than a week (604800 s)"),
+    (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "inf", "--", "train"],
+     "--join-timeout inf is longer than a week"),
     pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
     # bench's --extra, parsed and validated as train would before any run (issue 28, item 6)
     (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr"],
@@ -478,6 +505,10 @@ CASES = [
     pytest.param(["predict", "--model", "edited-run/adapter", "--text", "hi"],
                  "edited-run/adapter/adapter_config.json does not match the weights in adapter_model.safetensors: "
                  "size mismatch for ", marks=FRESH),
+    (["predict", "--model", "truncated-run/adapter", "--text", "hi"],
+     "truncated-run/adapter/adapter_model.safetensors is not a whole safetensors file (Error while deserializing "
+     "header: invalid header length); fix: copy the adapter folder again from its run, or use the merged model "
+     "truncated-run/model"),
     (["evaluate", "--model", "retargeted-run/adapter", "--data", "d.csv"],
      "its target_modules name bert.encoder.layer.0.attention.self.nosuch, which BertForSequenceClassification does "
      "not have"),
@@ -541,6 +572,17 @@ CASES = [
     (["train", "--model", "mamba:hidden_size=16,num_hidden_layers=1,state_size=4", "--task", "causal-lm", "--packing",
       "--max-train-samples", "8", "--output-dir", "new"],
      "--packing: with model type `mamba` the second example of a packed row gets other outputs"),
+    # found by the adversarial pass (issue 28, item 10)
+    (["train", *LLAMA, "--data", "chat_num.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "row 4 message 1 has content that is a number, not text"),
+    (["train", *LLAMA, "--data", "chat_parts.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "row 4 message 1 has content that is a list, not text"),
+    (["train", *LLAMA, "--data", "chat_latin.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "data file chat_latin.jsonl is not UTF-8 text"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "range.jinja", "--output-dir", "new"],
+     "the chat template fails on a conversation (OverflowError: Range too big."),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "include.jinja", "--output-dir", "new"],
+     "the chat template fails on a conversation (TypeError: no loader for this environment specified)"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

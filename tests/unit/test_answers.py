@@ -223,3 +223,20 @@ def test_the_end_of_turn_token_is_what_ends_the_answers(bpe, name):
     assert answers.end_of_turn_id(tokenizer, conversations.MESSAGES) == tokenizer.convert_tokens_to_ids(
         END_OF_TURN[name])
     assert answers.end_of_turn_id(tokenizer, conversations.PROMPT_COMPLETION) == tokenizer.eos_token_id
+
+
+def test_a_template_that_never_ends_is_stopped_and_the_alarm_put_back(bpe, monkeypatch):
+    import signal
+    import time
+
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    monkeypatch.setattr(answers, "RENDER_SECONDS", 0.3)
+    before = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"renders one conversation for more than 0.3 s"):
+        answers.encode(with_template(bpe, endless), {"messages": CONVERSATION}, conversations.MESSAGES)
+    assert time.monotonic() - start < 5
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    # a template that renders in time is untouched by the limit
+    plain = answers.encode(with_template(bpe, CHATML), {"messages": CONVERSATION}, conversations.MESSAGES)
+    assert plain.input_ids == with_template(bpe, CHATML).apply_chat_template(CONVERSATION)["input_ids"]

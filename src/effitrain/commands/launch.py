@@ -67,6 +67,9 @@ def check_command(command: list[str]) -> None:
                         "per process)", f"run `effitrain {' '.join(command)}` without launch")
 
 
+MAX_JOIN_TIMEOUT = 7 * 24 * 3600
+
+
 def check_numbers(args) -> None:
     for name in ("nproc", "nnodes"):
         if getattr(args, name) < 1:
@@ -75,6 +78,9 @@ def check_numbers(args) -> None:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}", "pass --max-restarts 0 or more")
     if not getattr(args, "join_timeout", 1) > 0:
         raise UserError(f"--join-timeout must be > 0 seconds, got {args.join_timeout}", "pass e.g. --join-timeout 600")
+    if getattr(args, "join_timeout", 1) > MAX_JOIN_TIMEOUT:  # inf, 1e308: no deadline a clock can say
+        raise UserError(f"--join-timeout {args.join_timeout:g} is longer than a week ({MAX_JOIN_TIMEOUT} s)",
+                        "pass a wait in seconds up to a week, e.g. --join-timeout 3600")
     if args.master_port is not None:
         rendezvous.check_port(args.master_port)
     if args.master_addr is not None:  # one from the environment was checked under its variable's name

@@ -108,7 +108,11 @@ def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
         role = message.get("role")
         if role not in ROLES:
             return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
-        if not (message.get("content") or "").strip():
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):  # a number, a list of parts, an object
+            return (f"message {number} has content that is {_kind(content)}, not text",
+                    'give each message\'s "content" as a string')
+        if not (content or "").strip():
             what = "an empty completion" if role == ANSWER else f"an empty {role} message"
             return f"has {what} (message {number})", "give every message some content"
     if fmt == CHAT_PROMPT_COMPLETION and any(m["role"] != ANSWER for m in messages[first_answer:]):
@@ -117,6 +121,11 @@ def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
         return (f"ends on a {messages[-1]['role']} turn (nothing for the model to answer there)",
                 "end each conversation with the assistant's answer")
     return None
+
+
+def _kind(value) -> str:
+    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return next((kind for cls, kind in kinds.items() if isinstance(value, cls)), type(value).__name__)
 
 
 def as_messages(row: dict, fmt: str) -> tuple[list[dict], int]:

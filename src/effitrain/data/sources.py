@@ -115,13 +115,13 @@ def _not_utf8(path: Path, err: UnicodeDecodeError | None) -> UserError:
 
 
 def _check_utf8(path: Path, data) -> None:
-    """datasets' JSON reader lets bytes that are not UTF-8 into string columns, where the first string
-    function fails on them: checked once here."""
+    """datasets' JSON reader lets bytes that are not UTF-8 into string columns (nested ones too: a
+    conversation's messages), where the first string function fails on them: checked once here."""
     import pyarrow as pa
 
     for name in data.column_names:
         column = data.data.column(name)
-        if _is_text(column.type):
+        if _holds_text(column.type):
             try:
                 column.validate(full=True)
             except pa.ArrowInvalid:
@@ -252,6 +252,17 @@ def _is_text(t) -> bool:
     import pyarrow as pa
 
     return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _holds_text(t) -> bool:
+    """A string type, or a list or struct with one somewhere inside."""
+    import pyarrow as pa
+
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _holds_text(t.value_type)
+    if pa.types.is_struct(t):
+        return any(_holds_text(field.type) for field in t)
+    return _is_text(t)
 
 
 def _is_image(t) -> bool:

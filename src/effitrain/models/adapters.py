@@ -448,7 +448,7 @@ def apply_saved(model, path: Path):
     import warnings
 
     from peft import PeftConfig, PeftModel, get_peft_model_state_dict
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from effitrain.models import adapter_base, loading
 
@@ -468,6 +468,10 @@ def apply_saved(model, path: Path):
             adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER, config=settings)
         with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as weights:
             saved = set(weights.keys())
+    except SafetensorError as err:  # truncated or overwritten: no config could match it
+        raise UserError(f"{path / 'adapter_model.safetensors'} is not a whole safetensors file "
+                        f"({loading.first_line(err)[:200]})", "copy the adapter folder again from its run, or use "
+                        f"the merged model {adapter_base.merged_model(path)}")
     except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, OSError) as err:
         lines = [line.strip() for line in str(err).splitlines() if "size mismatch" in line] or [loading.first_line(err)]
         raise UserError(f"{problem}: {lines[0][:300]}", fix)

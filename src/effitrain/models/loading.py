@@ -38,7 +38,7 @@ def _local_path(name: str) -> Path | None:
     """The folder a --model that names a local path points at (None: a hub id); a path that is not a
     folder is refused."""
     path = Path(name).expanduser()
-    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+    if not (_exists(path) or name.startswith((".", "/", "~")) or name.count("/") > 1):
         return None
     if not path.is_dir():
         raise UserError(f"model path {name} is not a directory",
@@ -46,11 +46,20 @@ def _local_path(name: str) -> Path | None:
     return path
 
 
+def _exists(path: Path) -> bool:
+    """Path.exists, with a name the file system refuses (longer than 255 bytes: a model_type:key=value
+    spec with a huge value) taken as absent rather than raised."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def check_local(name: str, allow_pickle: bool = False) -> None:
     """What resolve_source refuses about a local model folder that needs no library (missing, no
     config.json, no weights), so that it answers before torch and transformers are imported."""
     path = Path(name).expanduser()
-    if name == "default" or name.endswith(".json") and path.is_file() or ":" in name and not path.exists():
+    if name == "default" or name.endswith(".json") and path.is_file() or ":" in name and not _exists(path):
         return
     local = _local_path(name)
     if local is not None:
@@ -120,7 +129,7 @@ def resolve_source(name: str, allow_pickle: bool = False, adapter: bool = False)
     if name.endswith(".json") and Path(name).expanduser().is_file():
         with loading(Path(name)):
             return ModelSource(None, AutoConfig.from_pretrained(str(Path(name).expanduser())))
-    if ":" in name and not Path(name).exists():
+    if ":" in name and not _exists(Path(name)):
         model_type, _, sizes = name.partition(":")
         return ModelSource(None, config_for(model_type, sizes))
     return ModelSource(resolve(name, allow_pickle, adapter))
@@ -137,7 +146,12 @@ def config_for(model_type: str, sizes: str):
         if not eq:
             raise UserError(f"--model {model_type}:{sizes}: `{item}` is not key=value",
                             "write e.g. --model gpt2:n_layer=2,n_embd=64")
-        kwargs[key.strip()] = yaml.safe_load(value)
+        try:
+            kwargs[key.strip()] = yaml.safe_load(value)
+        except (yaml.YAMLError, RecursionError, ValueError):  # bad syntax, deep nesting, a 5000-digit number
+            raise UserError(f"--model {model_type}: the value of `{key.strip()[:80]}` cannot be read "
+                            f"({len(value)} characters)", "give each setting a number, a word or a short "
+                            "[list], e.g. --model gpt2:n_layer=2,n_embd=64") from None
     from huggingface_hub.errors import StrictDataclassError
 
     if model_type not in _known_model_types():
