@@ -573,6 +573,8 @@ CASES = [
       "--max-train-samples", "8", "--output-dir", "new"],
      "--packing: with model type `mamba` the second example of a packed row gets other outputs"),
     # found by the adversarial pass (issue 28, item 10)
+    (["train", "--model", "bert:hidden_size=99999996,num_attention_heads=4", "--max-train-samples", "8",
+      "--output-dir", "new"], "of fp32 weights, more than this machine's"),
     (["train", *LLAMA, "--data", "chat_num.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
      "row 4 message 1 has content that is a number, not text"),
     (["train", *LLAMA, "--data", "chat_parts.jsonl", "--chat-template", "chatml", "--output-dir", "new"],

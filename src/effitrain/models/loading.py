@@ -385,3 +385,23 @@ def parameter_counts(model) -> dict[str, int]:
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "embedding": embedding,
     }
+
+
+def check_fits_in_memory(auto_class, config, where: str) -> None:
+    """A model built from a config whose fp32 weights alone exceed this machine's memory is refused before
+    any is allocated (counted on the meta device): torch would fail deep in an embedding's allocation, or
+    the kernel's out-of-memory killer would end the process."""
+    import torch
+
+    from effitrain.runtime.devices import total_memory_bytes
+
+    total = total_memory_bytes()
+    if not total:
+        return
+    with torch.device("meta"):
+        probe = auto_class.from_config(config)
+    count = sum(param.numel() for param in probe.parameters())
+    if count * 4 > total:
+        raise UserError(f"{where} has {count:,} parameters: {count * 4 / 2**30:,.1f} GiB of fp32 weights, more "
+                        f"than this machine's {total / 2**30:,.1f} GiB of memory",
+                        "use smaller sizes in the config (hidden_size, num_hidden_layers, vocab_size)")

@@ -113,6 +113,7 @@ class Task:
             for key, value in head.items():
                 setattr(config, key, value)
             self.adapt_config(config, processor)
+            loading.check_fits_in_memory(auto, config, "the model built from its config")
             model = auto.from_config(config)
         self.adapt_model(model, processor)
         return model
