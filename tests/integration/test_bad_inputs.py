@@ -307,6 +307,8 @@ CASES = [
     (["train", "--packing", "--memory-budget", "1GiB"], "--memory-budget cannot split a packed micro-batch"),
     (["train", "--effective-batch-size", "8", "--grad-accum", "2"], "both set the accumulation"),
     (["train", "--compile", "--strategy", "fsdp"], "--compile with --strategy fsdp is not supported"),
+    (["train", "--optim", "muon", "--strategy", "fsdp"], "--optim muon with --strategy fsdp is not supported"),
+    (["train", "--optim", "galore-adamw", "--peft", "lora"], "an alternative to --peft lora's adapters"),
     (["train", "--resume", "auto"], "--resume needs the --output-dir"),
     (["train", *TINY, "--output-dir", "new", "--resume", "nowhere"], "is not a complete effitrain checkpoint"),
     (["train", "--effective-batch-size", "20", "--batch-size", "8", *TINY, "--output-dir", "new"],

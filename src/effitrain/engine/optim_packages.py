@@ -60,26 +60,33 @@ def low_rank(name: str, model: torch.nn.Module, lr: float, weight_decay: float, 
     return optimizer
 
 
+# A projector's settings, which its parameter group holds; the rest of its fields change as it runs.
+PROJECTOR_SETTINGS = ("rank", "verbose", "update_proj_gap", "scale", "proj_type")
+
+
 def keep_projectors(optimizer: torch.optim.Optimizer, projector_class) -> None:
     """GaLore and APOLLO keep each matrix's projection (and APOLLO its seed) in a Python object in the
-    state: saved as its plain fields (tensors and numbers, what torch.load(weights_only=True) reads back,
-    as accelerate loads checkpoints) and made an object again when loaded, so a resumed run projects
-    exactly as the uninterrupted one."""
+    state. It is saved as its changing fields (tensors and numbers: what torch.load(weights_only=True)
+    reads back, as accelerate loads checkpoints; torch's load_state_dict would mangle strings) and made
+    again from its group's settings when loaded, so a resumed run projects as the uninterrupted one."""
 
     def as_fields(opt, state_dict):
         state = state_dict["state"]
         for key, values in state.items():
             if "projector" in values:  # a copy: these dicts are the optimizer's live state
-                state[key] = {**values, "projector": dict(vars(values["projector"]))}
+                fields = {k: v for k, v in vars(values["projector"]).items() if k not in PROJECTOR_SETTINGS}
+                state[key] = {**values, "projector": fields}
         return state_dict
 
     def as_objects(opt):
-        for values in opt.state.values():
-            fields = values.get("projector")
-            if isinstance(fields, dict):
-                made = projector_class.__new__(projector_class)
-                made.__dict__.update(fields)
-                values["projector"] = made
+        for group in opt.param_groups:
+            for param in group["params"]:
+                values = opt.state.get(param, {})
+                if isinstance(values.get("projector"), dict):
+                    made = projector_class(group["rank"], update_proj_gap=group["update_proj_gap"],
+                                           scale=group["scale"], proj_type=group["proj_type"])
+                    made.__dict__.update(values["projector"])
+                    values["projector"] = made
 
     optimizer.register_state_dict_post_hook(as_fields)
     optimizer.register_load_state_dict_post_hook(as_objects)
