@@ -123,6 +123,6 @@ def test_a_missing_package_is_one_line(cli_here, monkeypatch, tmp_path):
     result = cli_here("train", "--optim", "galore-adamw", "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: --optim galore-adamw needs the galore-torch package, which is not installed; "
+        "effitrain: error: --optim galore-adamw needs the galore-torch package, which is not installed; "
         "fix: pip install 'effitrain[optimizers]'"]
     assert not (tmp_path / "run").exists()
