@@ -42,7 +42,7 @@ def build(name: str, model: torch.nn.Module, lr: float, weight_decay: float, bet
     if name in ("galore-adamw", "apollo-adamw"):
         return optim_packages.low_rank(name, model, lr, weight_decay, betas)
     if name == "muon":
-        return optim_packages.muon(model, lr, weight_decay, betas)
+        return optim_packages.muon(model, lr, weight_decay, betas, adamw_of_groups)
     if name == "schedule-free-adamw":
         return optim_packages.schedule_free(model, lr, weight_decay, betas)
     groups = param_groups(model, weight_decay)

@@ -98,9 +98,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     one state dict and accelerate see all the groups. Muon's lr is matched to AdamW's update size
     (adjust_lr_fn="match_rms_adamw", Moonlight's rule), so --lr and --weight-decay serve both."""
 
-    def __init__(self, matrices: list, rest: list[dict], lr: float, weight_decay: float, betas):
-        from effitrain.engine.optim import adamw_of_groups
-
+    def __init__(self, matrices: list, rest: list[dict], lr: float, weight_decay: float, betas, adamw_of_groups):
         self._muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         self._adamw = adamw_of_groups(rest, lr, betas)
         groups = [{**g, "muon": True} for g in self._muon.param_groups] + [
@@ -120,7 +118,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
 
-def muon(model: torch.nn.Module, lr: float, weight_decay: float, betas) -> MuonWithAdamW:
+def muon(model: torch.nn.Module, lr: float, weight_decay: float, betas, adamw_of_groups) -> MuonWithAdamW:
+    """`adamw_of_groups`: engine/optim.py's fused AdamW over parameter groups, for the rest."""
     from effitrain.models import blocks
 
     inside = {id(p) for block in blocks.blocks(model) for p in block.parameters()}
@@ -128,15 +127,13 @@ def muon(model: torch.nn.Module, lr: float, weight_decay: float, betas) -> MuonW
     if not matrices:
         raise UserError("--optim muon found no trainable 2-D weight inside the model's transformer blocks",
                         "use another --optim")
-    return MuonWithAdamW(matrices, rest, lr, weight_decay, betas)
+    return MuonWithAdamW(matrices, rest, lr, weight_decay, betas, adamw_of_groups)
 
 
 def schedule_free(model: torch.nn.Module, lr: float, weight_decay: float, betas):
     """Schedule-free AdamW; the warm-up comes from effitrain's schedule (engine/optim.py), constant after."""
-    from effitrain.engine.optim import param_groups
-
-    optimizer = _package("schedulefree").AdamWScheduleFree(param_groups(model, weight_decay), lr=lr, betas=betas,
-                                                           warmup_steps=0)
+    _, groups = _split(model, weight_decay, lambda p: False)
+    optimizer = _package("schedulefree").AdamWScheduleFree(groups, lr=lr, betas=betas, warmup_steps=0)
     optimizer.train()  # training starts at the point y; a resumed run's checkpoint says train mode too
     return optimizer
 
