@@ -565,6 +565,10 @@ def _check_optimizer(config: TrainConfig) -> None:
     if name in WHOLE_WEIGHT_OPTIMIZERS and config.strategy != "ddp":
         raise UserError(f"--optim {name} with --strategy {config.strategy} is not supported by effitrain (it needs "
                         "each weight whole, and the strategy shards them)", "use --strategy ddp, or another --optim")
+    if name == "schedule-free-adamw" and config.local_sgd_steps:
+        raise UserError("--optim schedule-free-adamw with --local-sgd-steps: local SGD averages the training "
+                        "weights but each process would keep its own averaged point, so the evaluated weights "
+                        "would differ between processes", "drop --local-sgd-steps, or use another --optim")
     if name in ("galore-adamw", "apollo-adamw") and config.peft != "none":
         raise UserError(f"--optim {name} trains every weight through a low-rank projection, an alternative to "
                         f"--peft {config.peft}'s adapters", "drop --peft, or use --optim adamw with it")

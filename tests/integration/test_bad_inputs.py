@@ -309,6 +309,7 @@ CASES = [
     (["train", "--compile", "--strategy", "fsdp"], "--compile with --strategy fsdp is not supported"),
     (["train", "--optim", "muon", "--strategy", "fsdp"], "--optim muon with --strategy fsdp is not supported"),
     (["train", "--optim", "galore-adamw", "--peft", "lora"], "an alternative to --peft lora's adapters"),
+    (["train", "--optim", "schedule-free-adamw", "--local-sgd-steps", "4"], "each process would keep its own"),
     (["train", "--resume", "auto"], "--resume needs the --output-dir"),
     (["train", *TINY, "--output-dir", "new", "--resume", "nowhere"], "is not a complete effitrain checkpoint"),
     (["train", "--effective-batch-size", "20", "--batch-size", "8", *TINY, "--output-dir", "new"],
