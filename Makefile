@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -e '.[dev,trackers]'
+	$(BIN)/pip install -e '.[dev,trackers,optimizers]'
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed

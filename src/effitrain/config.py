@@ -21,7 +21,14 @@ from effitrain.tasks import NAMES as TASKS
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 KEEP = ("final", "best")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd")
+OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd", "galore-adamw", "apollo-adamw", "muon",
+              "schedule-free-adamw")
+# The optimizers of the `optimizers` extra: the package each needs (import name, pip name).
+OPTIMIZER_PACKAGES = {"galore-adamw": ("galore_torch", "galore-torch"), "apollo-adamw": ("apollo_torch", "apollo-torch"),
+                      "schedule-free-adamw": ("schedulefree", "schedulefree")}
+# Optimizers that need each weight matrix whole (projections, orthogonalisation) or switch the weights
+# between two points (schedule-free): not verified on FSDP's or DeepSpeed's shards.
+WHOLE_WEIGHT_OPTIMIZERS = ("galore-adamw", "apollo-adamw", "muon", "schedule-free-adamw")
 PEFT_METHODS = ("none", "lora", "qlora")
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what --peft none leaves alone
 ALL_LINEAR = "all-linear"
@@ -96,8 +103,18 @@ class TrainConfig:
     precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
                           "(GPU, with a gradient scaler)", "precision and speed", choices=PRECISIONS,
                           fix="pass one of {one_of}")
-    optim: str = _opt("adamw", "adamw (fused), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else torchao), "
-                      "sgd (momentum = --beta1)", "optimizer", choices=OPTIMIZERS, fix="pass one of {one_of}")
+    optim: str = _opt("adamw", "adamw (fused; 8 bytes/param), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else "
+                      "torchao; about 2 bytes/param), sgd (momentum = --beta1; 4 bytes/param); with `pip install "
+                      "'effitrain[optimizers]'`: galore-adamw (GaLore: Adam's two moments kept in a rank-8 projection "
+                      "of every weight matrix wider than 8, embeddings included, renewed from the gradient's SVD every "
+                      "500 steps, scale 4, as its GLUE fine-tuning recipe; other tensors AdamW), apollo-adamw (APOLLO: "
+                      "the same rank-8 moments over a random projection renewed every 200 steps, used only to scale "
+                      "the raw gradient channel by channel; scale = matrix width / rank, as its fine-tuning recipe), "
+                      "schedule-free-adamw (no lr decay, warm-up kept; 8 bytes/param: the averaged point and the "
+                      "second moment; evaluation and model/ use the averaged weights); and muon (torch.optim.Muon: "
+                      "momentum only, 4 bytes/param, for the 2-D weights inside the transformer blocks, lr matched to "
+                      "AdamW's; AdamW for embeddings, head and 1-D tensors)", "optimizer", choices=OPTIMIZERS,
+                      fix="pass one of {one_of}")
     peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
                      "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
                      "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
@@ -523,6 +540,7 @@ def validate(config: TrainConfig) -> None:
         raise UserError("--early-stopping-threshold applies to early stopping, which is off",
                         "pass --early-stopping-patience too, or drop the threshold")
     _check_peft(config)
+    _check_optimizer(config)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
 
@@ -540,6 +558,26 @@ def _check_peft(config: TrainConfig) -> None:
         # no GPU has been lent to verify it, and effitrain claims nothing GPU-only untested.
         raise UserError(f"--peft qlora with --strategy {config.strategy} is not supported by effitrain yet "
                         "(unverified without GPUs)", "use --strategy ddp (QLoRA's base is small: 4 bits per weight)")
+
+
+def _check_optimizer(config: TrainConfig) -> None:
+    """The optimizers of the `optimizers` extra: installed, and where effitrain has verified them."""
+    import importlib.util
+
+    name = config.optim
+    if name in OPTIMIZER_PACKAGES and importlib.util.find_spec(OPTIMIZER_PACKAGES[name][0]) is None:
+        raise UserError(f"--optim {name} needs the {OPTIMIZER_PACKAGES[name][1]} package, which is not installed",
+                        "pip install 'effitrain[optimizers]'")
+    if name in WHOLE_WEIGHT_OPTIMIZERS and config.strategy != "ddp":
+        raise UserError(f"--optim {name} with --strategy {config.strategy} is not supported by effitrain (it needs "
+                        "each weight whole, and the strategy shards them)", "use --strategy ddp, or another --optim")
+    if name == "schedule-free-adamw" and config.local_sgd_steps:
+        raise UserError("--optim schedule-free-adamw with --local-sgd-steps: local SGD averages the training "
+                        "weights but each process would keep its own averaged point, so the evaluated weights "
+                        "would differ between processes", "drop --local-sgd-steps, or use another --optim")
+    if name in ("galore-adamw", "apollo-adamw") and config.peft != "none":
+        raise UserError(f"--optim {name} trains every weight through a low-rank projection, an alternative to "
+                        f"--peft {config.peft}'s adapters", "drop --peft, or use --optim adamw with it")
 
 
 def lora_target_names(value: str) -> list[str]:

@@ -23,7 +23,8 @@ def fake(name: str, status: str = "ok", **metrics) -> dict:
 
 
 BASE = dict(train_samples_per_second=100.0, train_tokens_per_second=2000.0, peak_memory_bytes=2 * 2**30,
-            optimizer_state_bytes_per_param=8.0, train_loss=0.5)
+            optimizer_state_bytes_per_param=8.0, optimizer_state_bytes=8 * 2**20, step_seconds=0.16, train_loss=0.5,
+            test_accuracy=0.9)
 
 
 def test_defaults():
@@ -214,3 +215,47 @@ def test_machine_memory_is_the_ram_on_cpu_and_a_gpu_size_or_none_on_cuda():
     assert bench.machine_memory_bytes("cpu") == devices.total_memory_bytes()
     gpu = bench.machine_memory_bytes("cuda")
     assert gpu is None or gpu > 2**30
+
+
+def test_optimizers_compares_adamw_with_every_other_optimizer(monkeypatch):
+    import importlib.util
+
+    from effitrain import config as cfg
+
+    assert bench.OPTIMIZER_VARIANTS == tuple(name for name in cfg.OPTIMIZERS if name != "adamw")
+    assert [bench.variant_settings(name, 16)["optim"] for name in bench.OPTIMIZER_VARIANTS] == list(
+        bench.OPTIMIZER_VARIANTS)
+    assert bench.select_variants("muon,baseline") == ["baseline", "muon"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "schedulefree" else real(name, *a))
+    assert bench.missing_packages(["baseline", "muon", "schedule-free-adamw"]) == {
+        "schedule-free-adamw": "needs schedulefree: pip install 'effitrain[optimizers]'"}
+
+
+def test_optimizers_matrix_runs_every_optimizer_and_skips_a_missing_package(tmp_path, monkeypatch, capsys):
+    """`bench --optimizers` without training: each child replaced by fake metrics."""
+    import importlib.util
+
+    commands = {}
+
+    def fake_run(name, command, log_path, stream=False):
+        commands[name] = command
+        state = 8 * 2**20 if name == "baseline" else 2**20
+        return {**fake(name, **{**BASE, "optimizer_state_bytes": state}, device="cpu"), "returncode": 0,
+                "command": command}
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "schedulefree" else real(name, *a))
+    monkeypatch.setattr(bench, "run_variant", fake_run)
+    with pytest.raises(UserError, match="--optimizers and --variants both choose"):
+        bench.main(parse("--optimizers", "--variants", "baseline", "--output-dir", str(tmp_path / "no")))
+    assert bench.main(parse("--optimizers", "--output-dir", str(tmp_path / "b"))) == 0
+    ran = [name for name in bench.ORDER if name in commands]
+    assert ran == ["baseline", *(n for n in bench.OPTIMIZER_VARIANTS if n != "schedule-free-adamw")]
+    assert all(commands[n][commands[n].index("--optim") + 1] == (n if n != "baseline" else "adamw") for n in ran)
+    data = json.loads((tmp_path / "b" / "bench.json").read_text())
+    by_name = {v["name"]: v for v in data["variants"]}
+    assert by_name["schedule-free-adamw"]["status"] == "skipped"
+    assert by_name["muon"]["ratios"]["optimizer_state_bytes"] == 0.125
+    header = capsys.readouterr().out
+    assert all(title in header for title in ("optim MiB", "step ms", "test acc"))

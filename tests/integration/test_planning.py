@@ -35,10 +35,13 @@ def small_bert(layers=2, hidden=64):
                       intermediate_size=2 * hidden, num_labels=2)
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "adamw-8bit", "adam-8bit"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "adamw-8bit", "adam-8bit", "galore-adamw",
+                                  "apollo-adamw", "muon", "schedule-free-adamw"])
 def test_optimizer_state_bytes_are_exact(name):
     """The arithmetic equals the bytes of the optimizer's own state tensors after a step; the small
-    model has tensors both under and over bitsandbytes' 4096-value threshold for 8-bit states."""
+    model has tensors both under and over bitsandbytes' 4096-value threshold for 8-bit states, and
+    matrices both wider and narrower than GaLore's and APOLLO's rank (the classifier)."""
+    from effitrain.models import blocks
     from transformers import BertForSequenceClassification
 
     model = BertForSequenceClassification(small_bert())
@@ -47,7 +50,8 @@ def test_optimizer_state_bytes_are_exact(name):
         p.grad = torch.randn_like(p)
     optimizer.step()
     shapes = [tuple(p.shape) for p in model.parameters()]
-    assert plan.optimizer_state_bytes(name, shapes) == optim.state_bytes(optimizer)
+    matrices = [tuple(p.shape) for block in blocks.blocks(model) for p in block.parameters() if p.ndim == 2]
+    assert plan.optimizer_state_bytes(name, shapes, matrices) == optim.state_bytes(optimizer)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

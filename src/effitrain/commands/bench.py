@@ -18,6 +18,11 @@ one change, so a ratio measures that change alone:
     recommended              --precision auto --optim adamw, plus --gradient-checkpointing when the
                              baseline needed more than 80% of the machine's memory (see `needs_checkpointing`)
 
+`--optimizers` runs the baseline and one variant per other optimizer of `--optim` instead (named as
+the optimizer: sgd, adafactor, adamw-8bit, adam-8bit, galore-adamw, apollo-adamw, muon,
+schedule-free-adamw; a variant whose package is missing is skipped, naming the install); the table
+then reads optimizer-state MiB, step time and test accuracy against AdamW's.
+
 Variants run in this order whatever the order of `--variants`: recommended needs the baseline's
 measurement, so it runs after it.
 """
@@ -40,6 +45,9 @@ from effitrain.report.svg import times
 BASELINE = "baseline"
 BASE_SETTINGS = {"precision": "fp32", "optim": "adamw"}
 VARIANTS = ("baseline", "grad-accum", "gradient-checkpointing", "bf16", "adafactor", "adamw-8bit", "recommended")
+# --optimizers: the baseline (AdamW) against every other optimizer, each variant named as its --optim.
+OPTIMIZER_VARIANTS = tuple(name for name in cfg.OPTIMIZERS if name != BASE_SETTINGS["optim"])
+ORDER = VARIANTS[:-1] + tuple(n for n in OPTIMIZER_VARIANTS if n not in VARIANTS) + VARIANTS[-1:]
 # recommended turns gradient checkpointing on when the baseline's peak memory is above this share.
 CHECKPOINTING_THRESHOLD = 0.8
 # Flags the bench sets on every run itself, and the bench flag to use instead. From --extra they would
@@ -60,12 +68,15 @@ MEASURES = (
     ("train_tokens_per_second", "tokens/s", lambda v: f"{v:.0f}"),
     ("peak_memory_bytes", "peak MiB", lambda v: f"{v / 2**20:.0f}"),
     ("optimizer_state_bytes_per_param", "optim B/param", lambda v: f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"),
+    ("optimizer_state_bytes", "optim MiB", lambda v: f"{v / 2**20:.1f}"),
+    ("step_seconds", "step ms", lambda v: f"{1000 * v:.0f}"),
     ("train_loss", "loss", lambda v: f"{v:.4f}"),
+    ("test_accuracy", "test acc", lambda v: f"{v:.4f}"),
 )
-CHART_MEASURES = ("train_samples_per_second", "peak_memory_bytes", "optimizer_state_bytes_per_param", "train_loss")
-# What bench.json keeps of each run's metrics.json.
-KEPT_METRICS = tuple(key for key, _, _ in MEASURES) + (
-    "optimizer_state_bytes", "train_seconds", "steps", "precision", "device")
+CHART_MEASURES = ("train_samples_per_second", "peak_memory_bytes", "optimizer_state_bytes_per_param", "train_loss",
+                  "step_seconds", "test_accuracy")
+# What bench.json keeps of each run's metrics.json (step_seconds and test_accuracy derived from it).
+KEPT_METRICS = tuple(key for key, _, _ in MEASURES) + ("train_seconds", "steps", "precision", "device")
 
 
 def add_parser(commands) -> None:
@@ -81,6 +92,9 @@ def add_parser(commands) -> None:
     cfg.add_flags(parser, ["overwrite"], defaults=True)
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--optimizers", action="store_true",
+                        help="compare the optimizers instead: the baseline (adamw) and one variant per other --optim "
+                             f"({', '.join(OPTIMIZER_VARIANTS)}): state bytes, step time, test accuracy")
     parser.add_argument("--extra", default="",
                         help='more `effitrain train` flags for every variant, one quoted string, e.g. '
                              '--extra="--max-train-samples 500"')
@@ -95,14 +109,17 @@ def main(args: argparse.Namespace) -> int:
     check_args(args)
     extra = parse_extra(args.extra)
     explicit = args.variants is not None
-    names = select_variants(args.variants)
+    if getattr(args, "optimizers", False) and explicit:
+        raise UserError("--optimizers and --variants both choose the variants", "pass only one of them")
+    names = ["baseline", *OPTIMIZER_VARIANTS] if getattr(args, "optimizers", False) else select_variants(args.variants)
+    missing = missing_packages(names)
     # a setting that cannot work fails now, not after the other variants ran
-    check_train_flags(args, [variant_settings(name, args.batch_size) for name in names], extra)
+    check_train_flags(args, [variant_settings(name, args.batch_size) for name in names if name not in missing], extra)
     inputs = (args.model, args.data, *(flag for flag in extra if not flag.startswith("-")))
     held = run_folder.RunDir(args.output_dir, args.overwrite, inputs=inputs, kind="bench").acquire()
     bench_dir = held.path
     try:
-        skipped = {} if explicit else default_skips(names)
+        skipped = {**({} if explicit else default_skips(names)), **missing}
         held.start()
         results = run_matrix(args, names, skipped, extra, bench_dir)
         add_ratios(results)
@@ -177,11 +194,19 @@ def select_variants(spec: str | None) -> list[str]:
     if spec is None:
         return list(VARIANTS)
     wanted = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in wanted if name not in VARIANTS]
+    unknown = [name for name in wanted if name not in ORDER]
     if unknown or not wanted:
         what = f"unknown variant(s) {', '.join(unknown)}" if unknown else "--variants names no variant"
-        raise UserError(what, f"pass a comma-separated subset of: {', '.join(VARIANTS)}")
-    return [name for name in VARIANTS if name in wanted]
+        raise UserError(what, f"pass a comma-separated subset of: {', '.join(ORDER)}")
+    return [name for name in ORDER if name in wanted]
+
+
+def missing_packages(names: list[str]) -> dict[str, str]:
+    """Optimizer variants whose package (the `optimizers` extra) is not installed: skipped, saying so."""
+    import importlib.util
+
+    return {name: f"needs {cfg.OPTIMIZER_PACKAGES[name][1]}: pip install 'effitrain[optimizers]'" for name in names
+            if name in cfg.OPTIMIZER_PACKAGES and importlib.util.find_spec(cfg.OPTIMIZER_PACKAGES[name][0]) is None}
 
 
 def default_skips(names: list[str]) -> dict[str, str]:
@@ -211,6 +236,7 @@ def variant_settings(name: str, batch_size: int, checkpointing: bool = False) ->
         "adafactor": {"optim": "adafactor"},
         "adamw-8bit": {"optim": "adamw-8bit"},
         "recommended": {"precision": "auto", "optim": "adamw", "gradient_checkpointing": checkpointing},
+        **{optimizer: {"optim": optimizer} for optimizer in OPTIMIZER_VARIANTS if optimizer not in VARIANTS},
     }[name]
     return {"batch_size": batch_size, **BASE_SETTINGS, **change}
 
@@ -293,7 +319,7 @@ def run_matrix(args: argparse.Namespace, names: list[str], skipped: dict[str, st
     for name, reason in skipped.items():
         results.append({"name": name, "status": "skipped", "error": reason, "metrics": {}, "note": None})
     # Keep the matrix order in the table, skipped ones included.
-    return sorted(results, key=lambda r: VARIANTS.index(r["name"]))
+    return sorted(results, key=lambda r: ORDER.index(r["name"]))
 
 
 def display(command: list[str]) -> str:
@@ -346,7 +372,11 @@ def read_metrics(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
-    return {key: data.get(key) for key in KEPT_METRICS}
+    kept = {key: data.get(key) for key in KEPT_METRICS}
+    seconds, steps = data.get("train_seconds"), data.get("steps")
+    kept["step_seconds"] = seconds / steps if isinstance(seconds, (int, float)) and steps else None
+    kept["test_accuracy"] = (data.get("test") or {}).get("accuracy") if isinstance(data.get("test"), dict) else None
+    return kept
 
 
 def outcome_line(result: dict) -> str:

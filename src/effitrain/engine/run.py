@@ -10,7 +10,7 @@ import math
 import time
 
 from effitrain.config import TrainConfig
-from effitrain.engine import checkpoint, compilation, optim, saving, summary
+from effitrain.engine import checkpoint, compilation, optim, optim_packages, saving, summary
 from effitrain.engine import evaluator as evaluation
 from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
@@ -57,6 +57,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
             state.add_phase("start_up", start_up)  # added to what a restored checkpoint's invocations took
             state.add_phase("set_up", time.perf_counter() - wall_start)
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, hooks)
+        optim_packages.use_evaluated_weights(job.optimizer)  # schedule-free: test and save its averaged weights
         console.close()  # before the test and the summary, which would print on the bar's line
         hooks.call("on_train_end", state)
         return finish(job, state, stopped_early, hooks)
@@ -291,14 +292,15 @@ def log_window(job: Run, state: TrainState, result) -> None:
 
 def validate(job: Run, state: TrainState, evaluator: evaluation.Evaluator, hooks: Callbacks) -> bool:
     """Evaluate on the validation split; keep the best weights in best/ when asked; True to stop early."""
-    with state.timed("evaluation"):
-        improved = evaluator.validate(job.model, state)
-    log_record(job, state, split="validation", **state.validation)  # the console shows it as a line
-    hooks.call("on_evaluate", state)
-    if improved and job.keeps_best:
-        with state.timed("saving"):
-            saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
-        hooks.call("on_save", state, job.out_dir / "best")
+    with optim_packages.evaluated_weights(job.optimizer):  # schedule-free: its averaged weights
+        with state.timed("evaluation"):
+            improved = evaluator.validate(job.model, state)
+        log_record(job, state, split="validation", **state.validation)  # the console shows it as a line
+        hooks.call("on_evaluate", state)
+        if improved and job.keeps_best:
+            with state.timed("saving"):
+                saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
+            hooks.call("on_save", state, job.out_dir / "best")
     stop = evaluator.should_stop(state)
     if stop:
         job.log.say(f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "

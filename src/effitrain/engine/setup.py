@@ -304,7 +304,7 @@ def prepare(config: TrainConfig, task, strategy: strategies.Strategy, plan: RunP
     model = strategy.setup_module(model)  # before the optimizer, which must hold what it made (FSDP's shards)
     optimizer = optim.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2))
     scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
-                                      world)
+                                      world, decay=optim.decays(plan.optim))
     # Training shards must not recycle examples to even out the processes (accelerate's default):
     # that would train on duplicates that one process with a big batch never sees.
     accelerator.even_batches = False

@@ -23,9 +23,9 @@ import torch
 
 from effitrain import tasks
 from effitrain.errors import UserError
-from effitrain.models import adapters, loading
+from effitrain.models import adapters, blocks, loading
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
-from effitrain.planning import simulate
+from effitrain.planning import simulate, sizes
 
 GiB = 2**30
 MiB = 2**20
@@ -57,7 +57,7 @@ MATMUL_TIME_SHARE = 0.6
 GPU_HALF_SPEEDUP = 2.0
 
 LIGHTER = {"adamw": ["adamw-8bit", "adafactor"], "adam-8bit": ["adafactor"], "adamw-8bit": ["adafactor"],
-           "sgd": [], "adafactor": []}
+           "sgd": [], "adafactor": [], "galore-adamw": [], "apollo-adamw": [], "muon": [], "schedule-free-adamw": []}
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCK = 256  # values per quantisation block (one fp32 absmax each)
 BNB_4BIT_BLOCK = 64  # QLoRA's 4-bit weights: values per block (transformers' default blocksize)
@@ -84,6 +84,7 @@ class ModelShapes:
     supports_checkpointing: bool = True
     peft: Peft | None = None  # LoRA or QLoRA: the adapted model's shapes; the simulation applies them too
     quantized: list[tuple[int, ...]] | None = None  # QLoRA: the weights stored in 4 bits
+    block_matrices: list[tuple[int, ...]] | None = None  # trainable 2-D weights inside the blocks (muon's)
 
     @property
     def weight_bytes(self) -> int:
@@ -124,7 +125,8 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     inner = built.get_base_model() if peft else built
     return ModelShapes(inner.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
                        sum(b.numel() * b.element_size() for b in built.buffers()), largest,
-                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized)
+                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized,
+                       [tuple(p.shape) for b in blocks.blocks(built) for p in b.parameters() if p.requires_grad and p.ndim == 2])
 
 
 def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
@@ -146,8 +148,12 @@ def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | N
     return config
 
 
-def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]]) -> int:
+def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], block_matrices=()) -> int:
     """Bytes of the optimizer's state for trainable parameters of these shapes, as each library stores it."""
+    if name in ("galore-adamw", "apollo-adamw", "muon", "schedule-free-adamw"):  # planning/sizes.py
+        return (sizes.muon_state_bytes(shapes, list(block_matrices)) if name == "muon" else
+                sizes.schedule_free_state_bytes(shapes) if name.startswith("schedule") else
+                sizes.projected_state_bytes(name, shapes))
     total = 0
     if name in ("adamw-8bit", "adam-8bit") and any(math.prod(s) >= BNB_MIN_8BIT_SIZE for s in shapes):
         total += 2 * 256 * 4  # the two quantisation maps (256 fp32 values), shared by all parameters
@@ -250,7 +256,8 @@ class Planner:
         fsdp, zero = self._fsdp, self._zero
         weights = self._shard(self.shapes.weight_bytes, fsdp or zero >= 3) + self.shapes.buffer_bytes
         gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
-        states = self._shard(optimizer_state_bytes(optimizer, self._trainable_shapes), fsdp or zero >= 1)
+        states = self._shard(optimizer_state_bytes(optimizer, self._trainable_shapes, self.shapes.block_matrices or ()),
+                             fsdp or zero >= 1)
         if self.strategy == "ddp" and self.world_size > 1:
             gradients += 4 * self.shapes.trainable  # DDP's gradient buckets: a second copy, all-reduced
         return weights, gradients, states

@@ -1,0 +1,172 @@
+"""The optimizers that keep less state than AdamW beyond 8 bits, through their maintained packages:
+GaLore and APOLLO (Adam's moments in a low-rank projection of each weight matrix), torch's Muon
+(orthogonalised momentum for the blocks' matrices) and schedule-free AdamW (no decaying schedule).
+What each stores is counted by planning/sizes.py; engine/optim.py builds them by name."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from effitrain.errors import UserError
+from effitrain.planning.sizes import LOW_RANK, projected
+
+# GaLore's GLUE fine-tuning recipe (its README): projection renewed every 500 steps, scale 4.
+GALORE = {"update_proj_gap": 500, "scale": 4.0, "proj_type": "std"}
+# APOLLO's defaults (random projection renewed every 200 steps, channel-wise scaling); its fine-tuning
+# recipe sets scale = the matrix's width / rank (LLaMA-8B: 4096 / 128 = 32).
+APOLLO = {"update_proj_gap": 200, "proj": "random", "scale_type": "channel", "proj_type": "std"}
+
+
+def _package(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:  # config validation checks first; this is for the Python API's direct callers
+        raise UserError(f"the optimizer needs the {module} package, which is not installed",
+                        "pip install 'effitrain[optimizers]'") from None
+
+
+def _split(model: torch.nn.Module, weight_decay: float, chosen) -> tuple[list, list[dict]]:
+    """(the parameters `chosen` picks, AdamW groups of the rest: no decay on 1-D tensors)."""
+    picked, decay, no_decay = [], [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (picked if chosen(param) else decay if param.ndim >= 2 else no_decay).append(param)
+    rest = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return picked, [group for group in rest if group["params"]]
+
+
+def low_rank(name: str, model: torch.nn.Module, lr: float, weight_decay: float, betas):
+    """galore-adamw or apollo-adamw: projected groups for the matrices wider than the rank, one per width
+    (APOLLO's scale follows it), plain Adam moments for the rest."""
+    matrices, rest = _split(model, weight_decay, lambda p: projected(tuple(p.shape)))
+    by_width: dict[int, list] = {}
+    for param in matrices:
+        by_width.setdefault(min(param.shape), []).append(param)
+    if name == "galore-adamw":
+        cls, projector = _package("galore_torch").GaLoreAdamW, _package("galore_torch.galore_projector").GaLoreProjector
+        extra = lambda width: {"rank": LOW_RANK, **GALORE}  # noqa: E731
+        options = {"no_deprecation_warning": True}
+    else:
+        cls, projector = _package("apollo_torch").APOLLOAdamW, _package("apollo_torch.random_projector").GradientProjector
+        extra = lambda width: {"rank": LOW_RANK, "scale": width / LOW_RANK, **APOLLO}  # noqa: E731
+        options = {}
+    groups = [{"params": params, "weight_decay": weight_decay, **extra(width)} for width, params in by_width.items()]
+    optimizer = cls(groups + rest, lr=lr, betas=betas, weight_decay=weight_decay, **options)
+    keep_projectors(optimizer, projector)
+    return optimizer
+
+
+# A projector's settings, which its parameter group holds; the rest of its fields change as it runs.
+PROJECTOR_SETTINGS = ("rank", "verbose", "update_proj_gap", "scale", "proj_type")
+
+
+def keep_projectors(optimizer: torch.optim.Optimizer, projector_class) -> None:
+    """GaLore and APOLLO keep each matrix's projection (and APOLLO its seed) in a Python object in the
+    state. It is saved as its changing fields (tensors and numbers: what torch.load(weights_only=True)
+    reads back, as accelerate loads checkpoints; torch's load_state_dict would mangle strings) and made
+    again from its group's settings when loaded, so a resumed run projects as the uninterrupted one."""
+
+    def as_fields(opt, state_dict):
+        state = state_dict["state"]
+        for key, values in state.items():
+            if "projector" in values:  # a copy: these dicts are the optimizer's live state
+                fields = {k: v for k, v in vars(values["projector"]).items() if k not in PROJECTOR_SETTINGS}
+                state[key] = {**values, "projector": fields}
+        return state_dict
+
+    def as_objects(opt):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                values = opt.state.get(param, {})
+                if isinstance(values.get("projector"), dict):
+                    made = projector_class(group["rank"], update_proj_gap=group["update_proj_gap"],
+                                           scale=group["scale"], proj_type=group["proj_type"])
+                    made.__dict__.update(values["projector"])
+                    values["projector"] = made
+
+    optimizer.register_state_dict_post_hook(as_fields)
+    optimizer.register_load_state_dict_post_hook(as_objects)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon for the 2-D weights inside the transformer blocks, fused AdamW for the rest
+    (embeddings, head, 1-D tensors), as Muon's authors train; one optimizer, so that one schedule,
+    one state dict and accelerate see all the groups. Muon's lr is matched to AdamW's update size
+    (adjust_lr_fn="match_rms_adamw", Moonlight's rule), so --lr and --weight-decay serve both."""
+
+    def __init__(self, matrices: list, rest: list[dict], lr: float, weight_decay: float, betas, adamw_of_groups):
+        self._muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        self._adamw = adamw_of_groups(rest, lr, betas)
+        groups = [{**g, "muon": True} for g in self._muon.param_groups] + [
+            {**g, "muon": False} for g in self._adamw.param_groups]
+        super().__init__(groups, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        # The inner optimizers see this one's groups and state, which load_state_dict replaces.
+        self._muon.param_groups = [g for g in self.param_groups if g["muon"]]
+        self._adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+        self._muon.state = self._adamw.state = self.state
+        loss = closure() if closure is not None else None
+        self._muon.step()
+        if self._adamw.param_groups:
+            self._adamw.step()
+        return loss
+
+
+def muon(model: torch.nn.Module, lr: float, weight_decay: float, betas, adamw_of_groups) -> MuonWithAdamW:
+    """`adamw_of_groups`: engine/optim.py's fused AdamW over parameter groups, for the rest."""
+    from effitrain.models import blocks
+
+    inside = {id(p) for block in blocks.blocks(model) for p in block.parameters()}
+    matrices, rest = _split(model, weight_decay, lambda p: p.ndim == 2 and id(p) in inside)
+    if not matrices:
+        raise UserError("--optim muon found no trainable 2-D weight inside the model's transformer blocks",
+                        "use another --optim")
+    return MuonWithAdamW(matrices, rest, lr, weight_decay, betas, adamw_of_groups)
+
+
+def schedule_free(model: torch.nn.Module, lr: float, weight_decay: float, betas):
+    """Schedule-free AdamW; the warm-up comes from effitrain's schedule (engine/optim.py), constant after."""
+    _, groups = _split(model, weight_decay, lambda p: False)
+    optimizer = _package("schedulefree").AdamWScheduleFree(groups, lr=lr, betas=betas, warmup_steps=0)
+    optimizer.train()  # training starts at the point y; a resumed run's checkpoint says train mode too
+    return optimizer
+
+
+def _switching(optimizer):
+    """The optimizer itself (accelerate wraps it) when it holds train and evaluation weights, else None."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if callable(getattr(inner, "eval", None)) and callable(getattr(inner, "train", None)) else None
+
+
+@contextlib.contextmanager
+def evaluated_weights(optimizer):
+    """Schedule-free: the averaged weights x while the block runs (validation, best/), then exactly the
+    training point y again (copied back: x -> y by interpolation would round, and the run would drift
+    from one that evaluated at other steps). Other optimizers: nothing."""
+    inner = _switching(optimizer)
+    if inner is None:
+        yield
+        return
+    params = [p for group in inner.param_groups for p in group["params"]]
+    kept = [p.detach().clone() for p in params]
+    inner.eval()
+    try:
+        yield
+    finally:
+        inner.train()
+        with torch.no_grad():
+            for param, value in zip(params, kept):
+                param.copy_(value)
+
+
+def use_evaluated_weights(optimizer) -> None:
+    """After the last step: the weights to test and save are schedule-free's averaged ones."""
+    inner = _switching(optimizer)
+    if inner is not None:
+        inner.eval()

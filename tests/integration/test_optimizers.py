@@ -1,0 +1,139 @@
+"""The optimizers of the `optimizers` extra (GaLore, APOLLO, schedule-free AdamW) and torch's Muon:
+planned state bytes equal to their state tensors, bitwise resume, DDP equal to one process,
+schedule-free's evaluated and saved weights, and a missing package said in one line."""
+
+import json
+
+import effitrain
+import pytest
+import torch
+from effitrain.engine import optim, optim_packages
+from effitrain.models import blocks
+from effitrain.planning import planner as plan
+from test_distributed import torchrun
+
+from conftest import as_flags, read_weights, tiny_bert, tiny_run
+
+NEW = ["galore-adamw", "apollo-adamw", "muon", "schedule-free-adamw"]
+
+
+def steps(model, optimizer, count, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_state_bytes_equal_the_plan_and_survive_a_save(name):
+    """The planner's arithmetic equals the bytes of the optimizer's own tensors (projections included);
+    the state dict saved as accelerate does (weights_only load) continues bitwise."""
+    import io
+
+    model = tiny_bert(hidden_size=64, intermediate_size=128, vocab_size=500)
+    optimizer = optim.build(name, model, 1e-3, 0.01)
+    steps(model, optimizer, 2)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    matrices = [tuple(p.shape) for b in blocks.blocks(model) for p in b.parameters() if p.ndim == 2]
+    assert plan.optimizer_state_bytes(name, shapes, matrices) == optim.state_bytes(optimizer)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    copy = tiny_bert(hidden_size=64, intermediate_size=128, vocab_size=500)
+    copy.load_state_dict(model.state_dict())
+    resumed = optim.build(name, copy, 1e-3, 0.01)
+    resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    steps(model, optimizer, 3, seed=2)
+    steps(copy, resumed, 3, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), copy.parameters()))
+
+
+def test_low_rank_state_is_a_small_share_of_adamws_on_the_default_model():
+    shapes = plan.model_shapes("sequence-classification", "default", num_labels=5)
+    planner = plan.Planner(shapes, 128)
+    adamw = planner.model_states("adamw")[2]
+    for name in ("galore-adamw", "apollo-adamw"):
+        assert planner.model_states(name)[2] <= 0.35 * adamw
+
+
+class StopAt:
+    """Ends a run after step `step` (its checkpoint written), as a kill would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, state, path):
+        if state.step == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_resumed_equals_uninterrupted_with_accumulation(tiny_model_dir, tmp_path, name):
+    """6 steps of 4 x accumulation 2, validated every 2 steps (schedule-free switches its weights there):
+    stopped after the checkpoint of step 3 and resumed, the weights equal the uninterrupted run's."""
+    settings = lambda out: tiny_run(tiny_model_dir, out, optim=name, batch_size=4, grad_accum=2,  # noqa: E731
+                                    save_every=3, eval_every=2, seed=3)
+    effitrain.train(settings(tmp_path / "straight"))
+    with pytest.raises(KeyboardInterrupt):
+        effitrain.train(settings(tmp_path / "stopped"), callbacks=[StopAt(3)])
+    effitrain.train({**settings(tmp_path / "stopped"), "resume": "auto"})
+    straight, resumed = read_weights(tmp_path / "straight"), read_weights(tmp_path / "stopped")
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
+    metrics = json.loads((tmp_path / "stopped" / "metrics.json").read_text())
+    assert metrics["optimizer"] == name and metrics["steps"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NEW)
+def test_two_processes_and_accumulation_equal_one(tiny_model_dir, tmp_path, name):
+    """2 processes x 4 and 1 x 4 x accumulation 2 equal 1 x 8 to float tolerance. GaLore: its projection is the SVD of the gradient,
+    whose singular vectors turn within a group of close singular values at the gradients' rounding (one
+    process's sum vs two all-reduced halves): the runs differ in the low digits of every matrix after 6
+    steps (measured: 7e-3 on weights of 7e-2), so only its test loss is compared."""
+    common = tiny_run(tiny_model_dir, tmp_path / "one", optim=name, warmup_ratio=0.0)
+    result = torchrun(2, "train", *as_flags({**common, "batch_size": 4, "output_dir": tmp_path / "two"}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    effitrain.train(common)
+    effitrain.train({**common, "batch_size": 4, "grad_accum": 2, "output_dir": str(tmp_path / "accum")})
+    one = read_weights(tmp_path / "one")
+    for other in ("two", "accum"):
+        if name == "galore-adamw":
+            losses = [json.loads((tmp_path / d / "metrics.json").read_text())["test"]["loss"] for d in ("one", other)]
+            assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+            continue
+        weights = read_weights(tmp_path / other)
+        for key in one:
+            torch.testing.assert_close(weights[key], one[key], rtol=1e-5, atol=1e-5)
+
+
+def test_schedule_free_evaluates_its_averaged_weights_and_trains_on_exactly_its_own():
+    model = tiny_bert()
+    optimizer = optim.build("schedule-free-adamw", model, 1e-2, 0.0)
+    steps(model, optimizer, 3)
+    y = [p.detach().clone() for p in model.parameters()]
+    z = [optimizer.state[p]["z"] for p in model.parameters()]
+    beta1 = optimizer.param_groups[0]["betas"][0]
+    with optim_packages.evaluated_weights(optimizer):
+        for p, y_, z_ in zip(model.parameters(), y, z):
+            assert torch.equal(p, torch.lerp(y_, z_, 1 - 1 / beta1))  # x, as schedulefree's eval() makes it
+    assert all(torch.equal(p, y_) for p, y_ in zip(model.parameters(), y))  # y again, bit for bit
+    assert optimizer.param_groups[0]["train_mode"]
+
+
+def test_schedule_free_keeps_the_peak_lr_after_warm_up(tiny_model_dir, tmp_path):
+    effitrain.train(tiny_run(tiny_model_dir, tmp_path, optim="schedule-free-adamw", warmup_ratio=0.5, log_every=1))
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "lr" in r]
+    assert lrs == [pytest.approx(1e-3 * f) for f in (1 / 3, 2 / 3, 1, 1, 1, 1)]
+
+
+def test_a_missing_package_is_one_line(cli_here, monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "galore_torch" else real(name, *a))
+    result = cli_here("train", "--optim", "galore-adamw", "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "effitrain: error: --optim galore-adamw needs the galore-torch package, which is not installed; "
+        "fix: pip install 'effitrain[optimizers]'"]
+    assert not (tmp_path / "run").exists()
