@@ -22,7 +22,8 @@ class CausalLM(Task):
     chunked_loss = True
     supports_chat = True
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
-    higher_is_better = ("token_accuracy",)
+    higher_is_better = ("token_accuracy", "exact_match", "end_of_turn_share")
+    GENERATION_METRICS = ("exact_match", "end_of_turn_share")  # prompt-completion and chat data only
 
     # -- models ------------------------------------------------------------------------------------
     def load_processor(self, source: loading.ModelSource):
@@ -38,6 +39,13 @@ class CausalLM(Task):
         rows = model.get_input_embeddings().weight.shape[0]
         if processor is not None and len(processor) > rows:  # a chat template's special tokens were added
             model.resize_token_embeddings(len(processor))
+        if processor is not None and model.can_generate():
+            from effitrain.data import answers
+
+            # Saved into model/generation_config.json: plain `generate` on model/ stops at the end of turn too.
+            stops = answers.stop_ids(processor)
+            if stops:
+                model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     def check_config(self, config) -> None:
         super().check_config(config)
@@ -69,12 +77,23 @@ class CausalLM(Task):
                             f"message lists); --data {config.data} is {fmt} data",
                             "drop --chat-template, or give the data as messages")
         if fmt == conversations.TEXT:
+            if config.metric_for_best in self.GENERATION_METRICS:
+                raise UserError(f"--metric-for-best {config.metric_for_best} scores generated answers, and --data "
+                                f"{config.data} is text data, which has no answers",
+                                "pass --metric-for-best loss (or perplexity, token_accuracy), or give prompt-completion "
+                                "or messages data")
             return text.tokenize(splits, processor, config.max_length, labels=False)
         if config.chat_template is not None:
             templates.install(processor, config.chat_template)
         if fmt in conversations.CONVERSATIONAL:
             templates.require(processor, config.model)
-        return answers.encode_splits(splits, processor, fmt, config.loss_on, config.max_length)
+        # Evaluation measures the answers (loss, perplexity, exact match), whatever --loss-on trains on.
+        encoded = answers.encode_splits(type(splits)(train=splits["train"]), processor, fmt, config.loss_on,
+                                        config.max_length)
+        others = type(splits)({name: split for name, split in splits.items() if name != "train"})
+        if others:
+            encoded.update(answers.encode_splits(others, processor, fmt, "completion", config.max_length))
+        return encoded
 
     def drop_untrainable(self, encoded, config):
         """Examples whose every answer token lies beyond --max-length (possible only with labels on answers)."""
@@ -151,7 +170,19 @@ class CausalLM(Task):
                                ignore_index=-100)
 
     # -- evaluation --------------------------------------------------------------------------------
-    def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
+    def eval_setting(self, processor, config, split):
+        """Prompt-completion and chat data (labels on the answers): how answers are generated and scored
+        (tasks/generation.py); text data: None (loss, perplexity and token accuracy only)."""
+        from effitrain.tasks import generation
+
+        if "labels" not in split.column_names:
+            return None
+        return generation.for_split(processor, split, config.max_new_tokens)
+
+    def eval_outputs(self, model, batch, setting=None) -> tuple[torch.Tensor, ...]:
+        """Per example: the loss summed over its answer tokens, their count, the correct next-token
+        guesses; with a generation setting also whether its generated answer matches the reference,
+        and whether it stopped at the end of turn."""
         head = chunked_lm_loss.output_layer(model)
         if head is not None:
             hidden, targets = self.hidden_and_targets(model, batch, head)
@@ -161,16 +192,29 @@ class CausalLM(Task):
             losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
             correct = logits.argmax(-1) == targets
         mask = targets != -100
-        return losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1)
+        outputs = (losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1))
+        if setting is None:
+            return outputs
+        from effitrain.tasks import generation
+
+        prompts, references = generation.prompts_and_references(batch)
+        exact, stopped = generation.scores(generation.generate(model, prompts, setting), references, setting)
+        device = outputs[0].device
+        return (*outputs, exact.to(device), stopped.to(device))
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
-        loss_total, tokens, correct = (float(t.double().sum()) for t in outputs)
+        loss_total, tokens, correct = (float(t.double().sum()) for t in outputs[:3])
         loss = loss_total / max(tokens, 1)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "token_accuracy": correct / max(tokens, 1),
-                "tokens": int(tokens), "samples": int(len(outputs[0]))}
+        samples = len(outputs[0])
+        result = {"loss": loss, "perplexity": math.exp(min(loss, 50)), "token_accuracy": correct / max(tokens, 1),
+                  "tokens": int(tokens), "samples": int(samples)}
+        if len(outputs) == 5:  # answers generated (eval_setting)
+            result["exact_match"] = float(outputs[3].double().sum()) / max(samples, 1)
+            result["end_of_turn_share"] = float(outputs[4].double().sum()) / max(samples, 1)
+        return result
 
     def metric_names(self, label_names: list[str] | None) -> list[str]:
-        return ["loss", "perplexity", "token_accuracy"]
+        return ["loss", "perplexity", "token_accuracy", *self.GENERATION_METRICS]
 
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
