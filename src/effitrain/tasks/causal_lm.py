@@ -222,14 +222,16 @@ class CausalLM(Task):
 
     # -- prediction: generation ----------------------------------------------------------------------
     def prediction_inputs(self) -> str:
-        return "--prompt \"...\" (repeatable) or --input FILE.jsonl|csv with a `prompt` (or `text`) field"
+        return ("--prompt \"...\" (repeatable) or --input FILE.jsonl|csv with a `prompt` (or `text`) field, or a "
+                "FILE.jsonl of chat `messages`")
 
     def prediction_records(self, given, where: str) -> list[dict]:
         from effitrain.data import inputs
 
         self.refuse_other_inputs(given, ("--prompt", "--input"), where)
-        prompts = list(given.prompts)
-        fix = "pass a JSONL file with one {\"prompt\": ...} per line (or a CSV with a `prompt` column)"
+        records = [{"prompt": prompt} for prompt in given.prompts]
+        fix = "pass a JSONL file with one {\"prompt\": ...} or {\"messages\": [...]} per line (or a CSV with a " \
+              "`prompt` column)"
         if given.input_file:
             path = inputs.existing(given.input_file, fix)
             rows = inputs.read_table(path, fix)
@@ -237,18 +239,42 @@ class CausalLM(Task):
                 raise UserError(f"--input {given.input_file} holds text pairs (a `text_pair` field), which classifiers "
                                 f"label; the model in {where} is a {self.name} model, which continues prompts",
                                 f"pass {self.prediction_inputs()}")
-            prompts += inputs.string_field(path, rows, ("prompt", "text"), fix)
-        for number, prompt in enumerate(prompts, 1):
-            if not prompt.strip():
+            if any("messages" in row for row in rows):
+                records += self.conversations(path, rows)
+            else:
+                records += [{"prompt": prompt} for prompt in inputs.string_field(path, rows, ("prompt", "text"), fix)]
+        for number, record in enumerate(records, 1):
+            if "prompt" in record and not record["prompt"].strip():
                 raise UserError(f"prompt {number} is empty", "give every prompt some text to continue")
-        return [{"prompt": prompt} for prompt in prompts]
+        return records
+
+    @staticmethod
+    def conversations(path, rows: list[dict]) -> list[dict]:
+        """--input rows of chat `messages` (every row one), each a conversation for the model to answer."""
+        from effitrain.data import conversations
+
+        records = []
+        for number, row in enumerate(rows, 1):
+            problem = conversations.prompt_problem(row.get("messages"))
+            if problem is not None:
+                raise UserError(f"--input {path} row {number} {problem[0]}", problem[1])
+            records.append({"messages": row["messages"]})
+        return records
 
     def prediction_encodings(self, records: list[dict], processor, options) -> list:
-        """Each prompt's token ids, all tokenised in one call; a long prompt keeps its end (what the
-        model continues), options.max_length tokens of it."""
-        from effitrain.data import answers
+        """Each input's token ids: prompts tokenised as training tokenised prompt-completion prompts, all in
+        one call; conversations rendered by the saved chat template with its generation prompt (the ids
+        training saw before an answer). A long input keeps its end (what the model continues),
+        options.max_length tokens of it."""
+        from effitrain.data import answers, templates
 
-        rows = [answers.prompt_ids(processor, ids) for ids in processor([r["prompt"] for r in records])["input_ids"]]
+        prompts = [r["prompt"] for r in records if "prompt" in r]
+        tokenised = iter(processor(prompts)["input_ids"] if prompts else [])
+        if len(prompts) < len(records):
+            templates.require(processor, processor.name_or_path)
+        rows = [answers.prompt_ids(processor, next(tokenised)) if "prompt" in r else
+                list(processor.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]) for r in records]
         return [row[-options.max_length:] for row in rows] if options.max_length else rows
 
     def prediction_size(self, encoding) -> int:
@@ -256,16 +282,13 @@ class CausalLM(Task):
 
     def prediction_batch(self, encodings: list, processor, options) -> dict:
         """Prompts padded on the left, so that every row's next token is generated at the same position."""
-        width = max(len(row) for row in encodings)
-        ids = torch.full((len(encodings), width), processor.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(encodings), width), dtype=torch.long)
-        for i, row in enumerate(encodings):
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+        from effitrain.tasks import generation
+
+        return generation.left_padded(encodings, processor.pad_token_id)
 
     def predictions(self, model, batch: dict, processor, options) -> list[dict]:
-        """Greedy continuations, or sampled ones when a temperature or top-p is given."""
+        """Greedy continuations, or sampled ones when a temperature or top-p is given; each stops at the
+        end of turn (or EOS)."""
         positions = getattr(model.config, "max_position_embeddings", None)
         if positions is not None:
             room = positions - options.max_new_tokens
@@ -276,7 +299,10 @@ class CausalLM(Task):
         sampling = options.temperature is not None or options.top_p is not None
         settings = {"do_sample": True, "temperature": options.temperature or 1.0, "top_p": options.top_p or 1.0,
                     "top_k": None} if sampling else {"do_sample": False}
+        from effitrain.data import answers
+
         generated = model.generate(**batch, max_new_tokens=options.max_new_tokens,
+                                   eos_token_id=answers.stop_ids(processor) or None,
                                    pad_token_id=processor.pad_token_id, **settings)
         continuations = processor.batch_decode(generated[:, batch["input_ids"].shape[1]:].cpu(),
                                                skip_special_tokens=True)
