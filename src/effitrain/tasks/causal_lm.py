@@ -31,7 +31,10 @@ class CausalLM(Task):
         return loading.load_text_tokenizer(source)
 
     def adapt_config(self, config, processor) -> None:
+        """A model from a config: the tokenizer's vocabulary and EOS (a config's default ids, Llama's 2, name
+        some other token of this tokenizer)."""
         config.vocab_size = len(processor)
+        config.eos_token_id = processor.eos_token_id
 
     def adapt_model(self, model, processor) -> None:
         if model.config.pad_token_id is None and processor is not None:
@@ -42,8 +45,11 @@ class CausalLM(Task):
         if processor is not None and model.can_generate():
             from effitrain.data import answers
 
-            # Saved into model/generation_config.json: plain `generate` on model/ stops at the end of turn too.
-            stops = answers.stop_ids(processor)
+            # Saved into model/generation_config.json: plain `generate` on model/ stops at the end of turn too
+            # (the stops a pretrained model's own config lists are kept).
+            own = model.generation_config.eos_token_id
+            stops = list(dict.fromkeys([*([] if own is None else [own] if isinstance(own, int) else own),
+                                        *answers.stop_ids(processor)]))
             if stops:
                 model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
 
@@ -200,7 +206,7 @@ class CausalLM(Task):
         prompts, references = generation.prompts_and_references(batch)
         exact, stopped = generation.scores(generation.generate(model, prompts, setting), references, setting)
         device = outputs[0].device
-        return (*outputs, exact.to(device), stopped.to(device))
+        return (*outputs, exact.long().to(device), stopped.long().to(device))  # gloo gathers no bools
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
         loss_total, tokens, correct = (float(t.double().sum()) for t in outputs[:3])
