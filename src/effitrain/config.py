@@ -193,8 +193,13 @@ class TrainConfig:
     log_every: int = _opt(10, "write a log line every N optimizer steps", "logging", positive=True)
     eval_every: int | None = _opt(None, "evaluate on the validation split every N optimizer steps (default: at "
                                   "the end of each epoch), and always at the last step", "evaluation", positive=True)
+    max_new_tokens: int | None = _opt(None, "causal-lm on prompt-completion or chat data: tokens generated per "
+                                      "validation and test prompt for exact_match and end_of_turn_share (greedy, "
+                                      "stopped at the end of turn; default: the split's longest reference answer "
+                                      "with its end of turn)", "evaluation", positive=True)
     metric_for_best: str | None = _opt(None, "the validation metric that picks the best evaluation (default: "
-                                       "loss): loss, accuracy, f1_macro, f1_<label>, perplexity, token_accuracy; "
+                                       "loss): loss, accuracy, f1_macro, f1_<label>, perplexity, token_accuracy, "
+                                       "exact_match, end_of_turn_share; "
                                        "its direction is known. Setting it keeps the best weights in best/",
                                        "evaluation")
     early_stopping_patience: int | None = _opt(None, "stop after this many evaluations in a row without an "

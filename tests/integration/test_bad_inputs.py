@@ -97,6 +97,29 @@ def write_chat_cases(root):
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(root / "nopad")
     LlamaForCausalLM(LlamaConfig(vocab_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                                  num_key_value_heads=1, intermediate_size=8)).save_pretrained(root / "nopad")
+    write_chat_models(root, jsonl)
+
+
+def write_chat_models(root, jsonl):
+    """Saved causal LMs for predict: one with the ChatML template, one without a template; conversations
+    to answer with a mistake each."""
+    from effitrain.data import templates
+    from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer) + 2, hidden_size=8, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, intermediate_size=8))
+    model.save_pretrained(root / "lm-plain")
+    tokenizer.save_pretrained(root / "lm-plain")
+    templates.install(tokenizer, "chatml")
+    model.save_pretrained(root / "lm-chat")
+    tokenizer.save_pretrained(root / "lm-chat")
+    ask = [{"role": "user", "content": "hi"}]
+    jsonl("ask.jsonl", [{"messages": ask}])
+    jsonl("ask_answered.jsonl", [{"messages": ask}, {"messages": ask + [{"role": "assistant", "content": "hello"}]}])
+    jsonl("ask_role.jsonl", [{"messages": [{"role": "robot", "content": "hi"}]}])
+    jsonl("lm_text.jsonl", [{"text": f"plain text {n}"} for n in range(12)])
 
 
 WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
@@ -588,6 +611,15 @@ CASES = [
      "the chat template fails on a conversation (OverflowError: Range too big."),
     (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "include.jinja", "--output-dir", "new"],
      "the chat template fails on a conversation (TypeError: no loader for this environment specified)"),
+    # evaluation by generation and chat prediction (issue 29, item 6)
+    (["predict", "--model", "lm-chat", "--input", "ask_answered.jsonl"],
+     "ask_answered.jsonl row 2 ends on an assistant turn (nothing left for the model to answer)"),
+    (["predict", "--model", "lm-chat", "--input", "ask_role.jsonl"], "row 1 message 1 has the unknown role `robot`"),
+    (["predict", "--model", "lm-plain", "--input", "ask.jsonl"], "has no chat template to render conversations"),
+    (["train", *LLAMA, "--data", "lm_text.jsonl", "--metric-for-best", "exact_match", "--output-dir", "new"],
+     "--metric-for-best exact_match scores generated answers"),
+    (["train", "--max-new-tokens", "8"], "--max-new-tokens applies to --task causal-lm, not sequence-classification"),
+    (["train", *LLAMA, "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

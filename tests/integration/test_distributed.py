@@ -77,6 +77,9 @@ def test_two_processes_and_accumulation_equal_one_big_batch(tiny_model_dir, tmp_
         assert runs["ddp"][split]["loss"] == pytest.approx(runs["single"][split]["loss"], rel=1e-5)
         key = "accuracy" if task == "sequence-classification" else "token_accuracy"
         assert runs["ddp"][split][key] == runs["single"][split][key]
+        if chat:  # each process generated the answers of its share; gathered, the scores of one process
+            for key in ("exact_match", "end_of_turn_share"):
+                assert runs["ddp"][split][key] == runs["single"][split][key]
 
 
 def effitrain_launch(*args, cwd=None) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from effitrain.models import saved
 # The TrainConfig keys that say which data, how it is split and prepared, and how it is evaluated.
 DATA_KEYS = ("data", "validation_file", "test_file", "text_column", "text_pair_column", "label_column",
              "image_column", "audio_column", "skip_bad_rows", "validation_split", "test_split", "seed",
-             "max_length", "max_duration", "max_eval_samples", "eval_batch_size", "precision")
+             "max_length", "max_duration", "max_eval_samples", "eval_batch_size", "max_new_tokens", "precision")
 SPLITS = ("test", "validation", "train")
 
 
@@ -65,7 +65,8 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
                         collate_fn=task.collators(processor, config)[1])
     model = accelerator.prepare_model(saved.build(path, task, processor), evaluation_mode=True)
     loader = accelerator.prepare(loader)  # even_batches: gather_for_metrics drops the padded-in duplicates
-    metrics = engine_evaluate.evaluate(accelerator, task, model, loader, label_names)
+    metrics = engine_evaluate.evaluate(accelerator, task, model, loader, label_names,
+                                       setting=task.eval_setting(processor, config, encoded))
     accelerator.end_training()
     if not math.isfinite(metrics["loss"]):  # NaN logits would still give an argmax, and an accuracy
         raise UserError(f"model {path} gives non-finite outputs (loss {metrics['loss']}) on --data {config.data}: "

@@ -220,7 +220,7 @@ def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
 
     key = ["answers", tokenizer.name_or_path, len(tokenizer), max_length, fmt, loss_on, str(template)]
     return cache.map_splits(splits, encode_batch, key, batched=True, with_indices=True,
-                            remove_columns=splits["train"].column_names)
+                            remove_columns=next(iter(splits.values())).column_names)
 
 
 def end_of_turn_id(tokenizer, fmt: str) -> int:
@@ -257,3 +257,32 @@ def collator(pad_id: int, multiple: int | None = None):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     return collate
+
+
+def last_answer(labels: list[int]) -> tuple[int, int] | None:
+    """The positions [start, end) of an example's last answer (the last run of labelled positions, its
+    end of turn included), None when it has none. What comes before `start` is the prompt that
+    evaluation by generation gives the model: the conversation up to the last assistant turn's
+    first token, the template's generation prompt included."""
+    end = len(labels)
+    while end > 1 and labels[end - 1] == IGNORE:
+        end -= 1
+    if end <= 1:  # position 0 is predicted by nothing
+        return None
+    start = end - 1
+    while start > 1 and labels[start - 1] != IGNORE:
+        start -= 1
+    return start, end
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """The tokens generation stops at: EOS (or [SEP]), and the chat template's end of turn where the
+    tokenizer has a template that ends turns with a special token (<|im_end|>, <|eot_id|>)."""
+    found = [token for token in (tokenizer.eos_token_id if tokenizer.eos_token_id is not None
+                                 else tokenizer.sep_token_id,) if token is not None]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            found.append(end_of_turn_id(tokenizer, conversations.MESSAGES))
+        except (UserError, Unlocatable):  # a template that cannot end a turn: text data never needs it
+            pass
+    return list(dict.fromkeys(found))

@@ -136,3 +136,22 @@ def as_messages(row: dict, fmt: str) -> tuple[list[dict], int]:
         return list(row["messages"] or []), 0
     prompt = list(row["prompt"] or [])
     return prompt + list(row["completion"] or []), len(prompt)
+
+
+def prompt_problem(messages) -> tuple[str, str] | None:
+    """What makes `messages` unfit as a conversation for the model to answer (predict): not a list of
+    {role, content}, an unknown role, an empty message, or a last turn that is already the assistant's."""
+    shape = 'a list like [{"role": "user", "content": "..."}]'
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return "is not a non-empty list of {role, content} messages", f"give `messages` as {shape}"
+    for number, message in enumerate(messages, 1):
+        role = message.get("role")
+        if role not in ROLES:
+            return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
+        content = message.get("content")
+        if not isinstance(content, str) or not content.strip():
+            return f"message {number} has no text content", "give every message some content"
+    if messages[-1]["role"] == ANSWER:
+        return ("ends on an assistant turn (nothing left for the model to answer)",
+                "end each conversation with the turn the model answers (e.g. the user's)")
+    return None

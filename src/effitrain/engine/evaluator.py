@@ -8,12 +8,14 @@ import torch
 from effitrain.data import text
 
 
-def evaluate(accelerator, task, model, dataloader, label_names, in_pieces: bool = True) -> dict[str, float]:
-    """The task's metrics over the whole split, the same on every process whatever their number."""
-    return task.metrics(gather_outputs(accelerator, task, model, dataloader, in_pieces), label_names)
+def evaluate(accelerator, task, model, dataloader, label_names, in_pieces: bool = True,
+             setting=None) -> dict[str, float]:
+    """The task's metrics over the whole split, the same on every process whatever their number.
+    `setting`: the task's eval_setting for the split."""
+    return task.metrics(gather_outputs(accelerator, task, model, dataloader, in_pieces, setting), label_names)
 
 
-def gather_outputs(accelerator, task, model, dataloader, in_pieces: bool = True) -> tuple:
+def gather_outputs(accelerator, task, model, dataloader, in_pieces: bool = True, setting=None) -> tuple:
     """The task's per-example eval outputs over the whole split, on the CPU of every process;
     gather_for_metrics drops the samples padded in to even out shards. Eager even where --compile compiled
     the blocks: inference-mode graphs would be compiled apart, and on a CPU they measured no faster than
@@ -24,24 +26,25 @@ def gather_outputs(accelerator, task, model, dataloader, in_pieces: bool = True)
     gathered = []
     with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
         for batch in dataloader:
-            outputs = accelerator.gather_for_metrics(batch_outputs(accelerator, task, model, batch, in_pieces))
+            outputs = accelerator.gather_for_metrics(batch_outputs(accelerator, task, model, batch, in_pieces,
+                                                                   setting))
             gathered.append([t.cpu() for t in outputs])
     model.train(was_training)
     return tuple(torch.cat(column) for column in zip(*gathered))
 
 
-def batch_outputs(accelerator, task, model, batch, in_pieces: bool = True) -> tuple:
+def batch_outputs(accelerator, task, model, batch, in_pieces: bool = True, setting=None) -> tuple:
     """The task's eval outputs for one batch, in its order. On a CPU a text batch runs as pieces padded
     to their own longest rows (data/text.trimmed_pieces): the batch is the loader's, as accelerate
     shards and gathers it; only the padding computed is less. Not where the strategy says no (FSDP, whose
     every forward is a collective: the processes' pieces would not pair up), nor on accelerators, where
     padding costs little until the device is full (not measured there)."""
     if accelerator.device.type != "cpu" or not in_pieces:
-        return task.eval_outputs(model, batch)
+        return task.eval_outputs(model, batch, setting)
     pieces, order = text.trimmed_pieces(batch)
     if len(pieces) == 1 and order is None:
-        return task.eval_outputs(model, pieces[0])
-    outputs = tuple(torch.cat(column) for column in zip(*(task.eval_outputs(model, piece) for piece in pieces)))
+        return task.eval_outputs(model, pieces[0], setting)
+    outputs = tuple(torch.cat(column) for column in zip(*(task.eval_outputs(model, piece, setting) for piece in pieces)))
     if order is None:
         return outputs
     places = torch.argsort(order)  # where each row of the batch sits among the pieces' rows
@@ -53,17 +56,17 @@ class Evaluator:
     epoch) and at the last step; the best value of `metric` (its direction from the task); early
     stopping after `patience` evaluations without an improvement larger than `threshold`. The
     metrics are gathered, so every process takes the same decisions. `in_pieces`: the strategy's
-    evaluates_in_pieces (see batch_outputs)."""
+    evaluates_in_pieces (see batch_outputs). `setting`: the task's eval_setting for the split."""
 
     def __init__(self, accelerator, task, label_names, dataloader, *, steps_per_epoch: int, total_steps: int,
                  eval_every: int | None = None, metric: str = "loss", patience: int | None = None,
-                 threshold: float = 0.0, in_pieces: bool = True):
+                 threshold: float = 0.0, in_pieces: bool = True, setting=None):
         self.accelerator, self.task, self.label_names, self.dataloader = accelerator, task, label_names, dataloader
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.every = eval_every or steps_per_epoch
         self.metric, self.patience, self.threshold = metric, patience, threshold
         self.higher_is_better = task.is_higher_better(metric)
-        self.in_pieces = in_pieces
+        self.in_pieces, self.setting = in_pieces, setting
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -73,7 +76,7 @@ class Evaluator:
         by an improvement larger than the threshold, as the Trainer's early stopping). True if this
         evaluation is the best so far."""
         state.validation = evaluate(self.accelerator, self.task, model, self.dataloader, self.label_names,
-                                    self.in_pieces)
+                                    self.in_pieces, self.setting)
         value = state.validation[self.metric]
         if self.improves(value, state.best_value, self.threshold):
             state.evals_without_improvement = 0

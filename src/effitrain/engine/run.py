@@ -46,7 +46,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
                               eval_every=config.eval_every, metric=config.metric_for_best or "loss",
                               patience=config.early_stopping_patience, threshold=config.early_stopping_threshold,
-                              in_pieces=job.strategy.evaluates_in_pieces)
+                              in_pieces=job.strategy.evaluates_in_pieces, setting=eval_setting(job, "validation"))
         console = Console(job.total_steps, state.step, shown=job.accelerator.is_local_main_process)
         job.log.sinks.append(console)  # closed with the log, also when a step raises
         hooks = Callbacks([console, *callbacks])
@@ -77,6 +77,11 @@ def peers_watched(job: Run, state: TrainState):
         raise peers.PeerLost(state.step + 1, str(saved[-1]) if saved else None) from err
 
 
+def eval_setting(job: Run, split: str):
+    """The task's evaluation setting for a split (causal-lm on answers: how answers are generated)."""
+    return job.task.eval_setting(job.data.processor, job.config, job.data.encoded[split])
+
+
 def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -> dict:
     """After the loop: the weights to keep, checked; the test split; model/ (and adapter/), metrics.json
     and the model card. Never reports success for a model that cannot predict."""
@@ -87,7 +92,7 @@ def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -
     check_trained(job, state)
     with state.timed("evaluation"):
         gathered = evaluation.gather_outputs(job.accelerator, job.task, job.model, job.eval_dls["test"],
-                                             job.strategy.evaluates_in_pieces)
+                                             job.strategy.evaluates_in_pieces, eval_setting(job, "test"))
     test = job.task.metrics(gathered, job.data.label_names)
     log_record(job, state, split="test", **test)
     if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict

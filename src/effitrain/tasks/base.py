@@ -44,7 +44,8 @@ class Task:
         if not self.supports_chat:
             from effitrain.config import TrainConfig
 
-            changed = next((flag for flag, name in (("--chat-template", "chat_template"), ("--loss-on", "loss_on"))
+            changed = next((flag for flag, name in (("--chat-template", "chat_template"), ("--loss-on", "loss_on"),
+                                                        ("--max-new-tokens", "max_new_tokens"))
                             if getattr(config, name) != getattr(TrainConfig, name)), None)
             if changed:
                 raise UserError(f"{changed} applies to --task causal-lm, not {self.name}", f"drop {changed}")
@@ -205,8 +206,14 @@ class Task:
         raise NotImplementedError
 
     # -- evaluation --------------------------------------------------------------------------------
-    def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
-        """Per-example tensors, so that gather_for_metrics can drop the duplicates of uneven shards."""
+    def eval_setting(self, processor, config, split):
+        """What eval_outputs needs for one preprocessed split beyond the model and the batch, made once per
+        split (causal-lm on answers: how answers are generated); None for most tasks."""
+        return None
+
+    def eval_outputs(self, model, batch, setting=None) -> tuple[torch.Tensor, ...]:
+        """Per-example tensors, so that gather_for_metrics can drop the duplicates of uneven shards.
+        `setting`: this task's eval_setting for the split."""
         raise NotImplementedError
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:

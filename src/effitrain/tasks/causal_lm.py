@@ -22,7 +22,8 @@ class CausalLM(Task):
     chunked_loss = True
     supports_chat = True
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
-    higher_is_better = ("token_accuracy",)
+    higher_is_better = ("token_accuracy", "exact_match", "end_of_turn_share")
+    GENERATION_METRICS = ("exact_match", "end_of_turn_share")  # prompt-completion and chat data only
 
     # -- models ------------------------------------------------------------------------------------
     def load_processor(self, source: loading.ModelSource):
@@ -30,7 +31,10 @@ class CausalLM(Task):
         return loading.load_text_tokenizer(source)
 
     def adapt_config(self, config, processor) -> None:
+        """A model from a config: the tokenizer's vocabulary and EOS (a config's default ids, Llama's 2, name
+        some other token of this tokenizer)."""
         config.vocab_size = len(processor)
+        config.eos_token_id = processor.eos_token_id
 
     def adapt_model(self, model, processor) -> None:
         if model.config.pad_token_id is None and processor is not None:
@@ -38,6 +42,16 @@ class CausalLM(Task):
         rows = model.get_input_embeddings().weight.shape[0]
         if processor is not None and len(processor) > rows:  # a chat template's special tokens were added
             model.resize_token_embeddings(len(processor))
+        if processor is not None and model.can_generate():
+            from effitrain.data import answers
+
+            # Saved into model/generation_config.json: plain `generate` on model/ stops at the end of turn too
+            # (the stops a pretrained model's own config lists are kept).
+            own = model.generation_config.eos_token_id
+            stops = list(dict.fromkeys([*([] if own is None else [own] if isinstance(own, int) else own),
+                                        *answers.stop_ids(processor)]))
+            if stops:
+                model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     def check_built_model(self, model, encoded, processor, config) -> None:
         """--packing: two training examples packed and padded give the same logits (tasks/packing_check.py).
@@ -78,12 +92,23 @@ class CausalLM(Task):
                             f"message lists); --data {config.data} is {fmt} data",
                             "drop --chat-template, or give the data as messages")
         if fmt == conversations.TEXT:
+            if config.metric_for_best in self.GENERATION_METRICS:
+                raise UserError(f"--metric-for-best {config.metric_for_best} scores generated answers, and --data "
+                                f"{config.data} is text data, which has no answers",
+                                "pass --metric-for-best loss (or perplexity, token_accuracy), or give prompt-completion "
+                                "or messages data")
             return text.tokenize(splits, processor, config.max_length, labels=False)
         if config.chat_template is not None:
             templates.install(processor, config.chat_template)
         if fmt in conversations.CONVERSATIONAL:
             templates.require(processor, config.model)
-        return answers.encode_splits(splits, processor, fmt, config.loss_on, config.max_length)
+        # Evaluation measures the answers (loss, perplexity, exact match), whatever --loss-on trains on.
+        encoded = answers.encode_splits(type(splits)(train=splits["train"]), processor, fmt, config.loss_on,
+                                        config.max_length)
+        others = type(splits)({name: split for name, split in splits.items() if name != "train"})
+        if others:
+            encoded.update(answers.encode_splits(others, processor, fmt, "completion", config.max_length))
+        return encoded
 
     def drop_untrainable(self, encoded, config):
         """Examples whose every answer token lies beyond --max-length (possible only with labels on answers)."""
@@ -160,7 +185,19 @@ class CausalLM(Task):
                                ignore_index=-100)
 
     # -- evaluation --------------------------------------------------------------------------------
-    def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
+    def eval_setting(self, processor, config, split):
+        """Prompt-completion and chat data (labels on the answers): how answers are generated and scored
+        (tasks/generation.py); text data: None (loss, perplexity and token accuracy only)."""
+        from effitrain.tasks import generation
+
+        if "labels" not in split.column_names:
+            return None
+        return generation.for_split(processor, split, config.max_new_tokens)
+
+    def eval_outputs(self, model, batch, setting=None) -> tuple[torch.Tensor, ...]:
+        """Per example: the loss summed over its answer tokens, their count, the correct next-token
+        guesses; with a generation setting also whether its generated answer matches the reference,
+        and whether it stopped at the end of turn."""
         head = chunked_lm_loss.output_layer(model)
         if head is not None:
             hidden, targets = self.hidden_and_targets(model, batch, head)
@@ -170,16 +207,29 @@ class CausalLM(Task):
             losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
             correct = logits.argmax(-1) == targets
         mask = targets != -100
-        return losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1)
+        outputs = (losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1))
+        if setting is None:
+            return outputs
+        from effitrain.tasks import generation
+
+        prompts, references = generation.prompts_and_references(batch)
+        exact, stopped = generation.scores(generation.generate(model, prompts, setting), references, setting)
+        device = outputs[0].device
+        return (*outputs, exact.long().to(device), stopped.long().to(device))  # gloo gathers no bools
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
-        loss_total, tokens, correct = (float(t.double().sum()) for t in outputs)
+        loss_total, tokens, correct = (float(t.double().sum()) for t in outputs[:3])
         loss = loss_total / max(tokens, 1)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "token_accuracy": correct / max(tokens, 1),
-                "tokens": int(tokens), "samples": int(len(outputs[0]))}
+        samples = len(outputs[0])
+        result = {"loss": loss, "perplexity": math.exp(min(loss, 50)), "token_accuracy": correct / max(tokens, 1),
+                  "tokens": int(tokens), "samples": int(samples)}
+        if len(outputs) == 5:  # answers generated (eval_setting)
+            result["exact_match"] = float(outputs[3].double().sum()) / max(samples, 1)
+            result["end_of_turn_share"] = float(outputs[4].double().sum()) / max(samples, 1)
+        return result
 
     def metric_names(self, label_names: list[str] | None) -> list[str]:
-        return ["loss", "perplexity", "token_accuracy"]
+        return ["loss", "perplexity", "token_accuracy", *self.GENERATION_METRICS]
 
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
@@ -187,14 +237,16 @@ class CausalLM(Task):
 
     # -- prediction: generation ----------------------------------------------------------------------
     def prediction_inputs(self) -> str:
-        return "--prompt \"...\" (repeatable) or --input FILE.jsonl|csv with a `prompt` (or `text`) field"
+        return ("--prompt \"...\" (repeatable) or --input FILE.jsonl|csv with a `prompt` (or `text`) field, or a "
+                "FILE.jsonl of chat `messages`")
 
     def prediction_records(self, given, where: str) -> list[dict]:
         from effitrain.data import inputs
 
         self.refuse_other_inputs(given, ("--prompt", "--input"), where)
-        prompts = list(given.prompts)
-        fix = "pass a JSONL file with one {\"prompt\": ...} per line (or a CSV with a `prompt` column)"
+        records = [{"prompt": prompt} for prompt in given.prompts]
+        fix = "pass a JSONL file with one {\"prompt\": ...} or {\"messages\": [...]} per line (or a CSV with a " \
+              "`prompt` column)"
         if given.input_file:
             path = inputs.existing(given.input_file, fix)
             rows = inputs.read_table(path, fix)
@@ -202,18 +254,42 @@ class CausalLM(Task):
                 raise UserError(f"--input {given.input_file} holds text pairs (a `text_pair` field), which classifiers "
                                 f"label; the model in {where} is a {self.name} model, which continues prompts",
                                 f"pass {self.prediction_inputs()}")
-            prompts += inputs.string_field(path, rows, ("prompt", "text"), fix)
-        for number, prompt in enumerate(prompts, 1):
-            if not prompt.strip():
+            if any("messages" in row for row in rows):
+                records += self.conversations(path, rows)
+            else:
+                records += [{"prompt": prompt} for prompt in inputs.string_field(path, rows, ("prompt", "text"), fix)]
+        for number, record in enumerate(records, 1):
+            if "prompt" in record and not record["prompt"].strip():
                 raise UserError(f"prompt {number} is empty", "give every prompt some text to continue")
-        return [{"prompt": prompt} for prompt in prompts]
+        return records
+
+    @staticmethod
+    def conversations(path, rows: list[dict]) -> list[dict]:
+        """--input rows of chat `messages` (every row one), each a conversation for the model to answer."""
+        from effitrain.data import conversations
+
+        records = []
+        for number, row in enumerate(rows, 1):
+            problem = conversations.prompt_problem(row.get("messages"))
+            if problem is not None:
+                raise UserError(f"--input {path} row {number} {problem[0]}", problem[1])
+            records.append({"messages": row["messages"]})
+        return records
 
     def prediction_encodings(self, records: list[dict], processor, options) -> list:
-        """Each prompt's token ids, all tokenised in one call; a long prompt keeps its end (what the
-        model continues), options.max_length tokens of it."""
-        from effitrain.data import answers
+        """Each input's token ids: prompts tokenised as training tokenised prompt-completion prompts, all in
+        one call; conversations rendered by the saved chat template with its generation prompt (the ids
+        training saw before an answer). A long input keeps its end (what the model continues),
+        options.max_length tokens of it."""
+        from effitrain.data import answers, templates
 
-        rows = [answers.prompt_ids(processor, ids) for ids in processor([r["prompt"] for r in records])["input_ids"]]
+        prompts = [r["prompt"] for r in records if "prompt" in r]
+        tokenised = iter(processor(prompts)["input_ids"] if prompts else [])
+        if len(prompts) < len(records):
+            templates.require(processor, processor.name_or_path)
+        rows = [answers.prompt_ids(processor, next(tokenised)) if "prompt" in r else
+                list(processor.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]) for r in records]
         return [row[-options.max_length:] for row in rows] if options.max_length else rows
 
     def prediction_size(self, encoding) -> int:
@@ -221,16 +297,13 @@ class CausalLM(Task):
 
     def prediction_batch(self, encodings: list, processor, options) -> dict:
         """Prompts padded on the left, so that every row's next token is generated at the same position."""
-        width = max(len(row) for row in encodings)
-        ids = torch.full((len(encodings), width), processor.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(encodings), width), dtype=torch.long)
-        for i, row in enumerate(encodings):
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+        from effitrain.tasks import generation
+
+        return generation.left_padded(encodings, processor.pad_token_id)
 
     def predictions(self, model, batch: dict, processor, options) -> list[dict]:
-        """Greedy continuations, or sampled ones when a temperature or top-p is given."""
+        """Greedy continuations, or sampled ones when a temperature or top-p is given; each stops at the
+        end of turn (or EOS)."""
         positions = getattr(model.config, "max_position_embeddings", None)
         if positions is not None:
             room = positions - options.max_new_tokens
@@ -241,7 +314,10 @@ class CausalLM(Task):
         sampling = options.temperature is not None or options.top_p is not None
         settings = {"do_sample": True, "temperature": options.temperature or 1.0, "top_p": options.top_p or 1.0,
                     "top_k": None} if sampling else {"do_sample": False}
+        from effitrain.data import answers
+
         generated = model.generate(**batch, max_new_tokens=options.max_new_tokens,
+                                   eos_token_id=answers.stop_ids(processor) or None,
                                    pad_token_id=processor.pad_token_id, **settings)
         continuations = processor.batch_decode(generated[:, batch["input_ids"].shape[1]:].cpu(),
                                                skip_special_tokens=True)

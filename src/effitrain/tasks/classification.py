@@ -143,7 +143,7 @@ class Classification(Task):
         logits = packed.logits(model, batch) if packing.is_packed(batch) else model(**self.inputs(batch)).logits
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
 
-    def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
+    def eval_outputs(self, model, batch, setting=None) -> tuple[torch.Tensor, ...]:
         logits = model(**self.inputs(batch)).logits.float()
         return logits.argmax(-1), batch["labels"], F.cross_entropy(logits, batch["labels"], reduction="none")
 
