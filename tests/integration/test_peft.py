@@ -263,6 +263,42 @@ def test_qlora_loads_linear_layers_in_4bit(wide_model_dir):
     assert all(p.requires_grad == ("lora_" in n or "modules_to_save" in n) for n, p in model.named_parameters())
 
 
+@pytest.fixture(scope="module")
+def wide_gpt2_dir(tmp_path_factory):
+    """A saved GPT-2 64 wide (its Conv1D layers: attn.c_proj square, 64 x 64), with the default tokenizer."""
+    from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2-64")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_embd=64, n_head=2, n_positions=64,
+                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])
+def test_qlora_on_gpt2_trains_and_model_dir_is_the_function_that_was_trained(wide_gpt2_dir, tmp_path, task):
+    """GPT-2's Conv1D layers (weight: inputs x outputs) are quantised by transformers as 4-bit linear layers
+    (outputs x inputs). Was a traceback at the first step of a causal LM (the start-up check of the chunked
+    loss ran the model in eval mode, which repacked the 4-bit weights for inference), and model/ held the
+    square attn.c_proj transposed. Now model/ gives the test loss the run measured, and each merged Conv1D
+    weight is the base plus the adapter's update in Conv1D's layout, off only by the 4-bit rounding."""
+    out = tmp_path / "q"
+    metrics = effitrain.train(small(wide_gpt2_dir, out, peft="qlora", task=task, max_length=32))
+    evaluated = evaluate(str(out / "model"), {"data": "sms-spam", "max_eval_samples": 16, "precision": "fp32",
+                                              "max_length": 32})
+    assert evaluated["loss"] == pytest.approx(metrics["test"]["loss"], rel=1e-5)
+    merged, full, adapter = read_weights(out), read_weights_of(wide_gpt2_dir), adapter_weights(out)
+    for layer in ("transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_proj", "transformer.h.1.mlp.c_proj"):
+        prefix = f"base_model.model.{layer}"
+        update = 16 / 8 * (adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"])  # outputs x inputs
+        base = full[f"{layer}.weight"]
+        error = (merged[f"{layer}.weight"] - base - update.T).abs().max()
+        assert update.abs().max() > 1e-3 and 0 < error <= 0.16 * base.abs().max(), layer  # NF4's widest gap: 0.3
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("values, needle", [
     ({"peft": "lora", "lora_r": 0}, "--lora-r must be >= 1"),
