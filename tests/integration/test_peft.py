@@ -299,6 +299,36 @@ def test_qlora_on_gpt2_trains_and_model_dir_is_the_function_that_was_trained(wid
         assert update.abs().max() > 1e-3 and 0 < error <= 0.16 * base.abs().max(), layer  # NF4's widest gap: 0.3
 
 
+def test_qlora_gradients_are_those_of_the_dequantised_model(wide_gpt2_dir):
+    """The model training gets (after the start-up checks that run it in eval mode: chunked-lm-loss's)
+    keeps bitsandbytes' training layout, so the gradient reaching a layer's input goes through the frozen
+    4-bit weights too. Reference: the plain GPT-2 holding the merged weights (the adapters' B is zero at
+    the start, so the same function); repacked for inference, the gradient missed the base's path."""
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from effitrain.engine import setup
+    from effitrain.models import loading
+
+    config = cfg.build(None, {"model": str(wide_gpt2_dir), "peft": "qlora", "task": "causal-lm", "lora_dropout": 0.0})
+    task, source = tasks.get(config.task), loading.resolve_source(config.model)
+    data = setup.Data(task.load_processor(source), None, None, None)
+    model, applied = setup.build_model(task, source, data, setup.RunPlan(1), config, torch.device("cpu"))
+    assert "chunked-lm-loss" in applied
+    assert not any(getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False)
+                   for m in model.modules() if hasattr(m, "weight"))
+    plain = task.auto_class.from_config(adapters.plain_config(model))
+    plain.load_state_dict(adapters.merged_state_dict(model))
+    ids = torch.randint(5, 1000, (2, 12))
+    grads = []
+    for net in (model, plain):
+        net.train()
+        embeds = net.get_input_embeddings()(ids).detach().requires_grad_()
+        net(inputs_embeds=embeds, labels=ids).loss.backward()
+        grads.append(embeds.grad)
+    assert grads[1].abs().max() > 1e-4
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("values, needle", [
     ({"peft": "lora", "lora_r": 0}, "--lora-r must be >= 1"),
