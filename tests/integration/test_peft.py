@@ -263,6 +263,72 @@ def test_qlora_loads_linear_layers_in_4bit(wide_model_dir):
     assert all(p.requires_grad == ("lora_" in n or "modules_to_save" in n) for n, p in model.named_parameters())
 
 
+@pytest.fixture(scope="module")
+def wide_gpt2_dir(tmp_path_factory):
+    """A saved GPT-2 64 wide (its Conv1D layers: attn.c_proj square, 64 x 64), with the default tokenizer."""
+    from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2-64")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_embd=64, n_head=2, n_positions=64,
+                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])
+def test_qlora_on_gpt2_trains_and_model_dir_is_the_function_that_was_trained(wide_gpt2_dir, tmp_path, task):
+    """GPT-2's Conv1D layers (weight: inputs x outputs) are quantised by transformers as 4-bit linear layers
+    (outputs x inputs). Was a traceback at the first step of a causal LM (the start-up check of the chunked
+    loss ran the model in eval mode, which repacked the 4-bit weights for inference), and model/ held the
+    square attn.c_proj transposed. Now model/ gives the test loss the run measured, and each merged Conv1D
+    weight is the base plus the adapter's update in Conv1D's layout, off only by the 4-bit rounding."""
+    out = tmp_path / "q"
+    metrics = effitrain.train(small(wide_gpt2_dir, out, peft="qlora", task=task, max_length=32))
+    evaluated = evaluate(str(out / "model"), {"data": "sms-spam", "max_eval_samples": 16, "precision": "fp32",
+                                              "max_length": 32})
+    assert evaluated["loss"] == pytest.approx(metrics["test"]["loss"], rel=1e-5)
+    merged, full, adapter = read_weights(out), read_weights_of(wide_gpt2_dir), adapter_weights(out)
+    for layer in ("transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_proj", "transformer.h.1.mlp.c_proj"):
+        prefix = f"base_model.model.{layer}"
+        update = 16 / 8 * (adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"])  # outputs x inputs
+        base = full[f"{layer}.weight"]
+        error = (merged[f"{layer}.weight"] - base - update.T).abs().max()
+        assert update.abs().max() > 1e-3 and 0 < error <= 0.16 * base.abs().max(), layer  # NF4's widest gap: 0.3
+
+
+def test_qlora_gradients_are_those_of_the_dequantised_model(wide_gpt2_dir):
+    """The model training gets (after the start-up checks that run it in eval mode: chunked-lm-loss's)
+    keeps bitsandbytes' training layout, so the gradient reaching a layer's input goes through the frozen
+    4-bit weights too. Reference: the plain GPT-2 holding the merged weights (the adapters' B is zero at
+    the start, so the same function); repacked for inference, the gradient missed the base's path."""
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from effitrain.engine import setup
+    from effitrain.models import loading
+
+    config = cfg.build(None, {"model": str(wide_gpt2_dir), "peft": "qlora", "task": "causal-lm", "lora_dropout": 0.0})
+    task, source = tasks.get(config.task), loading.resolve_source(config.model)
+    data = setup.Data(task.load_processor(source), None, None, None)
+    model, applied = setup.build_model(task, source, data, setup.RunPlan(1), config, torch.device("cpu"))
+    assert "chunked-lm-loss" in applied
+    assert not any(getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False)
+                   for m in model.modules() if hasattr(m, "weight"))
+    plain = task.auto_class.from_config(adapters.plain_config(model))
+    plain.load_state_dict(adapters.merged_state_dict(model))
+    ids = torch.randint(5, 1000, (2, 12))
+    grads = []
+    for net in (model, plain):
+        net.train()
+        embeds = net.get_input_embeddings()(ids).detach().requires_grad_()
+        net(inputs_embeds=embeds, labels=ids).loss.backward()
+        grads.append(embeds.grad)
+    assert grads[1].abs().max() > 1e-4
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("values, needle", [
     ({"peft": "lora", "lora_r": 0}, "--lora-r must be >= 1"),

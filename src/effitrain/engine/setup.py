@@ -253,6 +253,7 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
     QLoRA's base loaded in 4 bits first), and the names of the transforms applied (metrics.json)."""
     options = adapters.load_options(task, source, config, plan.precision, device)
     model = task.build_model(source, data.label_names, data.processor, options)
+    adapters.keep_4bit_layout(model)  # before the first forward: the checks below and transforms' run the model
     loading.check_finite(model, f"model {source.path}" if source.path else "the model built from its config")
     task.check_built_model(model, data.encoded, data.processor, config)
     settings = transforms.of_run(config, plan, device, task)

@@ -199,8 +199,11 @@ def check_rank(model, names: list[str], rank: int) -> None:
 
 def keep_4bit_layout(model) -> None:
     """On CPUs with AVX-512 BF16, bitsandbytes repacks a 4-bit layer's weights in place the first time it
-    runs in eval mode (another layout, bf16 scales): validation would compute something else than
-    training and the merged model/, and layers narrower than 128 break. Kept in the layout trained."""
+    runs in eval mode without gradients (another layout, bf16 scales): validation would compute something
+    else than training and the merged model/, and layers narrower than 128 break; training's forward over
+    a repacked layer takes the inference-only kernel and fails (`result += bias`: the traceback QLoRA on
+    a causal LM gave, whose chunked-lm-loss start-up check runs the model in eval mode). Kept in the
+    layout trained: called as soon as the model is loaded, before anything runs it."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
@@ -315,6 +318,17 @@ def _dense_weight(module):
     return _full(weight.detach())
 
 
+def _plain_layout(module, weight):
+    """A weight in the layout of the plain model's layer: transformers quantises GPT-2's Conv1D (weight:
+    inputs x outputs) as a 4-bit linear layer (outputs x inputs), recording the class it replaced in
+    `source_cls`; its merged weight is transposed back. By that record, not by shape: a square layer
+    (GPT-2's attn.c_proj) has the same shape both ways."""
+    from transformers.pytorch_utils import Conv1D
+
+    source = getattr(module, "source_cls", None)
+    return weight.T if isinstance(source, type) and issubclass(source, Conv1D) else weight
+
+
 def merged_state_dict(model) -> dict:
     """The weights of the plain model that computes what the adapted one does: each adapted layer's
     base weight (dequantised for QLoRA) plus its low-rank update, the head as trained, the rest as it
@@ -330,14 +344,15 @@ def merged_state_dict(model) -> dict:
             continue
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
-            merged[f"{name}.weight"] = _dense_weight(base) + _full(module.get_delta_weight(ADAPTER)).float()
+            weight = _dense_weight(base) + _full(module.get_delta_weight(ADAPTER)).float()
+            merged[f"{name}.weight"] = _plain_layout(base, weight)
             if base.bias is not None:
                 merged[f"{name}.bias"] = _full(base.bias.detach())
         elif isinstance(module, ModulesToSaveWrapper):
             for key, value in module.modules_to_save[ADAPTER].state_dict().items():
                 merged[f"{name}.{key}"] = _full(value)
         elif getattr(getattr(module, "weight", None), "quant_state", None) is not None:  # 4-bit, not adapted
-            merged[f"{name}.weight"] = _dense_weight(module)
+            merged[f"{name}.weight"] = _plain_layout(module, _dense_weight(module))
             if module.bias is not None:
                 merged[f"{name}.bias"] = _full(module.bias.detach())
         else:
@@ -364,17 +379,13 @@ def plain_config(model):
 
 def save_merged(model, task, folder: Path, state: dict) -> None:
     """model/: the merged weights through a plain model's save_pretrained (built on the meta device:
-    no second copy of the weights), loadable without peft. GPT-2-style Conv1D weights that bitsandbytes
-    stored transposed are put back in the plain layout."""
+    no second copy of the weights), loadable without peft."""
     import torch
 
     config = plain_config(model)
     with torch.device("meta"):
         plain = task.auto_class.from_config(config)
-    expected = {key: tuple(value.shape) for key, value in plain.state_dict().items()}
-    for key, value in state.items():
-        if key in expected and tuple(value.shape) != expected[key] and tuple(value.T.shape) == expected[key]:
-            state[key] = value.T.contiguous()
+    expected = plain.state_dict().keys()
     state = {key: value.contiguous() for key, value in state.items() if key in expected}
     plain.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
 
