@@ -112,6 +112,10 @@ def write_chat_models(root, jsonl):
                                          num_attention_heads=1, num_key_value_heads=1, intermediate_size=8))
     model.save_pretrained(root / "lm-plain")
     tokenizer.save_pretrained(root / "lm-plain")
+    exact = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=8, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, intermediate_size=8))
+    exact.save_pretrained(root / "lm-exact")  # a vocabulary without room for ChatML's tokens
+    tokenizer.save_pretrained(root / "lm-exact")
     templates.install(tokenizer, "chatml")
     model.save_pretrained(root / "lm-chat")
     tokenizer.save_pretrained(root / "lm-chat")
@@ -598,6 +602,8 @@ CASES = [
     (["train", "--model", "mamba:hidden_size=16,num_hidden_layers=1,state_size=4", "--task", "causal-lm", "--packing",
       "--max-train-samples", "8", "--output-dir", "new"],
      "--packing: with model type `mamba` the second example of a packed row gets other outputs"),
+    (["train", "--model", "lm-exact", "--task", "causal-lm", "--data", "chat.jsonl", "--chat-template", "chatml",
+      "--peft", "lora", "--output-dir", "new"], "which --peft lora leaves untrained"),
     # found by the adversarial pass (issue 28, item 10)
     (["train", "--model", "bert:hidden_size=99999996,num_attention_heads=4", "--max-train-samples", "8",
       "--output-dir", "new"], "of fp32 weights, more than this machine's"),
