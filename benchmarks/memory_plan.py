@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
 import _common  # noqa: E402
+import memory_plan_runs as runs  # noqa: E402
 
 # This folder holds scripts; none may shadow a library (benchmarks/peft.py once shadowed peft, hence peft_vs_full.py).
 sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
@@ -155,17 +156,23 @@ def main() -> int:
                         help="peft: only the rows with LoRA or QLoRA adapters; sharded: the 2-process ddp and fsdp "
                              "rows (fsdp_memory.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", action="store_true",
+                        help="measure effitrain's own training runs instead (memory_plan_runs.py: every family, fit "
+                             "and held-out rows reported apart)")
+    parser.add_argument("--child-run", help=argparse.SUPPRESS)
     parser.add_argument("--dry-run", action="store_true",
                         help="2 tiny configurations (a tiny default model, benchmarks/_common.py); no --calibrate, "
                              "--json, --rows or --only; the 15%% bar is not applied")
     args = parser.parse_args()
-    if args.dry_run:
+    if args.dry_run and not args.runs:
         _common.dry_run_model()
         args.calibrate, args.json, args.rows, args.only = False, None, None, None
         _common.skipped("the real configurations (QLoRA among them), calibration and the 15% bar")
     if args.child:
         print(json.dumps(measure(*json.loads(args.child))))
         return 0
+    if args.child_run or args.runs:
+        return _runs(args)
     if args.only == "sharded":  # several processes per row: a script of its own
         from pathlib import Path
 
@@ -215,6 +222,27 @@ def main() -> int:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)
     return 0 if worst <= 0.15 or args.dry_run else 1
+
+
+def _runs(args) -> int:
+    """--runs: effitrain's own training runs, one fresh process (or torchrun pair) per row."""
+    if args.child_run:
+        runs.child(*json.loads(args.child_run))
+        return 0
+    if args.rows:
+        results = []
+        for path in args.rows:
+            with open(path) as saved:
+                results += json.load(saved)
+    else:
+        results = runs.run_all(__file__, runs.DRY_RUN if args.dry_run else runs.ROWS)
+    ok = runs.verdict(results)
+    if args.calibrate or args.rows:
+        runs.calibrate(results)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
+    return 0 if ok or args.dry_run else 1
 
 
 def _saved(config, folder: str) -> str | None:

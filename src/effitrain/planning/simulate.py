@@ -154,8 +154,7 @@ def settings(task: str, checkpointing: bool, peft=None) -> transforms.Settings:
     and adapters as `train` applies them; transformers' own dropout, SDPA and linear layers, not the CPU
     speed-ups: the same masks' sizes, kept the same way; the attention's temporaries differ by ~0.5% of a
     step's held bytes (a 2-layer BERT at 8 x 64)."""
-    return transforms.Settings(tasks.get(task), "meta", checkpointing, peft=peft if adapters.method(peft) else None,
-                               speed_ups=False)
+    return transforms.Settings(tasks.get(task), "meta", checkpointing, peft=peft if adapters.method(peft) else None)
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
