@@ -83,7 +83,8 @@ def child(row, output_dir: str, model: str | None) -> None:
         estimate, changes = fit(planner, *args, **kwargs)
         phases = planner.phases(estimate.setting.precision, estimate.setting.checkpointing, estimate.setting.micro_batch)
         seen.update(breakdown=estimate.to_dict(), tensors=estimate.total - estimate.overhead,
-                    forward_heap_churn=phases.forward_heap_churn, changes=changes)
+                    forward_heap_churn=phases.forward_heap_churn, forward_large_churn=phases.forward_large_churn,
+                    changes=changes)
         return estimate, changes
 
     plan.fit = capturing_fit

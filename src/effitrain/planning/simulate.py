@@ -30,9 +30,10 @@ from effitrain import tasks
 from effitrain.config import ALL_LINEAR
 from effitrain.models import adapters, transforms
 
-# glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
-# keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
-# counts the first kind allocated by the forward (see plan.CPU_OVERHEAD).
+# glibc, as it starts, serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its
+# heaps, which keep freed memory resident; bigger ones are mapped and unmapped each time, unless the run
+# keeps freed memory (speedups/allocator.py: every block from the heap). The CPU overhead model counts
+# what the forward allocates of each kind (see plan.CPU_OVERHEAD).
 HEAP_LIMIT = 32 * 2**20
 # Autocast dtypes of the half precisions (fp32 runs without autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,6 +52,7 @@ class Phases:
     last_held: int
     last_with_grads: int
     forward_heap_churn: int  # bytes the forward allocates in heap-sized pieces (CPU overhead model)
+    forward_large_churn: int  # ... and in pieces of HEAP_LIMIT or more (glibc maps them, unless told not to)
     flops: int
 
     def peak(self, grads_before: int) -> int:
@@ -75,6 +77,7 @@ class _Timeline(TorchDispatchMode):
         self.grads = 0
         self.points: list[tuple[int, int]] = []
         self.heap_churn = 0
+        self.large_churn = 0
         self.flops = 0
         self._flop_registry = flop_counter
         self._sizes = WeakIdKeyDictionary()  # storage -> [bytes, is_grad]
@@ -111,6 +114,8 @@ class _Timeline(TorchDispatchMode):
             self.held += size
             if size < HEAP_LIMIT:
                 self.heap_churn += size
+            else:
+                self.large_churn += size
         self.points.append((self.held, self.grads))
         return out
 
@@ -330,7 +335,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
             with autocast:
                 loss = tasks.get(task).loss_sum(model, batch) / batch_size
             backward_start = len(timeline.points)
-            forward_heap_churn = timeline.heap_churn
+            forward_heap_churn, forward_large_churn = timeline.heap_churn, timeline.large_churn
             loss.backward()
             del loss
         for handle in handles:
@@ -346,5 +351,5 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
     return Phases(forward_held=max(h for h, _ in forward),
                   first_held=max(h for h, _ in first), first_with_grads=max(h + g for h, g in first),
                   last_held=max(h for h, _ in last), last_with_grads=max(h + g for h, g in last),
-                  forward_heap_churn=forward_heap_churn, flops=timeline.flops)
+                  forward_heap_churn=forward_heap_churn, forward_large_churn=forward_large_churn, flops=timeline.flops)
 
