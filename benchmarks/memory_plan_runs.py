@@ -84,7 +84,7 @@ def child(row, output_dir: str, model: str | None) -> None:
         phases = planner.phases(estimate.setting.precision, estimate.setting.checkpointing, estimate.setting.micro_batch)
         seen.update(breakdown=estimate.to_dict(), tensors=estimate.total - estimate.overhead,
                     forward_heap_churn=phases.forward_heap_churn, forward_large_churn=phases.forward_large_churn,
-                    changes=changes)
+                    heap_churn=plan.heap_churn(phases), changes=changes)
         return estimate, changes
 
     plan.fit = capturing_fit
@@ -153,13 +153,17 @@ def calibrate(results: list[dict]) -> dict:
     + activation_share x activations; the held-out rows then predicted with it."""
     import numpy as np
 
+    def features(r):  # heap churn as planner.heap_churn counts it (rows saved before it was recorded: recomputed)
+        churn = r.get("heap_churn", r["forward_heap_churn"] + r.get("forward_large_churn", 0))
+        return [1.0, churn, r["breakdown"]["activations"]]
+
     fit = [r for r in results if r["row"][0] == "fit"]
-    x = np.array([[1.0, r["forward_heap_churn"], r["breakdown"]["activations"]] for r in fit])
+    x = np.array([features(r) for r in fit])
     y = np.array([r["measured"] - r["tensors"] for r in fit], dtype=float)
     constant, heap, act = np.linalg.lstsq(x, y, rcond=None)[0]
     for r in results:
-        overhead = constant + heap * r["forward_heap_churn"] + act * r["breakdown"]["activations"]
-        r["refit_error"] = (r["tensors"] + overhead) / r["measured"] - 1
+        r["refit_predicted"] = round(r["tensors"] + np.dot([constant, heap, act], features(r)))
+        r["refit_error"] = r["refit_predicted"] / r["measured"] - 1
     print(f"CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, "
           f"'activation_share': {act:.3f}}}")
     for role in ("fit", "held-out"):

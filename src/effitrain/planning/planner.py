@@ -284,7 +284,7 @@ class Planner:
 
     def overhead(self, phases: simulate.Phases, tensors: int, activations: int) -> int:
         if self.device == "cpu":
-            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * phases.forward_heap_churn
+            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * heap_churn(phases)
                          + CPU_OVERHEAD["activation_share"] * activations)
         return round(CUDA_OVERHEAD["context"] + CUDA_OVERHEAD["fragmentation"] * tensors)
 
@@ -308,6 +308,15 @@ class Planner:
             else:
                 self._half_speedup = GPU_HALF_SPEEDUP
         return self._half_speedup
+
+
+def heap_churn(phases: simulate.Phases) -> int:
+    """What the forward allocates from glibc's heap: every piece when training keeps freed memory (on
+    glibc, unless switched off: speedups/allocator.py), else the pieces under glibc's mmap threshold."""
+    from effitrain.speedups import allocator
+
+    large = phases.forward_large_churn if allocator.keeps_freed_memory() else 0
+    return phases.forward_heap_churn + large
 
 
 def micro_batches(batch: int) -> list[int]:
