@@ -154,7 +154,7 @@ def calibrate(results: list[dict]) -> dict:
     import numpy as np
 
     def features(r):  # heap churn as planner.heap_churn counts it (rows saved before it was recorded: recomputed)
-        churn = r.get("heap_churn", r["forward_heap_churn"] + r.get("forward_large_churn", 0))
+        churn = r["heap_churn"] if "heap_churn" in r else r["forward_heap_churn"] + r.get("forward_large_churn", 0)
         return [1.0, churn, r["breakdown"]["activations"]]
 
     fit = [r for r in results if r["row"][0] == "fit"]
@@ -171,3 +171,34 @@ def calibrate(results: list[dict]) -> dict:
         if errors:
             print(f"refit, {role}: worst over {max(errors):+.1%}, worst under {min(errors):+.1%}")
     return {"constant": constant, "heap_share": heap, "activation_share": act}
+
+
+def planned(row):
+    """The planner's estimate for a row, as the run's set-up makes it (memory_fit.plan_run): bbc-news's 5
+    labels, the default tokenizer's vocabulary for a model built from a config; for refits from measured
+    peaks without measuring again (the measured peak does not depend on the planner)."""
+    from effitrain.planning import planner as plan
+
+    _role, model, task, micro, length, precision, optimizer, ckpt, peft, strategy = row
+    vocab = None if model == DEFAULT else 30522
+    shapes = plan.model_shapes(task, model, 5, vocab, plan.Peft(peft) if peft != "none" else None)
+    world = WORLD if strategy == "fsdp" else 1
+    planner = plan.Planner(shapes, length, "cpu", world, "fsdp" if strategy == "fsdp" else "ddp")
+    estimate = planner.estimate(plan.Setting(precision, optimizer, ckpt, micro, 1))
+    phases = planner.phases(precision, ckpt, micro)
+    return {"breakdown": estimate.to_dict(), "tensors": estimate.total - estimate.overhead,
+            "heap_churn": plan.heap_churn(phases), "predicted": estimate.total}
+
+
+def from_table(path: str) -> list[dict]:
+    """Rows of a printed table (this script's output): the measured MiB, the planner's features now."""
+    results = []
+    for text in Path(path).read_text().splitlines():
+        cells = [c.strip() for c in text.strip("|").split("|")]
+        if len(cells) != 11 or cells[0] not in ("fit", "held-out"):
+            continue
+        row = next(r for r in ROWS if r[0] == cells[0] and name(r) == cells[1] and f"{r[3]} x {r[4]}" == cells[2]
+                   and list(r[5:7]) == cells[3:5] and ("yes" if r[7] else "no") == cells[5] and r[8] == cells[6]
+                   and r[9] == cells[7])
+        results.append({"row": list(row), "measured": float(cells[9]) * MiB, **planned(row)})
+    return results

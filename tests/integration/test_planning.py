@@ -54,7 +54,7 @@ def test_optimizer_state_bytes_are_exact(name):
 def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointing):
     """The timeline counted on fake tensors (no memory) is the one a real forward+backward makes."""
     from effitrain import tasks
-    from effitrain.models import loading
+    from effitrain.models import transforms
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
@@ -63,8 +63,8 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
     model.train()
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
+    # The model `train` runs, as the planner builds it: the CPU speed-ups, and checkpointing.
+    model, _ = transforms.apply_all(model, simulate.settings("sequence-classification", checkpointing))
     batch = simulate.example_batch("sequence-classification", config, 8, 64)
     # Padding, as real batches have: otherwise transformers sees an all-ones mask and skips building
     # the 4-d attention mask, which it cannot know on fake tensors.

@@ -31,15 +31,14 @@ GiB = 2**30
 MiB = 2**20
 
 # CPU resident memory beyond the live tensors = CONSTANT + HEAP_SHARE x forward heap churn
-# + ACTIVATION_SHARE x activations. glibc keeps the free space of its heap (pieces under 32 MiB), cut into
-# holes by the small objects (autograd nodes, tensor headers) left between the tensors: it grows with the
-# bytes the forward passes through the heap, while the backward and checkpointing's recomputation (the
-# forward's sizes again, in the same order) mostly refill those holes. The activation term: fragmentation
-# that grows with what is held at the peak. Least squares on 42 measurements (two runs of the 21
-# configurations of benchmarks/memory_plan.py; fresh process each, peak RSS minus the RSS before the
-# model is built), worst 13.6%; held out (leave one configuration out) worst 14.8%. Why not the whole
-# step's churn, nor the heap's high-water mark of live bytes: benchmarks/README.md. `--calibrate` refits.
-CPU_OVERHEAD = {"constant": 69 * MiB, "heap_share": 0.297, "activation_share": 0.085}
+# + ACTIVATION_SHARE x activations. glibc keeps the free space of its heap, cut into holes by the small
+# objects (autograd nodes, tensor headers) left between the tensors: it grows with the bytes the forward
+# passes through the heap (every piece: effitrain's CPU runs keep freed memory, see heap_churn), less what
+# is still held at the peak (already counted as activations: hence the negative share). The constant:
+# what a run builds after its plan besides the model's tensors (the planner's own objects, the loaders).
+# Least squares on effitrain's own runs (benchmarks/memory_plan.py --runs, the `fit` rows: peak RSS minus
+# the RSS at planning; xeon2c, 2026-12-05): 8 rows within 5.6%, each left out predicted within 7.1%.
+CPU_OVERHEAD = {"constant": 171 * MiB, "heap_share": 0.487, "activation_share": -0.438}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
