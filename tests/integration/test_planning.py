@@ -377,7 +377,7 @@ def test_fake_simulation_under_lora_equals_the_real_adapted_step():
     (the dropout copies and masks of each adapted input, A(x), the head's gradients), and it holds
     more than the same step without adapters."""
     from effitrain import tasks
-    from effitrain.models import adapters
+    from effitrain.models import transforms
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
@@ -387,7 +387,8 @@ def test_fake_simulation_under_lora_equals_the_real_adapted_step():
     assert fake.forward_held > without.forward_held
     torch.manual_seed(0)
     task = tasks.get("sequence-classification")
-    model = adapters.apply(BertForSequenceClassification(config), task, lora)
+    # The adapted model `train` runs, as the planner builds it (speed-ups, then the adapters).
+    model, _ = transforms.apply_all(BertForSequenceClassification(config), simulate.settings(task.name, False, lora))
     model.train()
     batch = simulate.example_batch("sequence-classification", config, 8, 64)
     batch["attention_mask"][0, -5:] = 0
