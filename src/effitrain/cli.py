@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             if _launcher_speaks():  # a launched worker: it ends if its launcher dies
                 from effitrain.commands import launch
 
-                launch.end_with_launcher()
+                launch.end_with_launcher(received)
             args = build_parser().parse_args(argv)
             return command_module(args.command).main(args)
         except (SystemExit, GeneratorExit):  # --help, --version
@@ -83,12 +83,14 @@ FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
     """The exit code of a command that raised, and its one stderr line: 2 for a user mistake, 128 + the
     signal for Ctrl-C (130) or SIGTERM (143), also when the signal surfaced as another error (a peer
-    process stopped by the same signal); anything else is an internal error (traceback, 1). --debug
+    process stopped by the same signal); 1 with one line for a collective broken by another process's end;
+    anything else is an internal error (traceback, 1). --debug
     adds the traceback and keeps the code."""
     import signal
 
     from effitrain.commands.launch import LaunchEnded
     from effitrain.errors import Terminated
+    from effitrain.runtime import distributed, peers
 
     raised = err
     if isinstance(err, PermissionError):  # always the user's file or folder, wherever it was met
@@ -108,6 +110,13 @@ def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
         code, line = 128 + sig, f"effitrain: stopped by {sig.name}"
     elif isinstance(err, Terminated):  # also raised by a run's own SIGTERM handler (commands/train.py)
         code, line = err.exit_code, "effitrain: stopped by SIGTERM"
+    elif distributed.launcher_world_size() > 1 and peers.lost_peer(err):  # another process of the job ended: it
+        # (or its launcher) says why, this one what it knows
+        lost = err if isinstance(err, peers.PeerLost) else peers.PeerLost(looked=False)
+        _record_for_launcher(lost)
+        resume = ", with --resume auto to continue from it" if lost.checkpoint else ""
+        code, line = 1, (f"effitrain: error: {lost}; fix: see why the other process ended (its output; dmesg for "
+                         f"the out-of-memory killer) and rerun{resume}")
     else:
         _record_for_launcher(err)
         raise err

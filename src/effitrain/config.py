@@ -26,6 +26,7 @@ PEFT_METHODS = ("none", "lora", "qlora")
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what --peft none leaves alone
 ALL_LINEAR = "all-linear"
 TRACKERS = ("tensorboard", "trackio", "mlflow")  # --report-to: local, file-based stores only
+LOSS_ON = ("completion", "all")  # --loss-on: the answers only, or every token
 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
@@ -53,9 +54,9 @@ class TrainConfig:
                                     "refused (a new head for other labels is always fine)", "model")
     task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
                      problem="unknown task `{value}`")
-    data: str = _opt("sms-spam", "a built-in (sms-spam, bbc-news, fashion-mnist, digits), a CSV/TSV/JSON/JSONL/"
-                     "Parquet file, a folder from datasets' save_to_disk, or a data set id in the local "
-                     "Hugging Face cache", "data", nonempty=True)
+    data: str = _opt("sms-spam", "a built-in (sms-spam, sms-spam-chat, bbc-news, fashion-mnist, digits), a "
+                     "CSV/TSV/JSON/JSONL/Parquet file, a folder from datasets' save_to_disk, or a data set id in the "
+                     "local Hugging Face cache", "data", nonempty=True)
     validation_file: str | None = _opt(None, "validation data in its own file (else split from --data)", "data",
                                        nonempty=True)
     test_file: str | None = _opt(None, "test data in its own file (else split from --data)", "data", nonempty=True)
@@ -65,6 +66,13 @@ class TrainConfig:
     image_column: str = _opt("image", "column holding images (file paths relative to the data file, or images)",
                              "data")
     audio_column: str = _opt("audio", "column holding audio file paths (relative to the data file)", "data")
+    chat_template: str | None = _opt(None, "causal-lm conversations (`messages`, or prompt/completion as message "
+                                     "lists): the chat template, `chatml` (adding its special tokens to the "
+                                     "tokenizer) or a Jinja file; default the tokenizer's own. Saved with the "
+                                     "tokenizer in model/", "data", nonempty=True)
+    loss_on: str = _opt("completion", "causal-lm prompt/completion and messages data: `completion` (the loss on "
+                        "the completion, or on each assistant turn, with the token that ends it) or `all` (every "
+                        "token); `text` data always trains on every token", "data", choices=LOSS_ON)
     skip_bad_rows: bool = _opt(False, "skip rows with a missing text, label, image or audio (and report how "
                                "many) instead of stopping on the first", "data")
     output_dir: str | None = _opt(None, "where the run writes model/, metrics.json, config.yaml, log.jsonl "

@@ -1,13 +1,15 @@
 """The effitrain CLI with faults injected, for tests that need a process (or torchrun workers) to
 fail in a controlled place; production code has no test hooks.
 
-    python tests/hooks/patched_cli.py [--oom-above N [--oom-rank R]] [--save-pause S] -- train ...
+    python tests/hooks/patched_cli.py [--oom-above N [--oom-rank R]] [--save-pause S] [--store-hang DIR] -- ...
 
 With `-- launch ... -- train ...`, the launched workers run this file with the same hooks.
 
 --oom-above N: a forward of more than N examples raises an out-of-memory error (on rank R only, if
 given), as a device too small for the micro-batch would. --save-pause S: a checkpoint save holds
-S seconds after writing its files and before its rename, so that a test can kill the run mid-save."""
+S seconds after writing its files and before its rename, so that a test can kill the run mid-save.
+--store-hang DIR: a launched worker, once it follows its launcher, writes DIR/<pid> and connects to a
+store nobody serves (inside torch's C++ connect loop, where no Python signal handler runs) for 300 s."""
 
 from __future__ import annotations
 
@@ -60,6 +62,28 @@ def pause_saves(seconds: float) -> None:
     checkpoint._fsync_tree = fsync_then_wait
 
 
+def hang_in_store_connect(folder: str) -> None:
+    from datetime import timedelta
+    from pathlib import Path
+
+    from effitrain.commands import launch
+
+    follow = launch.end_with_launcher
+
+    def follow_then_hang(*args):
+        follow(*args)
+        import socket
+
+        import torch.distributed as dist
+
+        with socket.socket() as unserved:  # bound, never listening: every connect is refused, then retried
+            unserved.bind(("127.0.0.1", 0))
+            (Path(folder) / str(os.getpid())).touch()
+            dist.TCPStore("127.0.0.1", unserved.getsockname()[1], 2, False, timedelta(seconds=300))
+
+    launch.end_with_launcher = follow_then_hang
+
+
 def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
@@ -67,11 +91,14 @@ def main() -> int:
     parser.add_argument("--oom-above", type=int)
     parser.add_argument("--oom-rank")
     parser.add_argument("--save-pause", type=float)
+    parser.add_argument("--store-hang")
     hooks = parser.parse_args(argv[:split])
     if hooks.oom_above is not None:
         inject_out_of_memory(hooks.oom_above, hooks.oom_rank)
     if hooks.save_pause:
         pause_saves(hooks.save_pause)
+    if hooks.store_hang and os.environ.get("TORCHELASTIC_RUN_ID"):  # the workers, not the launcher
+        hang_in_store_connect(hooks.store_hang)
     from effitrain.commands import launch
 
     launch.WORKER_PROGRAM = [__file__, *argv[:split], "--"]

@@ -50,13 +50,81 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_bad_data(root)
     write_bad_models(root, tiny_model_dir)
     write_orphan_adapter(root, tiny_model_dir)
+    write_adapter_cases(root, tiny_model_dir)
     write_output_cases(root, tiny_model_dir)
     write_report_cases(root)
+    write_chat_cases(root)
+    write_mismatched_media(root)
     return root
+
+
+def write_chat_cases(root):
+    """Instruction and chat data with a mistake each, a template that does not parse, one that never ends
+    a turn with a special token, and a causal LM whose tokenizer has neither a pad nor an EOS token."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    def jsonl(name, rows):
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def chat(n, *turns):
+        return {"messages": [{"role": role, "content": f"{content} {n}"} for role, content in turns]}
+
+    good = [chat(n, ("user", "hi"), ("assistant", "hello")) for n in range(12)]
+    jsonl("chat.jsonl", good)
+    jsonl("chat_role.jsonl", good[:5] + [chat(5, ("robot", "hi"), ("assistant", "hello"))] + good[6:])
+    jsonl("chat_user_end.jsonl", good[:3] + [chat(3, ("user", "hi"), ("assistant", "hello"), ("user", "bye"))])
+    jsonl("chat_long.jsonl", [chat(n, ("user", "word " * 40), ("assistant", "hello")) for n in range(12)])
+    jsonl("pc_empty.jsonl", [{"prompt": f"hi {n}", "completion": "" if n == 2 else "hello"} for n in range(12)])
+    jsonl("mixed.jsonl", good[:6] + [{"text": f"plain text {n}"} for n in range(6)])
+    (root / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }\n")
+    (root / "no_end.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                                       "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    vocabulary = {word: i for i, word in enumerate(["[UNK]", "hi", "hello", "bye"])}
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(root / "nopad")
+    LlamaForCausalLM(LlamaConfig(vocab_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                 num_key_value_heads=1, intermediate_size=8)).save_pretrained(root / "nopad")
+
+
+WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
+            "conv_dim=[8,8],conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,"
+            "num_conv_pos_embeddings=4,num_conv_pos_embedding_groups=2")  # receptive field (8-1)*5+10 = 45 samples
+
+
+def write_mismatched_media(root):
+    """Clips shorter than a tiny wav2vec2's receptive field, a saved wav2vec2 classifier, an image and a saved
+    1-channel ViT (issue 28, item 5)."""
+    import numpy as np
+    import PIL.Image
+    import soundfile
+    from effitrain.data.audio import feature_extractor
+    from effitrain.models.loading import config_for
+    from transformers import ViTConfig, ViTForImageClassification, Wav2Vec2ForSequenceClassification
+
+    (root / "clips").mkdir()
+    for i in range(8):  # clip 3: 44 samples, one fewer than the receptive field
+        soundfile.write(root / "clips" / f"c{i}.wav", np.sin(np.arange(44 if i == 3 else 800) / 3.0), 16000)
+    (root / "clips.csv").write_text("path,label\n" + "".join(f"clips/c{i}.wav,{'ab'[i % 2]}\n" for i in range(8)))
+    # every row the short clip: whichever rows the split holds, it meets one
+    (root / "short.csv").write_text("path,label\n" + "".join(f"clips/c3.wav,{'ab'[i % 2]}\n" for i in range(8)))
+    config = config_for("wav2vec2", WAV2VEC2.partition(":")[2])
+    config.id2label, config.label2id = {0: "a", 1: "b"}, {"a": 0, "b": 1}
+    Wav2Vec2ForSequenceClassification(config).save_pretrained(root / "w2v")
+    feature_extractor(None, "wav2vec2").save_pretrained(root / "w2v")
+    PIL.Image.new("L", (16, 16), 128).save(root / "gray.png")
+    one_channel = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_channels=1,
+                            intermediate_size=8, image_size=16, patch_size=8)
+    ViTForImageClassification(one_channel).save_pretrained(root / "vit1")
 
 
 def write_report_cases(root):
     """Runs of two tasks for `effitrain report`, and a page of the user's that --out must not replace."""
+    import json
+
     from effitrain.outputs.run_folder import MARKER
 
     for name, task in (("cls-run", "sequence-classification"), ("lm-run", "causal-lm")):
@@ -64,6 +132,16 @@ def write_report_cases(root):
         (root / name / "config.yaml").write_text(f"task: {task}\n")
         (root / name / MARKER).write_text('{"kind": "train"}')
     (root / "page.html").write_text("<p>mine</p>\n")
+    (root / "emptydir").mkdir()
+    # benches without a variant run (issue 28, item 6): killed before its first variant; every variant refused
+    for name in ("bench-stopped", "bench-failed"):
+        (root / name).mkdir()
+        (root / name / MARKER).write_text('{"kind": "bench"}')
+    error = "effitrain: error: --data d.csv has no column `body` (columns: text, label); fix: pass --text-column"
+    (root / "bench-failed" / "bench.json").write_text(json.dumps(
+        {"variants": [{"name": "baseline", "status": "failed", "error": error},
+                      {"name": "bf16", "status": "skipped", "error": "no native bf16"}]}))
+    (root / "bench-failed" / "baseline.log").write_text("$ effitrain train --output-dir bench-failed/baseline\n")
     (root / "ro").mkdir()
     (root / "ro").chmod(0o555)
 
@@ -142,6 +220,49 @@ def write_orphan_adapter(root, tiny_model_dir):
     save_file({}, str(folder / "adapter_model.safetensors"))
 
 
+def save_adapter_run(run, base):
+    """RUN/adapter as `train --peft lora` writes it (untrained adapters: only whether it loads matters here)."""
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from effitrain.models import adapters
+    from transformers import BertForSequenceClassification
+
+    labels = {"id2label": {0: "ham", 1: "spam"}, "label2id": {"ham": 0, "spam": 1}}  # d.csv's: evaluate gets to the model
+    adapted = adapters.apply(BertForSequenceClassification.from_pretrained(base, **labels),
+                             tasks.get("sequence-classification"), cfg.build(None, {"peft": "lora"}))
+    adapters.save_adapter(adapted, run / "adapter")
+    adapters.plain_config(adapted).save_pretrained(run / "adapter")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, run / "adapter" / name)
+
+
+def write_adapter_cases(root, tiny_model_dir):
+    """Adapter runs whose base is gone or was replaced after training (by another architecture, other
+    shapes, other weights), one whose adapter_config.json was edited, and one that is fine (lora-run)."""
+    import json
+
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
+
+    for name in ("lora", "gone", "arch", "shapes", "weights"):
+        shutil.copytree(tiny_model_dir, root / f"{name}-base")
+        save_adapter_run(root / f"{name}-run", root / f"{name}-base")
+    shutil.rmtree(root / "gone-base")
+    for name in ("arch", "shapes", "weights"):
+        shutil.rmtree(root / f"{name}-base")
+    torch.manual_seed(1)
+    GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=32, n_head=2)).save_pretrained(root / "arch-base")
+    config = BertConfig.from_pretrained(tiny_model_dir)
+    BertForSequenceClassification(config).save_pretrained(root / "weights-base")  # seed 1: other values
+    config.intermediate_size = 48
+    BertForSequenceClassification(config).save_pretrained(root / "shapes-base")
+    shutil.copytree(root / "lora-run", root / "edited-run")
+    settings = json.loads((root / "edited-run" / "adapter" / "adapter_config.json").read_text())
+    (root / "edited-run" / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "r": 4}))
+    shutil.copytree(root / "lora-run", root / "retargeted-run")
+    settings["target_modules"] = [*settings["target_modules"], "bert.encoder.layer.0.attention.self.nosuch"]
+    (root / "retargeted-run" / "adapter" / "adapter_config.json").write_text(json.dumps(settings))
+
+
 def write_bad_models(root, tiny_model_dir):
     """Model folders whose config cannot give the model asked for."""
     import json
@@ -163,6 +284,8 @@ CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines w
 NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 TINY = ["--model", "prev/model", "--max-train-samples", "8"]
 T5 = "t5:d_model=16,d_ff=32,num_layers=1,num_heads=2,d_kv=8"
+LLAMA = ["--model", "llama:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
+         "intermediate_size=16", "--task", "causal-lm", "--max-train-samples", "8"]
 # Rows marked FRESH run as `python -m effitrain` in a new process: one or more for each command and for each
 # library a refusal imports (datasets, transformers, peft, bitsandbytes, torch.distributed), so that what
 # importing prints is seen too. The others call effitrain.cli.main in this process (conftest's cli_here:
@@ -251,6 +374,9 @@ CASES = [
      "do not fit its config.json"),
     (["predict", "--model", "wrongsize", "--text", "hi"], "do not fit its config.json"),
     (["predict", "--model", "nanmodel", "--text", "hi"], "gives non-finite outputs"),
+    (["train", "--model", "nanmodel", "--data", "d.csv", "--max-train-samples", "8", "--output-dir", "new"],
+     "the weights of model nanmodel are not finite before training (NaN or infinity in 1 tensor(s), e.g. "
+     "`classifier.bias`)"),
     pytest.param(["evaluate", "--model", "nanmodel", "--data", "d.csv"], "gives non-finite outputs", marks=FRESH),
     # other commands
     (["predict", "--model", "prev/model"], "nothing to predict"),
@@ -259,6 +385,20 @@ CASES = [
     (["launch", "--nproc", "2"], "needs the command to run after `--`"),
     (["launch", "--nproc", "1000", "--", "train"], "--nproc 1000 is more than 4 processes per CPU core"),
     pytest.param(["launch", "--nnodes", "2", "--", "train"], "needs --master-port", marks=FRESH),
+    # node 0's address and port, checked before torch sees them (issue 28, item 4)
+    (["launch", "--nnodes", "2", "--master-port", "70000", "--", "train"], "--master-port 70000 is not a port (1-65535)"),
+    (["launch", "--master-addr", "127.0.0.1", "--master-port", "0", "--", "train"], "--master-port 0 is not a port"),
+    (["launch", "--nnodes", "2", "--master-port", "x", "--", "train"], "argument --master-port: invalid int value: 'x'"),
+    (["launch", "--nnodes", "2", "--master-addr", " ", "--master-port", "29500", "--", "train"],
+     "--master-addr is empty"),
+    (["launch", "--nnodes", "2", "--master-addr", "10.0.0.1:29500", "--master-port", "29500", "--", "train"],
+     "--master-addr '10.0.0.1:29500' holds a port"),
+    (["launch", "--master-addr", "node 01", "--", "train"], "--master-addr 'node 01' is not a host name or an IP"),
+    (["launch", "--master-addr", "tcp://node01", "--", "train"], "--master-addr 'tcp://node01' is a URL, not a host"),
+    (["launch", "--master-addr", "no-such-host.invalid", "--", "train"],
+     "--master-addr no-such-host.invalid does not resolve on node 0"),
+    (["launch", "--nnodes", "2", "--master-port", "29500", "--join-timeout", "0", "--", "train"],
+     "--join-timeout must be > 0 seconds"),
     pytest.param(["bench", "--variants", "nope"], "unknown", marks=FRESH),
     # bench's --extra, parsed and validated as train would before any run (issue 28, item 6)
     (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr"],
@@ -266,6 +406,9 @@ CASES = [
     (["bench", "--variants", "baseline", "--output-dir", "new", "--extra=--lr -1"], "--extra: --lr must be > 0"),
     (["bench", "--output-dir", "new", "--extra=--no-such-flag"], "--extra: unrecognized arguments: --no-such-flag"),
     (["bench", "--output-dir", "new", "--extra=--config nan.yaml"], "--extra: --lr must be a finite number"),
+    # a mistake only a run finds (the data's columns): the first run's one line, and the bench stops there
+    (["bench", "--variants", "baseline,bf16", "--output-dir", "new", "--data", "d.csv", "--extra=--text-column body"],
+     "the baseline run refused its settings: "),
     # data of the wrong type, encoding or kind of file (issue 12, item 5)
     (["train", *TINY, "--data", "num_text.jsonl", "--output-dir", "new"], "column `text` (text) holds integers"),
     (["train", *TINY, "--data", "list_text.jsonl", "--output-dir", "new"], "column `text` (text) holds lists"),
@@ -325,11 +468,51 @@ CASES = [
                  "dequantise wrongly when a layer's input width is not a multiple of 64", marks=[CPU_ONLY, FRESH]),
     (["predict", "--model", "orphan-adapter", "--text", "hello"],
      "the base model of the adapter in orphan-adapter (/nowhere/base) cannot be loaded"),
+    # an adapter applied to its own base only (issue 28, item 1)
+    (["predict", "--model", "gone-run/adapter", "--text", "hi"], "the base model of the adapter in gone-run/adapter "
+                                                                  "is missing: nothing at "),
+    (["predict", "--model", "arch-run/adapter", "--text", "hi"],
+     "arch-base is a gpt2 model, and the adapter was trained on a bert model"),
+    pytest.param(["evaluate", "--model", "shapes-run/adapter", "--data", "d.csv"],
+                 "shapes-base has other shapes than the base the adapter was trained on "
+                 "(bert.encoder.layer.0.intermediate.dense.bias: 48 there, 64 in the base it was trained on)",
+                 marks=FRESH),
+    (["predict", "--model", "weights-run/adapter", "--text", "hi"],
+     "weights-base holds other weights than the base the adapter was trained on (sha256 of model.safetensors "
+     "differs); fix: put the base it was trained on back at"),
+    pytest.param(["predict", "--model", "edited-run/adapter", "--text", "hi"],
+                 "edited-run/adapter/adapter_config.json does not match the weights in adapter_model.safetensors: "
+                 "size mismatch for ", marks=FRESH),
+    (["evaluate", "--model", "retargeted-run/adapter", "--data", "d.csv"],
+     "its target_modules name bert.encoder.layer.0.attention.self.nosuch, which BertForSequenceClassification does "
+     "not have"),
+    (["train", "--model", "lora-run/adapter", "--max-train-samples", "8", "--output-dir", "new"],
+     "lora-run/adapter is an adapter folder (LoRA weights over a base model, from `train --peft`), where a whole "
+     "model is needed; fix: pass the merged model lora-run/model"),
+    (["train", "--model", "lora-run/adapter", "--peft", "lora", "--output-dir", "new"], "is an adapter folder"),
+    (["inspect", "lora-run/adapter"], "is an adapter folder"),
+    # model and data that do not fit each other, found before the first step (issue 28, item 5)
+    (["train", "--task", "image-classification", "--data", "digits", "--output-dir", "new", "--model",
+      "vit:image_size=8,patch_size=4,hidden_size=8,num_hidden_layers=1,num_attention_heads=1,num_channels=1"],
+     "takes 1-channel images (num_channels=1); effitrain decodes every image as RGB"),
+    (["predict", "--model", "vit1", "--input", "gray.png"], "model vit1 takes 1-channel images"),
+    pytest.param(["train", "--task", "audio-classification", "--data", "clips.csv", "--audio-column", "path",
+                  "--model", WAV2VEC2, "--output-dir", "new"],
+                 "clips/c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of "
+                 "45 samples", marks=FRESH),
+    (["evaluate", "--model", "w2v", "--data", "short.csv", "--audio-column", "path"],
+     "c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of 45 samples"),
+    (["predict", "--model", "w2v", "--input", "clips/c3.wav"], "shorter than the model's receptive field of 45"),
     # effitrain report
     (["report", "missing-run"], "RUN missing-run does not exist"),
     (["report", "d.csv"], "RUN d.csv is a file, not a run folder"),
     (["report", "notes"], "RUN notes is not an effitrain run"),
     (["report", "prev/model"], "fix: pass the run's folder: effitrain report prev"),
+    (["report", "emptydir"], "RUN emptydir is not an effitrain run: the folder is empty"),
+    (["report", "bench-stopped"], "RUN bench-stopped is an unfinished bench folder: it stopped (killed or failed) "
+                                  "before its first variant ran"),
+    (["report", "bench-failed"], "RUN bench-failed is a bench folder in which no variant ran (1 failed, 1 skipped; "
+                                 "baseline: --data d.csv has no column `body` (columns: text, label))"),
     pytest.param(["report", "cls-run", "lm-run"], "the runs are of different tasks", marks=FRESH),
     (["report", "prev", "--out", "nowhere/r.html"], "no folder nowhere"),
     (["report", "prev", "--out", "notes"], "--out notes is a folder"),
@@ -337,6 +520,29 @@ CASES = [
     (["report", "prev", "--out", "marked/report.html"], "is inside the effitrain run marked"),
     (["report", "prev", "--out", "page.html"], "page.html already exists and is not an effitrain report"),
     pytest.param(["report", "prev", "--out", "ro/r.html"], "the folder ro is not writable", marks=NOT_ROOT),
+    # instruction and chat data for causal LMs (issue 29)
+    (["train", *LLAMA, "--data", "chat_role.jsonl", "--output-dir", "new"],
+     "row 6 message 1 has the unknown role `robot`"),
+    pytest.param(["train", *LLAMA, "--data", "chat_user_end.jsonl", "--output-dir", "new"], "row 4 ends on a user turn",
+                 marks=FRESH),
+    (["train", *LLAMA, "--data", "pc_empty.jsonl", "--output-dir", "new"], "row 3 has no value in column `completion`"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "broken.jinja", "--output-dir", "new"],
+     "--chat-template broken.jinja does not parse as a Jinja template (line 1: "),
+    (["train", *LLAMA, "--data", "mixed.jsonl", "--output-dir", "new"],
+     "mixes data formats: it has `messages` and `text`"),
+    (["train", "--model", "nopad", "--task", "causal-lm", "--data", "chat.jsonl", "--output-dir", "new"],
+     "the tokenizer in nopad has no pad token (nor an EOS token to pad with)"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--output-dir", "new"], "has no chat template to render conversations"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "no_end.jinja", "--output-dir", "new"],
+     "puts no special token (end of turn"),
+    (["train", *LLAMA, "--data", "d.csv", "--chat-template", "chatml", "--output-dir", "new"],
+     "--chat-template applies to conversations"),
+    (["train", *LLAMA, "--data", "chat_long.jsonl", "--chat-template", "chatml", "--max-length", "24", "--output-dir",
+      "new"], "keep no answer token within --max-length 24"),
+    (["train", "--chat-template", "chatml"],
+     "--chat-template applies to --task causal-lm, not sequence-classification"),
+    (["train", *LLAMA, "--chat-template", "chatl"], "is neither a built-in template (chatml) nor a file"),
+    (["train", "--loss-on", "answers"], "invalid choice"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

@@ -120,7 +120,9 @@ def test_a_user_error_of_every_process_is_said_once_and_a_process_own_one_names_
     assert code == 2
     # A worker killed by a signal is the root cause, not its peers' collective errors.
     line, code = launch.failure_line({0: failure(1, "RuntimeError: gloo", 99), 1: failure(-signal.SIGKILL)})
-    assert (line, code) == ("effitrain launch: error: rank 1 failed: killed by signal SIGKILL", 1)
+    assert (line, code) == ("effitrain launch: error: worker 1 of 2 was killed by SIGKILL (signal 9); fix: check the "
+                            "memory (dmesg for the out-of-memory killer), then rerun (with --resume auto if the run "
+                            "saved checkpoints)", 1)
 
 
 def test_a_user_error_under_launch_is_one_line_and_exit_2(tmp_path):
@@ -474,3 +476,179 @@ def test_two_slurm_nodes_on_one_machine_equal_one_process(tiny_model_dir, tmp_pa
     for name in one_w:
         torch.testing.assert_close(nodes_w[name], one_w[name], rtol=1e-5, atol=1e-6)
     assert json.loads((tmp_path / "nodes" / "metrics.json").read_text())["world_size"] == 2
+
+
+# ---- Issue 28, item 4: a dead worker, node 0's address and port, the nodes' wait, no worker left -----
+
+def test_a_worker_killed_by_a_signal_is_one_line_with_the_step_and_checkpoint_its_peers_knew():
+    from effitrain.runtime.peers import PeerLost
+
+    knew = f"PeerLost: {PeerLost(5, 'out/checkpoints/step-4')}"
+    line, code = launch.failure_line({0: failure(1, knew, 101), 1: failure(-signal.SIGKILL, "Signal 9 (SIGKILL) "
+                                                                           "received by PID 7")}, world=4)
+    assert (line, code) == ("effitrain launch: error: worker 1 of 4 was killed by SIGKILL (signal 9) during step 5; "
+                            "fix: check the memory (dmesg for the out-of-memory killer), then rerun with --resume auto "
+                            "(continues from out/checkpoints/step-4)", 1)
+    # Its peers stopped by the launcher before they knew anything; another signal.
+    line, code = launch.failure_line({0: failure(-signal.SIGTERM, timestamp=99), 1: failure(-signal.SIGSEGV)})
+    assert (line, code) == ("effitrain launch: error: worker 1 of 2 was killed by SIGSEGV (signal 11); fix: find what "
+                            "sent it, then rerun (with --resume auto if the run saved checkpoints)", 1)
+    # The process that ended ran on another node: this node's workers only lost it.
+    line, code = launch.failure_line({2: failure(1, f"PeerLost: {PeerLost(3)}"), 3: failure(-signal.SIGTERM)})
+    assert (line, code) == ("effitrain launch: error: process 2: another process of the job ended during step 3; no "
+                            "checkpoint saved (on another node: its launcher says why); fix: then rerun (no checkpoint "
+                            "was saved: --save-every N keeps some)", 1)
+
+
+GLOO_LOST = ("Got the following error when running the callback: RuntimeError: [../gloo/transport/tcp/pair.cc:553] "
+             "Connection closed by peer [127.0.0.1]:12988. This is typically caused by a remote worker crashing.")
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_collective_broken_by_a_dead_peer_is_one_line_or_left_to_the_launcher(monkeypatch, capsys, tmp_path,
+                                                                                launched):
+    """A launched worker records it for the launcher and prints nothing; under plain torchrun, one line.
+    Never gloo's traceback, and exit 1: the run crashed, it is not the user's mistake."""
+    from effitrain.runtime.peers import PeerLost
+
+    def broken(args):
+        try:
+            raise RuntimeError(GLOO_LOST)
+        except RuntimeError as err:
+            raise PeerLost(7, "out/checkpoints/step-6") from err
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setattr(env_command, "main", broken)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv(launch.LAUNCHER_PID, raising=False)
+    if launched:
+        monkeypatch.setenv(launch.LAUNCHED, "1")
+    else:
+        monkeypatch.delenv(launch.LAUNCHED, raising=False)
+    assert cli.main(["env"]) == 1
+    recorded = json.loads(error_file.read_text())["message"]["message"]
+    assert recorded == "PeerLost: another process of the job ended during step 7; latest checkpoint out/checkpoints/step-6"
+    assert vars(PeerLost.parse(recorded)) == vars(PeerLost(7, "out/checkpoints/step-6"))
+    # Met outside the training loop (set-up, the final test): nothing said of checkpoints it did not look for.
+    unknown = PeerLost.parse(f"PeerLost: {PeerLost(looked=False)}")
+    assert (str(unknown), unknown.step, unknown.looked) == ("another process of the job ended", None, False)
+    assert launch.rerun_fix([unknown]) == "then rerun (with --resume auto if the run saved checkpoints)"
+    assert launch.rerun_fix([PeerLost(3)]) == "then rerun (no checkpoint was saved: --save-every N keeps some)"
+    assert capsys.readouterr().err == ("" if launched else (
+        "effitrain: error: another process of the job ended during step 7; latest checkpoint out/checkpoints/step-6; "
+        "fix: see why the other process ended (its output; dmesg for the out-of-memory killer) and rerun, with "
+        "--resume auto to continue from it\n"))
+
+
+def clock_of(line: str) -> float:
+    """Seconds from now to the HH:MM:SS a line names (today or tomorrow)."""
+    import datetime
+    import re
+
+    said = datetime.datetime.strptime(re.search(r"until (\d\d:\d\d:\d\d)", line)[1], "%H:%M:%S").time()
+    now = datetime.datetime.now()
+    then = datetime.datetime.combine(now.date(), said)
+    if then < now - datetime.timedelta(hours=12):
+        then += datetime.timedelta(days=1)
+    return (then - now).total_seconds()
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_node_says_what_it_waits_for_and_until_when_then_gives_up_in_one_line(tmp_path, node):
+    """Node 1 waits for node 0 to listen; node 0 for the other node to join. Neither comes: one line at
+    the deadline, exit 2, no worker ever started, nothing written."""
+    port = free_port()
+    start = time.monotonic()
+    job = effitrain("launch", "--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port", port,
+                    "--join-timeout", 3, "--", "train", cwd=tmp_path)
+    started = time.time()
+    first = job.stderr.readline()
+    deadline = time.time() + clock_of(first)  # printed to the second, so up to 1 s early
+    assert started + 3 - 1 < deadline <= time.time() + 3, first
+    _, rest = job.communicate(timeout=90)
+    took = time.monotonic() - start
+    waits_for = "node 0" if node else "the other 1 node(s)"
+    clock = first.split("until ")[-1][:8]
+    assert first == f"effitrain launch: node {node} waits for {waits_for} at 127.0.0.1:{port} until {clock} (3 s, --join-timeout)\n"
+    fix = ("start effitrain launch on node 0 with the same --nnodes, --master-addr and --master-port (node 0 first, or "
+           "within --join-timeout), and check that this node can reach that port") if node else (
+           "start effitrain launch on every node with the same --nnodes, --master-addr and --master-port, and check that "
+           "they can reach that port of node 0 (a firewall)")
+    problem = (f"node 0 never answered at 127.0.0.1:{port} within 3 s" if node else
+               f"only 0 of the 1 other node(s) joined node 0 at 127.0.0.1:{port} within 3 s")
+    assert rest.splitlines() == [f"effitrain: error: {problem}; fix: {fix}"], rest[-3000:]
+    assert job.returncode == 2 and 3 <= took < 60
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_master_port_taken_on_node_0_is_one_line_before_torch(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job = effitrain("launch", "--nnodes", 2, "--master-addr", "127.0.0.1", "--master-port", port, "--", "train",
+                        cwd=tmp_path)
+        _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 2
+    assert stderr.splitlines() == [f"effitrain: error: --master-port {port} is taken by another program on node 0; "
+                                   "fix: pass a free port, the same on every node (ss -ltn lists the ports in use)"]
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({**PYTORCHJOB_WORKER_1, "MASTER_ADDR": ""}, "MASTER_ADDR is empty; fix: set MASTER_ADDR to node 0's host name"),
+    ({**PYTORCHJOB_WORKER_1, "MASTER_ADDR": "job master"}, "MASTER_ADDR='job master' is not a host name or an IP"),
+    ({**PYTORCHJOB_WORKER_1, "PET_MASTER_ADDR": "job-master-0:23456"}, "PET_MASTER_ADDR='job-master-0:23456' holds a port"),
+    ({**SLURM_NODE_1, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+    ({**SLURM_NODE_1, "MASTER_ADDR": "http://node01"}, "MASTER_ADDR='http://node01' is a URL, not a host"),
+    ({**SLURM_NODE_1, "MASTER_PORT": "0"}, r"MASTER_PORT='0' is not a whole number >= 1"),
+])
+def test_a_bad_master_address_from_the_environment_is_one_user_error(env, problem):
+    from effitrain.errors import UserError
+
+    with pytest.raises(UserError, match=problem):
+        launch.resolve(launch_flags(), env)
+
+
+def test_addresses_torch_reads_are_kept_and_normalised():
+    from effitrain.runtime import rendezvous
+
+    for given, kept in [("10.0.0.1", "10.0.0.1"), (" node01 ", "node01"), ("job-master-0.job.svc.", "job-master-0.job.svc."),
+                        ("::1", "[::1]"), ("[fe80::1]", "[fe80::1]"), ("gpu_node-3", "gpu_node-3")]:
+        assert rendezvous.check_address(given) == kept
+    assert launch.torchrun_argv(launch_flags(nproc=1, nnodes=1, node_rank=0, master_addr="[::1]"), ["train"], 7.2)[4:8] == [
+        "--node-rank=0", "--master-addr=[::1]", f"--master-port={launch.DEFAULT_PORT}", "--rdzv-conf=timeout=8"]
+
+
+def test_workers_stuck_in_a_store_connect_follow_a_launcher_killed_outright(tmp_path):
+    """Inside torch's C++ connect loop no Python signal handler runs, so the SIGTERM of PR_SET_PDEATHSIG
+    waits for the connect's timeout (300 s here): the worker's watch thread ends it within seconds."""
+    from test_distributed import descendants
+
+    hung = tmp_path / "hung"
+    hung.mkdir()
+    job = subprocess.Popen([sys.executable, HOOKED_CLI, "--store-hang", str(hung), "--", "launch", "--nproc", "2", "--",
+                            "env"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    workers = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(hung.iterdir())) < 2:
+            assert job.poll() is None and time.monotonic() < deadline, "the workers never reached the store connect"
+            time.sleep(0.1)
+        time.sleep(1)  # well inside the connect loop
+        workers = descendants(job.pid)
+        assert sorted(workers) == sorted(int(p.name) for p in hung.iterdir())
+        os.kill(job.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.wait(timeout=30)
+        while any(map(running, workers)):
+            assert time.monotonic() - killed_at < launch.START_UNWIND_SECONDS + 10, "a worker outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in [job.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -186,6 +186,15 @@ def test_a_run_whose_every_step_was_skipped_is_not_a_success(tiny_model_dir, tmp
     assert not (tmp_path / "out" / "model").exists()
 
 
+def test_with_adapters_the_non_finite_message_names_their_settings(tiny_model_dir, tmp_path, monkeypatch):
+    skip_every_step(monkeypatch)
+    with pytest.raises(UserError, match=r"all 2 steps had a non-finite .* fix: lower --lr \(0.001 now\) or "
+                                        r"--lora-alpha \(alpha/r = 16/8 scales the adapters' updates\)"):
+        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "out", max_steps=2, peft="lora"))
+    with pytest.raises(UserError, match=r"all 2 steps had a non-finite .* fix: lower --lr, use --precision fp32"):
+        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "out2", max_steps=2))
+
+
 def test_non_finite_weights_are_never_saved_as_a_model(tiny_model_dir, tmp_path, monkeypatch):
     real = StepRunner.run
 
@@ -386,3 +395,23 @@ def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_half_model(tiny_m
     assert code == 2 and len(lines) == 1 and "No space left on device writing" in lines[0] and "fix:" in lines[0]
     assert not (out / "model").exists() and not (out / ".tmp-model").exists()
     assert (out / "checkpoints" / "step-1").is_dir()  # what was saved before stays, for --resume auto
+
+
+def test_a_bench_whose_variants_failed_at_start_can_be_replaced(tmp_path):
+    """A variant refused at its start leaves its NAME.log but no folder; --overwrite still replaces the
+    bench (the corrected command runs), and a .log that bench did not write still stops it."""
+    bench = fake_run(tmp_path / "bench", **{"bench.json": '{"variants": []}'})
+    (bench / run_folder.MARKER).write_text('{"kind": "bench"}')
+    (bench / "baseline.log").write_text("$ effitrain train --output-dir bench/baseline\n--- stdout\n")
+    assert run_folder.foreign_entries(bench) == []
+    (bench / "mine.log").write_text("my notes\n")
+    assert run_folder.foreign_entries(bench) == ["mine.log"]
+    (bench / "mine.log").unlink()
+    held = run_folder.RunDir(bench, overwrite=True, kind="bench").acquire()
+    held.start()
+    assert sorted(p.name for p in bench.iterdir()) == sorted([run_folder.LOCK, run_folder.MARKER, run_folder.PREVIOUS])
+    held.succeed()
+    assert sorted(p.name for p in bench.iterdir()) == [run_folder.MARKER]
+    train = fake_run(tmp_path / "train")  # in a train run's folder, the same log is not effitrain's
+    (train / "baseline.log").write_text("$ effitrain train\n")
+    assert run_folder.foreign_entries(train) == ["baseline.log"]

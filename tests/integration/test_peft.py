@@ -1,6 +1,7 @@
 """LoRA and QLoRA (--peft): what trains, what is saved, equivalences and resume under adapters."""
 
 import json
+import shutil
 import signal
 import sys
 
@@ -10,11 +11,11 @@ import torch
 from effitrain.commands.evaluate import evaluate
 from effitrain.commands.predict import predict
 from effitrain.errors import UserError
-from effitrain.models import adapters
+from effitrain.models import adapter_base, adapters
 from test_distributed import TINY_GPT2, torchrun
 from test_resume import read_log, resumed_here, train
 
-from conftest import read_jsonl, read_weights
+from conftest import read_jsonl, read_weights, tiny_run
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +389,82 @@ def test_a_causal_lm_from_a_config_learns_under_lora(tmp_path):
     assert after["validation"]["perplexity"] <= before / 2, (before, after["validation"]["perplexity"])
     # adapters only: r x (64 + vocabulary) on the output layer is most of it in a model this small
     assert after["parameters"]["trainable"] == sum(v.numel() for v in adapter_weights(tmp_path / "o").values())
+
+
+# -- an adapter is applied to its own base only (issue 28, item 1) -------------------------------------
+TEXTS = [f"message {i} win a prize now" if i % 2 else f"see you at {i}" for i in range(8)]
+
+
+@pytest.fixture
+def relative_run(tiny_model_dir, tmp_path, monkeypatch):
+    """A LoRA run trained in work/ with `--model base --output-dir run`: paths relative to the working folder,
+    as peft records them; its predictions through adapter/ before anything moves."""
+    shutil.copytree(tiny_model_dir, tmp_path / "work" / "base")
+    monkeypatch.chdir(tmp_path / "work")
+    effitrain.train(small("base", "run", lora_dropout=0.0))
+    return tmp_path / "work", predict("run/adapter", TEXTS)
+
+
+def test_an_adapter_records_its_base(relative_run):
+    import hashlib
+
+    work, _ = relative_run
+    base = (work / "base").resolve()
+    assert json.loads((work / "run" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    record = json.loads((work / "run" / "adapter" / adapter_base.RECORD).read_text())
+    assert record["path"] == str(base) and record["path_from_run"] == "../base" and record["model_type"] == "bert"
+    assert record["sha256"] == {"model.safetensors": hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()}
+    assert record["shapes"]["bert.encoder.layer.0.intermediate.dense.weight"] == "64x32"
+    assert len(record["shapes"]) == len(read_weights_of(base))
+
+
+def test_a_moved_run_read_from_another_folder_predicts_identically(relative_run, tmp_path, monkeypatch):
+    """The run moved elsewhere, its base left where it was trained, predict run from another folder: the
+    same predictions to the bit, from adapter/ and from the merged model/ alike."""
+    work, before = relative_run
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True)
+    shutil.move(work / "run", tmp_path / "elsewhere" / "deep" / "run")
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    assert predict(str(tmp_path / "elsewhere" / "deep" / "run" / "adapter"), TEXTS) == before
+    assert predict("../elsewhere/deep/run/adapter", TEXTS) == before
+    merged = predict("../elsewhere/deep/run/model", TEXTS)
+    assert [p["label"] for p in merged] == [p["label"] for p in before]
+    assert [p["score"] for p in merged] == pytest.approx([p["score"] for p in before], abs=1e-5)
+
+
+def test_a_run_moved_with_its_base_finds_the_base_beside_it(relative_run, tmp_path, monkeypatch):
+    """The absolute path is gone; the base's path from the run folder (../base) still leads to it."""
+    work, before = relative_run
+    monkeypatch.chdir(tmp_path)
+    shutil.move(work, tmp_path / "moved")
+    assert predict(str(tmp_path / "moved" / "run" / "adapter"), TEXTS) == before
+
+
+def test_an_adapter_without_a_record_loads_as_before_but_never_over_a_base_of_other_shapes(relative_run, tmp_path):
+    """adapter/ folders saved before the record: peft's base path as it is; a base that does not fit is now
+    refused (it loaded as random weights, exit 0, with ignore_mismatched_sizes): 2 layers x the intermediate
+    weight and bias and the output weight."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    work, before = relative_run
+    (work / "run" / "adapter" / adapter_base.RECORD).unlink()
+    assert predict("run/adapter", TEXTS) == before
+    config = BertConfig.from_pretrained(work / "base")
+    config.intermediate_size = 48
+    BertForSequenceClassification(config).save_pretrained(work / "base")
+    with pytest.raises(UserError, match=r"the base model .*base does not fit the adapter in run/adapter: 6 of another "
+                                        r"shape \(bert.encoder.layer.0.intermediate.dense.bias, "):
+        predict("run/adapter", TEXTS)
+
+
+def test_predict_evaluate_and_train_treat_an_adapter_folder_alike(relative_run):
+    """predict and evaluate apply adapter/ to its base (the same function as model/); train refuses it."""
+    work, _ = relative_run
+    data = dict(data="sms-spam", max_eval_samples=24, seed=0)
+    from_adapter, from_model = evaluate("run/adapter", data), evaluate("run/model", data)
+    assert from_adapter["accuracy"] == from_model["accuracy"] and from_adapter["samples"] == 24
+    assert from_adapter["loss"] == pytest.approx(from_model["loss"], abs=1e-5)
+    with pytest.raises(UserError, match="run/adapter is an adapter folder .* pass the merged model run/model"):
+        effitrain.train(tiny_run("run/adapter", "again"))
+    assert not (work / "again").exists()

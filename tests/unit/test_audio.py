@@ -141,3 +141,36 @@ def test_collated_batch_trains_a_tiny_wav2vec2(tmp_path):
     grad = model.classifier.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     assert model.wav2vec2.feature_extractor.conv_layers[0].conv.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kernels, strides, expected", [
+    ((10, 3, 3, 3, 3, 2, 2), (5, 2, 2, 2, 2, 2, 2), 400),  # wav2vec2-base: 25 ms at 16 kHz
+    ((10, 8), (5, 4), 45),
+])
+def test_shortest_clip_is_where_the_convolutions_give_their_first_frame(kernels, strides, expected):
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(conv_kernel=list(kernels), conv_stride=list(strides), conv_dim=[8] * len(kernels),
+                            num_feat_extract_layers=len(kernels))
+    assert audio.shortest_clip(config) == expected
+    # transformers' own count of frames (it reads only self.config): one at the minimum, none a sample below
+    model = SimpleNamespace(config=config)
+    assert int(Wav2Vec2Model._get_feat_extract_output_lengths(model, torch.tensor(expected))) == 1
+    assert int(Wav2Vec2Model._get_feat_extract_output_lengths(model, torch.tensor(expected - 1))) == 0
+
+
+def test_shortest_clip_is_zero_for_spectrogram_models():
+    from transformers import ASTConfig
+
+    assert audio.shortest_clip(ASTConfig()) == 0
+
+
+def test_a_clip_shorter_than_the_minimum_is_named(tmp_path):
+    path = tone(tmp_path / "short.wav", 16000, 44 / 16000)
+    assert len(audio.decode(path, 16000, None, min_samples=44)) == 44
+    with pytest.raises(UserError, match=r"short.wav is 0.00275 s \(44 samples at 16000 Hz\), shorter than the "
+                                        r"model's receptive field of 45 samples"):
+        audio.decode(path, 16000, None, min_samples=45)

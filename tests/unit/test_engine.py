@@ -321,3 +321,21 @@ def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tin
                          "batch_size": 4, "log_every": 1, "output_dir": str(tmp_path / "o")})
     assert closed == ["log", "bar", "accelerator"]  # the console is a sink of the log
     assert [r["step"] for r in __import__("conftest").read_jsonl(tmp_path / "o" / "log.jsonl")] == [1, 2]
+
+
+def test_a_lora_checkpoint_resumed_without_peft_names_peft_not_the_lr_it_implies(tmp_path):
+    """Without --lr, --peft lora resolves lr to 1e-3 and --peft none to 1e-4: the cause is peft."""
+    import json
+
+    from effitrain import config as cfg
+    from effitrain.engine import checkpoint
+    from effitrain.errors import UserError
+
+    lora = cfg.build(None, {"peft": "lora"}).to_dict()
+    state = {"config": lora, "world_size": 1, "plan": {"grad_accum": 1}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    plain = cfg.build(None, {}).to_dict()
+    assert (lora["lr"], plain["lr"]) == (1e-3, 1e-4)
+    with pytest.raises(UserError, match=r"made with peft='lora', this run has 'none'.*fix: resume with --peft lora"):
+        checkpoint.check(tmp_path, plain, 1, 1)
+    assert checkpoint.check(tmp_path, lora, 1, 1)["world_size"] == 1

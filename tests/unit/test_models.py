@@ -191,3 +191,65 @@ def test_unreadable_model_folder_is_named(tiny_model_dir, tmp_path):
             loading.resolve(str(tmp_path / "m"))
     finally:
         (tmp_path / "m").chmod(0o755)
+
+
+def test_lora_on_gpt2_conv1d_warns_only_under_debug_and_its_gradients_are_right():
+    """peft warns that it sets fan_in_fan_out for GPT-2's Conv1D (weights stored in x out); effitrain
+    silences that message (runtime/libraries.KNOWN_HARMLESS) because the adapted layer computes
+    x W + b + alpha/r x A^T B^T, with the gradients of that, as checked here against the formula."""
+    import warnings
+    from types import SimpleNamespace
+
+    from effitrain.models import adapters
+    from effitrain.runtime import libraries
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    def adapted(quiet: bool):
+        torch.manual_seed(0)
+        model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=50,
+                                                         pad_token_id=0))
+        settings = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="c_attn")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if quiet:
+                libraries.quiet_known_warnings()
+            model = adapters.apply(model, tasks.get("sequence-classification"), settings)
+        return model, [str(w.message) for w in seen if "fan_in_fan_out" in str(w.message)]
+
+    assert len(adapted(quiet=False)[1]) == 1  # what --debug shows
+    model, said = adapted(quiet=True)
+    assert said == []
+    layer = model.base_model.model.transformer.h[0].attn.c_attn
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (r, in), (out, r)
+    with torch.no_grad():
+        B.normal_()  # peft starts B at zero, which would hide a transposed update
+    x, upstream = torch.randn(2, 5, 16), torch.randn(2, 5, 48)
+    (layer(x) * upstream).sum().backward()
+    a, b = A.detach().clone().requires_grad_(), B.detach().clone().requires_grad_()
+    W, bias = layer.base_layer.weight, layer.base_layer.bias  # Conv1D: (in, out)
+    expected = x @ W + bias + (8.0 / 4) * (x @ a.T @ b.T)
+    torch.testing.assert_close(layer(x), expected)
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(A.grad, a.grad)
+    torch.testing.assert_close(B.grad, b.grad)
+    assert A.grad.abs().sum() > 0 and B.grad.abs().sum() > 0
+
+
+def test_only_the_known_harmless_library_warnings_are_silenced():
+    """FSDP2's view-tensor warning: effitrain's step does no in-place op on a module's output, and FSDP
+    training equals one process (tests/integration/test_sharding.py::
+    test_fsdp_with_accumulation_equals_one_process_with_the_whole_batch, with and without LoRA)."""
+    import warnings
+
+    from effitrain.runtime import libraries
+
+    view = ("FSDP2-wrapped module (GPT2Block) returned a view tensor. An in-place op on this view (e.g., `x += y`) "
+            "will silently drop the pre-backward hook")
+    peft = "fan_in_fan_out is set to False but the target module is `Conv1D`. Setting fan_in_fan_out to True."
+    other = "fan_in_fan_out is set to True but the target module is `torch.nn.Linear`. Setting fan_in_fan_out to False."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        libraries.quiet_known_warnings()
+        for message in (view, peft, other):
+            warnings.warn(message, UserWarning)
+    assert [str(w.message) for w in seen] == [other]

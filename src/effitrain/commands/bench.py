@@ -287,6 +287,8 @@ def run_matrix(args: argparse.Namespace, names: list[str], skipped: dict[str, st
         result = run_variant(name, command, bench_dir / f"{name}.log", stream=args.debug)
         result.update(settings=settings, note=note)
         print(f"[{index}/{len(todo)}] {name}: {outcome_line(result)}", flush=True)
+        if index == 1 and result["returncode"] == UserError.exit_code:
+            raise refused(result)  # a mistake every variant shares (--model, --data, --extra): say it once, stop
         results.append(result)
     for name, reason in skipped.items():
         results.append({"name": name, "status": "skipped", "error": reason, "metrics": {}, "note": None})
@@ -324,6 +326,14 @@ def run_variant(name: str, command: list[str], log_path: Path, stream: bool = Fa
     except (OSError, ValueError) as err:
         result.update(status="failed", error=f"cannot read {run_dir / 'metrics.json'}: {err}")
     return result
+
+
+def refused(result: dict) -> UserError:
+    """The first run's own one-line refusal (`effitrain: error: PROBLEM; fix: FIX`) as the bench's."""
+    line = (result["error"] or "").removeprefix("effitrain: error: ")
+    problem, _, fix = line.partition("; fix: ")
+    return UserError(f"the {result['name']} run refused its settings: {problem}",
+                     fix or "correct --model, --data or --extra and run the bench again")
 
 
 def last_line(text: str) -> str | None:

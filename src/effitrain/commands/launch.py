@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import os
 import re
 import signal
@@ -16,6 +17,8 @@ import sys
 from collections.abc import Mapping
 
 from effitrain.errors import UserError
+from effitrain.runtime import rendezvous
+from effitrain.runtime.peers import PeerLost
 
 # What each worker runs (tests put a fault-injecting CLI here, tests/hooks/patched_cli.py).
 WORKER_PROGRAM = ["-m", "effitrain"]
@@ -24,18 +27,26 @@ LAUNCHED = "EFFITRAIN_LAUNCHED"
 # The launcher's process id, in the workers' environment: a worker ends when that process dies.
 LAUNCHER_PID = "EFFITRAIN_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+DEFAULT_PORT = 29500  # torchrun's, for one node given --master-addr without --master-port
 # Commands of one process: N copies would print N times the same answer.
 ONE_PROCESS = ("predict", "inspect", "plan")
 
 
-def torchrun_argv(args, command: list[str]) -> list[str]:
+def standalone(args) -> bool:
+    return args.nnodes == 1 and args.master_addr is None
+
+
+def torchrun_argv(args, command: list[str], join_seconds: float | None = None) -> list[str]:
+    """`join_seconds`: how long torch's store waits for the nodes to meet (its default: 600)."""
     argv = [f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}",
             "--monitor-interval=1"]
-    if args.nnodes == 1 and args.master_addr is None:
+    if standalone(args):
         argv.append("--standalone")  # a free port on localhost, nothing to configure
     else:
         argv += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr or '127.0.0.1'}",
-                 f"--master-port={args.master_port}"]
+                 f"--master-port={args.master_port or DEFAULT_PORT}"]
+        if join_seconds is not None:
+            argv.append(f"--rdzv-conf=timeout={math.ceil(join_seconds)}")
     return argv + [*WORKER_PROGRAM, *command]
 
 
@@ -62,6 +73,12 @@ def check_numbers(args) -> None:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}", f"pass --{name} 1 or more")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}", "pass --max-restarts 0 or more")
+    if not getattr(args, "join_timeout", 1) > 0:
+        raise UserError(f"--join-timeout must be > 0 seconds, got {args.join_timeout}", "pass e.g. --join-timeout 600")
+    if args.master_port is not None:
+        rendezvous.check_port(args.master_port)
+    if args.master_addr is not None:  # one from the environment was checked under its variable's name
+        args.master_addr = rendezvous.check_address(args.master_addr)
     if args.nnodes > 1:
         if args.master_port is None:
             raise UserError("--nnodes > 1 needs --master-port (and --master-addr, the address of node 0)",
@@ -167,6 +184,10 @@ def _port(env: Mapping[str, str], name: str) -> int:
     return port
 
 
+def _address(env: Mapping[str, str], name: str) -> str:
+    return rendezvous.check_address(env[name], name)
+
+
 def _first(env: Mapping[str, str], *names: str) -> str | None:
     """The first of these variables that is set (also when set to an empty string)."""
     return next((name for name in names if name in env), None)
@@ -197,7 +218,8 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
                         "<GPUs per node>")
     if nnodes == 1:
         return Cluster("Slurm", 1)
-    return Cluster("Slurm", nnodes, node, env.get("MASTER_ADDR") or _slurm_head(env), _slurm_port(env))
+    head = _address(env, "MASTER_ADDR") if "MASTER_ADDR" in env else _slurm_head(env)
+    return Cluster("Slurm", nnodes, node, head, _slurm_port(env))
 
 
 def _slurm_head(env: Mapping[str, str]) -> str:
@@ -254,7 +276,9 @@ def from_torchrun_env(env: Mapping[str, str], want_nproc: bool = True) -> Cluste
     rank = _number(env, rank_name, 0, fix)
     if rank >= nnodes:
         raise UserError(f"{rank_name}={rank} is not a node of the {nnodes} in {nodes_name}", fix)
-    return Cluster(source, nnodes, rank, addr, _port(env, port_name) if port_name else None, nproc)
+    addr_name = _first(env, "PET_MASTER_ADDR", "MASTER_ADDR")
+    return Cluster(source, nnodes, rank, _address(env, addr_name) if addr_name else None,
+                   _port(env, port_name) if port_name else None, nproc)
 
 
 def _nproc(env: Mapping[str, str]) -> int:
@@ -365,18 +389,50 @@ def root_cause(failures: dict):
     return min(failed, key=lambda item: (item[1].timestamp, item[0]))
 
 
-def failure_line(failures: dict) -> tuple[str, int]:
+def failure_line(failures: dict, world: int | None = None) -> tuple[str, int]:
     """The job's one stderr line and exit code. A user error stays one (exit 2), in the usual
     `effitrain: error: ...; fix: ...` form, said once although every process hit it; it names the
-    process when the others failed differently (then it is that process's own problem)."""
+    process when the others failed differently (then it is that process's own problem). A worker killed
+    by a signal is named with it, and with what its peers knew (the step, the checkpoint): exit 1, the
+    run crashed. `world`: the job's processes (default: those that failed here)."""
     rank, failure = root_cause(failures)
     cause = describe(failure)
+    lost = [found for r, f in failures.items() if r != rank and (found := PeerLost.parse(describe(f)))]
+    if failure.exitcode < 0:
+        return killed_line(rank, -failure.exitcode, world or len(failures), lost), 1
+    if (own := PeerLost.parse(cause)) is not None:  # the process that ended ran on another node
+        return (f"effitrain launch: error: process {rank}: {own} (on another node: its launcher says why); "
+                f"fix: {rerun_fix([own])}"), 1
     if failure.exitcode == 2 and cause.startswith("UserError: "):
         cause = cause.removeprefix("UserError: ")
         others = [describe(f) for r, f in failures.items() if r != rank and not stopped_by_launcher(f)]
         same = all(other == f"UserError: {cause}" for other in others)
         return f"effitrain: error: {cause if same else f'process {rank}: {cause}'}", 2
     return f"effitrain launch: error: rank {rank} failed: {cause}", 2 if failure.exitcode == 2 else 1
+
+
+def killed_line(rank: int, signum: int, world: int, lost: list[PeerLost]) -> str:
+    """e.g. `worker 1 of 2 was killed by SIGKILL (signal 9) during step 5; fix: ...`."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    steps = sorted(p.step for p in lost if p.step is not None)
+    during = f" during step {steps[-1]}" if steps else ""
+    why = ("check the memory (dmesg for the out-of-memory killer), " if signum == signal.SIGKILL else
+           "find what sent it, ")
+    return (f"effitrain launch: error: worker {rank} of {world} was killed by {name} (signal {signum}){during}; "
+            f"fix: {why}{rerun_fix(lost)}")
+
+
+def rerun_fix(known: list[PeerLost]) -> str:
+    """What the surviving processes knew of the checkpoints (nothing, if the launcher stopped them first)."""
+    checkpoint = next((p.checkpoint for p in known if p.checkpoint), None)
+    if checkpoint:
+        return f"then rerun with --resume auto (continues from {checkpoint})"
+    if any(p.looked for p in known):
+        return "then rerun (no checkpoint was saved: --save-every N keeps some)"
+    return "then rerun (with --resume auto if the run saved checkpoints)"
 
 
 def quiet_torchrun() -> None:
@@ -396,7 +452,9 @@ def launch(args, command: list[str]) -> int:
     check_nproc(args.nproc)
     if origin:
         print(origin, file=sys.stderr, flush=True)
+    join_seconds = meet(args)
 
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -407,9 +465,11 @@ def launch(args, command: list[str]) -> int:
     if not args.debug:
         quiet_torchrun()
     try:
-        run(get_args_parser().parse_args(torchrun_argv(args, command)))
+        run(get_args_parser().parse_args(torchrun_argv(args, command, join_seconds)))
     except ChildFailedError as err:
-        raise LaunchEnded(*failure_line(err.failures)) from err
+        raise LaunchEnded(*failure_line(err.failures, args.nproc * args.nnodes)) from err
+    except DistError as err:  # torch's store: the nodes did not all meet in time
+        raise not_met(args, err) from None
     except SignalException as err:
         # The agent has sent the same signal to the workers and waited for them (SIGKILL after its
         # shutdown timeout): each has unwound its run, kept its latest complete checkpoint and removed
@@ -420,7 +480,47 @@ def launch(args, command: list[str]) -> int:
     return 0
 
 
-def end_with_launcher() -> None:
+# Once node 0 answers, torch's store still needs the nodes' agents to agree on the ranks: never less than this.
+MIN_STORE_SECONDS = 60
+
+
+def meet(args) -> float | None:
+    """Before torch's rendezvous: node 0 checks that it can serve the meeting point; with several nodes each
+    says what it waits for and until when, and another node waits (bounded) for node 0 to listen. Returns
+    the seconds torch's store gets to gather the nodes (None: standalone, nothing to meet)."""
+    if standalone(args):
+        return None
+    address, port = args.master_addr or "127.0.0.1", args.master_port or DEFAULT_PORT
+    if args.node_rank == 0:
+        rendezvous.ensure_port_free(address, port)
+    if args.nnodes == 1:
+        return None
+    seconds, until = args.join_timeout, rendezvous.deadline_said(args.join_timeout)
+    if args.node_rank == 0:
+        print(f"effitrain launch: node 0 waits for the other {args.nnodes - 1} node(s) at {address}:{port} {until}",
+              file=sys.stderr, flush=True)
+        return seconds
+    print(f"effitrain launch: node {args.node_rank} waits for node 0 at {address}:{port} {until}", file=sys.stderr,
+          flush=True)
+    return max(MIN_STORE_SECONDS, rendezvous.wait_for_node_0(address, port, seconds))
+
+
+def not_met(args, err: BaseException) -> UserError:
+    address, port = args.master_addr or "127.0.0.1", args.master_port or DEFAULT_PORT
+    if args.node_rank == 0:
+        return rendezvous.nodes_missing(err, args.nnodes, address, port, args.join_timeout)
+    last = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
+    return UserError(f"node {args.node_rank} could not join node 0 at {address}:{port} ({last})",
+                     "start effitrain launch on every node with the same --nnodes, --master-addr and --master-port")
+
+
+# A worker inside a C++ call (a store connect, retried for its whole timeout; a collective) runs no Python
+# signal handler until the call returns: after its launcher's death it gets this long to start unwinding
+# on its SIGTERM, and that long to finish (torchrun's shutdown timeout), then it ends outright.
+START_UNWIND_SECONDS, FINISH_UNWIND_SECONDS = 5.0, 30.0
+
+
+def end_with_launcher(unwinding: list | None = None) -> None:
     """In a worker of `effitrain launch`: SIGTERM when the launcher dies, however it dies (SIGKILL, the
     out-of-memory killer), so the worker unwinds as on any SIGTERM (its latest complete checkpoint kept, a
     save in progress removed, the output folder released) instead of training on alone and holding the
@@ -428,7 +528,8 @@ def end_with_launcher() -> None:
     the launcher's process group, and no agent is left to forward one. Linux's PR_SET_PDEATHSIG, which
     fires when the thread that started the worker ends: torch's agent starts them from its main thread.
     A launcher already gone is noticed here; a live process of that id that is not the parent means the
-    variables were copied from a worker's environment (nothing to follow)."""
+    variables were copied from a worker's environment (nothing to follow). `unwinding`: the signals the
+    command's handler has received (cli.py); given, a thread ends the worker if it is stuck in C++."""
     try:
         launcher = int(os.environ.get(LAUNCHER_PID, ""))
     except ValueError:
@@ -440,10 +541,29 @@ def end_with_launcher() -> None:
     if os.getppid() == launcher:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() == launcher:  # still alive after the call: the signal will come when it dies
+            if unwinding is not None:
+                _watch_launcher(launcher, unwinding)
             return
     elif _alive(launcher):
         return
     os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before this worker could follow it
+
+
+def _watch_launcher(launcher: int, unwinding: list) -> None:
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        deadline = time.monotonic() + START_UNWIND_SECONDS
+        while not unwinding and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if unwinding:  # the handler runs: it unwinds the run (removes a save in progress, releases the folder)
+            time.sleep(FINISH_UNWIND_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="effitrain-follows-launcher", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
@@ -479,6 +599,8 @@ def add_parser(commands) -> None:
                                                             "else 127.0.0.1)")
     launch.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on all nodes "
                                                                       "(default from the environment)")
+    launch.add_argument("--join-timeout", type=float, default=600.0,
+                        help="seconds the nodes wait for each other at start (default 600, torchrun's)")
     launch.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
     launch.add_argument("--debug", action="store_true")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the effitrain command and its flags")

@@ -48,6 +48,7 @@ def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = BA
     options = options or PredictOptions()
     if task.is_text and options.max_length is None:
         options.max_length = inference.text_max_length(saved.processor, saved.model.config)
+    options.min_samples = task.shortest_input(saved.model.config)
     device = inference.device()
     model = saved.model.to(device)
     encodings = task.prediction_encodings(records, saved.processor, options)
@@ -118,6 +119,7 @@ def main(args) -> int:
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         libraries.quiet_import_warnings()
+        libraries.quiet_known_warnings()
     options = PredictOptions(max_length=args.max_length, max_duration=args.max_duration,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              all_scores=args.all_scores)

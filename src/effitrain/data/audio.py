@@ -9,8 +9,9 @@ from effitrain.data import cache
 from effitrain.errors import UserError
 
 
-def decode(path: str, sampling_rate: int, max_duration: float | None):
-    """Mono float32 samples at `sampling_rate`, cut to `max_duration` seconds when given."""
+def decode(path: str, sampling_rate: int, max_duration: float | None, min_samples: int = 0):
+    """Mono float32 samples at `sampling_rate`, cut to `max_duration` seconds when given; a UserError when
+    fewer than `min_samples` remain (the model's receptive field: see shortest_clip)."""
     from math import ceil, gcd
 
     import numpy as np
@@ -42,7 +43,29 @@ def decode(path: str, sampling_rate: int, max_duration: float | None):
     if max_duration is not None:
         # The read above rounds up at the source rate; cut exactly at the target rate.
         audio = audio[: int(round(max_duration * sampling_rate))]
+    if len(audio) < min_samples:
+        raise UserError(f"audio file {path} is {len(audio) / sampling_rate:.4g} s ({len(audio)} samples at "
+                        f"{sampling_rate} Hz), shorter than the model's receptive field of {min_samples} samples "
+                        f"({min_samples / sampling_rate:.4g} s): its convolutions give no frame for it",
+                        f"drop the row or give clips of at least {min_samples / sampling_rate:.4g} s")
     return np.ascontiguousarray(audio, dtype=np.float32)
+
+
+def shortest_clip(model_config) -> int:
+    """The fewest samples a wav2vec2-style model (a stack of strided 1-D convolutions over the waveform:
+    conv_kernel, conv_stride) turns into at least one frame; 0 for models of spectrograms (AST, Whisper).
+
+    Refused rather than padded: the extractor pads only to the longest clip of a batch, so such a clip
+    either fails the convolution (alone in its batch) or, padded beside longer ones, is masked out
+    entirely and its pooled output is 0/0 (NaN)."""
+    kernels, strides = getattr(model_config, "conv_kernel", None), getattr(model_config, "conv_stride", None)
+    if not isinstance(kernels, (list, tuple)) or not isinstance(strides, (list, tuple)):
+        return 0
+    # Backwards from one output frame: each layer needs (frames - 1) * stride + kernel inputs.
+    needed = 1
+    for kernel, stride in reversed(list(zip(kernels, strides))):
+        needed = (needed - 1) * int(stride) + int(kernel)
+    return needed
 
 
 def located(path: str, base_dir) -> str:
@@ -81,16 +104,18 @@ def feature_extractor(model_dir, model_type: str):
                                     return_attention_mask=True)
 
 
-def preprocess(splits, extractor, max_duration: float, base_dir):
-    """Decode every `audio` path and run the extractor; waveform features stay unpadded (padding is per batch)."""
+def preprocess(splits, extractor, max_duration: float, base_dir, min_samples: int = 0):
+    """Decode every `audio` path (none shorter than `min_samples`) and run the extractor; waveform features
+    stay unpadded (padding is per batch)."""
     rate = extractor.sampling_rate
 
     def encode(batch):
-        arrays = [decode(located(path, base_dir), rate, max_duration) for path in batch["audio"]]
+        arrays = [decode(located(path, base_dir), rate, max_duration, min_samples) for path in batch["audio"]]
         return extractor(arrays, sampling_rate=rate)
 
     # Small batches: a batch holds its decoded waveforms (and AST's 512 KB spectrograms) in memory at once.
-    key = [extractor.to_dict(), max_duration, cache.file_signature(splits, "audio", base_dir)]
+    # min_samples in the key: data cached for a model with a smaller receptive field is checked again.
+    key = [extractor.to_dict(), max_duration, cache.file_signature(splits, "audio", base_dir), min_samples]
     encoded = cache.map_splits(splits, encode, key, batched=True, batch_size=64, writer_batch_size=64,
                                remove_columns=["audio"])
     return encoded.rename_column("label", "labels")

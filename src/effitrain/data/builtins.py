@@ -1,5 +1,6 @@
 """Data sets that ship inside packages, so that effitrain runs offline. Each returns a Dataset with
-the canonical columns (`text` or `image`, and `label`), plus the official test split where there is one."""
+the canonical columns (`text` or `image`, and `label`; sms-spam-chat's `messages`), plus the official test
+split where there is one."""
 
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def sms_spam():
     frame = pd.read_csv(path, sep="\t", header=None, names=["label", "text"], quoting=3, dtype=str,
                         keep_default_na=False)
     return {"all": Dataset.from_pandas(frame[["text", "label"]], preserve_index=False)}
+
+
+# sms-spam-chat's question after each message; the answer is the label (`spam` or `ham`).
+SPAM_QUESTION = "Is this message spam or ham?"
+
+
+def sms_spam_chat():
+    """sms-spam as chat data, for instruction fine-tuning offline: each row a conversation (`messages`)
+    of the message with a fixed question, and the assistant's answer `spam` or `ham`."""
+    from datasets import Dataset
+
+    data = sms_spam()["all"]
+    conversations = [[{"role": "user", "content": f"{text}\n\n{SPAM_QUESTION}"},
+                      {"role": "assistant", "content": label}] for text, label in zip(data["text"], data["label"])]
+    return {"all": Dataset.from_dict({"messages": conversations})}
 
 
 def bbc_news():
@@ -87,6 +103,7 @@ def digits():
 
 
 # The Hub data sets the built-ins are copies of (model cards name them); digits is scikit-learn's own.
-HUB_IDS = {"sms-spam": "ucirvine/sms_spam", "bbc-news": "SetFit/bbc-news",
+HUB_IDS = {"sms-spam": "ucirvine/sms_spam", "sms-spam-chat": "ucirvine/sms_spam", "bbc-news": "SetFit/bbc-news",
            "fashion-mnist": "zalando-datasets/fashion_mnist"}
-BUILTINS = {"sms-spam": sms_spam, "bbc-news": bbc_news, "fashion-mnist": fashion_mnist, "digits": digits}
+BUILTINS = {"sms-spam": sms_spam, "sms-spam-chat": sms_spam_chat, "bbc-news": bbc_news, "fashion-mnist": fashion_mnist,
+            "digits": digits}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from effitrain.data import cache
+from effitrain.errors import UserError
 
 
 def image_processor(model_dir, config):
@@ -31,14 +32,24 @@ def image_processor(model_dir, config):
                      image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
+def check_channels(model_config, where: str) -> None:
+    """Every image is decoded as RGB (load_image: grayscale and RGBA converted, as HF processors' do_convert_rgb
+    does), so the model must take 3 channels: another num_channels would fail the first step (ViT, ConvNeXt,
+    ResNet check it) or, in a model that does not check, mix the channels up silently. Refused, not
+    converted: a 3-channel processor's mean and std cannot normalise one channel."""
+    channels = getattr(model_config, "num_channels", 3)
+    if channels != 3:
+        raise UserError(f"{where} takes {channels}-channel images (num_channels={channels}); effitrain decodes every "
+                        "image as RGB (3 channels, grayscale ones converted)",
+                        "use a model with num_channels=3 (e.g. --model vit:num_channels=3,...)")
+
+
 def load_image(value, base_dir):
     """An RGB PIL image from a PIL image, a datasets.Image dict ({"bytes", "path"}) or a path relative to base_dir."""
     from io import BytesIO
 
     import PIL.Image
     import PIL.ImageOps
-
-    from effitrain.errors import UserError
 
     if isinstance(value, PIL.Image.Image):
         return value if value.mode == "RGB" else value.convert("RGB")

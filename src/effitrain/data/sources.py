@@ -351,14 +351,19 @@ def encode_labels(data, names: list[str], where: str):
     return data.cast_column("label", ClassLabel(names=names))
 
 
-def load(config, columns: dict[str, str], undecodable=None) -> Loaded:
-    """Read, pick and rename the task's `columns` (canonical name -> the user's column), check rows,
-    encode labels, split, and cap sizes. `undecodable(data, base_dir)`: with --skip-bad-rows, the
-    indices of rows whose image or audio file does not decode (left out and counted, before splitting)."""
+def load(config, columns, undecodable=None, bad_rows=None) -> Loaded:
+    """Read, pick and rename the task's `columns` (canonical name -> the user's column; or a function of
+    the data's column names and where they come from, giving them), check rows, encode labels, split, and
+    cap sizes. `undecodable(data, base_dir)`: with --skip-bad-rows, the indices of rows whose image or
+    audio file does not decode (left out and counted, before splitting). `bad_rows(data, where, skip)`:
+    the task's own check of rows (canonical columns): it refuses the first bad row, or with skip returns
+    the indices of all of them, left out and counted."""
     from datasets import DatasetDict
 
     raw, base_dir, skipped = read(config.data, config.skip_bad_rows)
     where = {name: f"--data {config.data}" + ("" if name == "all" else f" ({name} split)") for name in raw}
+    if callable(columns):
+        columns = columns(raw["all"].column_names, where["all"])
     for flag, split, path in (("--validation-file", "validation", config.validation_file),
                               ("--test-file", "test", config.test_file)):
         if path:
@@ -373,6 +378,10 @@ def load(config, columns: dict[str, str], undecodable=None) -> Loaded:
         data, dropped = drop_bad_rows(data, where[name], config.skip_bad_rows)
         if config.skip_bad_rows and undecodable is not None:
             bad = set(undecodable(data, base_dir))
+            if bad:
+                data, dropped = data.select([i for i in range(len(data)) if i not in bad]), dropped + len(bad)
+        if bad_rows is not None:
+            bad = set(bad_rows(data, where[name], config.skip_bad_rows))
             if bad:
                 data, dropped = data.select([i for i in range(len(data)) if i not in bad]), dropped + len(bad)
         if len(data) == 0:

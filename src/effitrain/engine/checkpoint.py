@@ -20,11 +20,13 @@ from effitrain.outputs import files as outputs_files
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
 # depends on the number of steps): resuming with others would not continue the run. The micro-batch,
 # accumulation and processes may change as long as their product does (see `check`).
-MUST_MATCH = ("max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column",
+# Compared in this order, the first difference named: peft first, because its default lr follows from it
+# (config.DEFAULT_LR), and a LoRA checkpoint resumed without --peft must be told so, not that its lr differs.
+MUST_MATCH = ("peft", "max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column",
               "text_pair_column", "label_column", "image_column", "audio_column", "max_train_samples", "seed",
               "max_length", "group_by_length", "packing", "optim", "precision", "lr", "weight_decay",
               "warmup_ratio", "beta1", "beta2", "validation_split", "test_split", "strategy", "local_sgd_steps",
-              "gradient_checkpointing", "max_duration", "peft", "lora_r", "lora_alpha", "lora_dropout",
+              "gradient_checkpointing", "max_duration", "lora_r", "lora_alpha", "lora_dropout",
               "lora_target_modules")
 # Settings added after checkpoints were first written: a checkpoint without them was made with their defaults.
 EARLIER_DEFAULTS = {name: getattr(TrainConfig, name) for name in ("peft", *LORA_SETTINGS)}
@@ -143,9 +145,12 @@ def check(path: Path, config_values: dict, world_size: int, grad_accum: int) -> 
     made_with = {**EARLIER_DEFAULTS, **state["config"]}
     for key in MUST_MATCH:
         if key in made_with and not same_setting(key, made_with[key], config_values.get(key)):
+            fix = "resume with the same settings, or start a new --output-dir"
+            if key == "peft":
+                fix = f"resume with --peft {made_with[key]} (and the checkpoint's other settings), or start a new " \
+                      "--output-dir"
             raise UserError(f"checkpoint {path} was made with {key}={made_with[key]!r}, this run has "
-                            f"{config_values.get(key)!r}", "resume with the same settings, or start a new "
-                            "--output-dir")
+                            f"{config_values.get(key)!r}", fix)
     earlier = made_with["batch_size"] * state.get("plan", {}).get("grad_accum", made_with.get("grad_accum", 1)) \
         * state["world_size"]
     now = config_values["batch_size"] * grad_accum * world_size

@@ -10,7 +10,7 @@ import math
 import time
 
 from effitrain.config import TrainConfig
-from effitrain.engine import compilation, optim, saving, summary
+from effitrain.engine import checkpoint, compilation, optim, saving, summary
 from effitrain.engine import evaluator as evaluation
 from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
@@ -20,6 +20,7 @@ from effitrain.engine.step import StepRunner
 from effitrain.errors import Diverged
 from effitrain.outputs import model_card
 from effitrain.outputs.console import Console
+from effitrain.runtime import peers
 from effitrain.runtime.devices import cpu_name, peak_memory_bytes
 
 
@@ -52,13 +53,27 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
         announce(job)
         hooks.call("on_train_begin", job)
         # Local SGD: no gradient sync inside; leaving it averages the parameters of every process.
-        with job.local_sgd or contextlib.nullcontext():
+        with peers_watched(job, state), job.local_sgd or contextlib.nullcontext():
             state.add_phase("start_up", start_up)  # added to what a restored checkpoint's invocations took
             state.add_phase("set_up", time.perf_counter() - wall_start)
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, hooks)
         console.close()  # before the test and the summary, which would print on the bar's line
         hooks.call("on_train_end", state)
         return finish(job, state, stopped_early, hooks)
+
+
+@contextlib.contextmanager
+def peers_watched(job: Run, state: TrainState):
+    """A collective that failed because another process of the job ended becomes one PeerLost naming the
+    step and the checkpoint to resume from: the process that ended says why (or its launcher does), this
+    one only what it knows, without gloo's or NCCL's traceback."""
+    try:
+        yield
+    except Exception as err:
+        if job.world < 2 or not peers.lost_peer(err):
+            raise
+        saved = checkpoint.complete(job.out_dir)
+        raise peers.PeerLost(state.step + 1, str(saved[-1]) if saved else None) from err
 
 
 def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -> dict:
@@ -75,7 +90,7 @@ def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -
     test = job.task.metrics(gathered, job.data.label_names)
     log_record(job, state, split="test", **test)
     if not math.isfinite(test["loss"]):  # finite weights can still overflow: a model that cannot predict
-        raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", NON_FINITE_FIX)
+        raise Diverged(f"the trained model's test loss is {test['loss']}, so no model was saved", non_finite_fix(job))
     result = summary.metrics(job, state, test, stopped_early,
                              confusion=job.task.confusion_matrix(gathered, job.data.label_names))
     with state.timed("saving"):
@@ -228,10 +243,18 @@ def after_step(job: Run, state: TrainState, result) -> None:
         # The weights now are those the last good step made, and they gave these non-finite losses:
         # not a model to hand out. Checkpoints and best/ (if any) stay, with the log.
         raise Diverged(f"{state.bad_in_a_row} steps in a row had a non-finite loss or gradient (up to step {step}), "
-                       "so the run stopped; no model was saved", NON_FINITE_FIX)
+                       "so the run stopped; no model was saved", non_finite_fix(job))
 
 
-NON_FINITE_FIX = "lower --lr, use --precision fp32, or check the data for extreme values"
+def non_finite_fix(job: Run) -> str:
+    """What to change when training stopped being finite: with adapters, the adapters' settings (their
+    own default lr is 10x full fine-tuning's, and lora_alpha / lora_r scales every update they make).
+    The model's own weights were finite at the start (setup.check_finite_weights)."""
+    if job.adapted:
+        config = job.config
+        return (f"lower --lr ({config.lr:g} now) or --lora-alpha (alpha/r = {config.lora_alpha:g}/{config.lora_r} "
+                f"scales the adapters' updates), use --precision fp32, or check the data for extreme values")
+    return "lower --lr, use --precision fp32, or check the data for extreme values"
 
 
 def check_trained(job: Run, state: TrainState) -> None:
@@ -241,13 +264,13 @@ def check_trained(job: Run, state: TrainState) -> None:
 
     if state.step and state.skipped_steps >= state.step:
         raise Diverged(f"all {state.step} steps had a non-finite loss or gradient and were skipped, so the model "
-                        "did not train; no model was saved", NON_FINITE_FIX)
+                        "did not train; no model was saved", non_finite_fix(job))
     model = job.accelerator.unwrap_model(job.model)
     local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())  # FSDP: this process's shard
     bad = sum(int(not torch.isfinite(p).all()) for p in local)
     if job.reduce(torch.tensor([bad], device=job.accelerator.device)).item():
         raise Diverged("the trained weights are not finite (NaN or infinity), so no model was saved",
-                        NON_FINITE_FIX)
+                        non_finite_fix(job))
 
 
 def log_window(job: Run, state: TrainState, result) -> None:
@@ -296,7 +319,9 @@ def announce(job: Run) -> None:
     if plan.note:
         job.main_print(plan.note)
         job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, **(plan.memory or {})})
-    job.main_print(f"training {config.model} ({job.task.name}) on {config.data}: {len(encoded['train'])} train / "
+    described = job.task.data_description(data.loaded.splits, config)
+    job.main_print(f"training {config.model} ({job.task.name}) on {config.data}"
+                   + (f" ({described})" if described else "") + f": {len(encoded['train'])} train / "
                    f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"
                    + (f", {skipped} bad rows skipped" if skipped else "")
                    + (f", labels {data.label_names}" if data.label_names else "")

@@ -189,6 +189,8 @@ def load_data(task, config: TrainConfig, source, accelerator) -> Data:
     label_names = train.features["label"].names if "label" in train.column_names else None
     with accelerator.main_process_first():  # the main process fills the preprocessing cache, the others reuse it
         encoded = task.preprocess(loaded.splits, processor, config, loaded.base_dir)
+    encoded, dropped = task.drop_untrainable(encoded, config)
+    loaded.skipped_rows += dropped
     return Data(processor, loaded, encoded, label_names)
 
 
@@ -251,6 +253,7 @@ def build_model(task, source, data: Data, plan: RunPlan, config: TrainConfig, de
     QLoRA's base loaded in 4 bits first), and the names of the transforms applied (metrics.json)."""
     options = adapters.load_options(task, source, config, plan.precision, device)
     model = task.build_model(source, data.label_names, data.processor, options)
+    loading.check_finite(model, f"model {source.path}" if source.path else "the model built from its config")
     settings = transforms.of_run(config, plan, device, task)
     model, applied = transforms.apply_all(model, settings)
     model.train()

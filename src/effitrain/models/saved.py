@@ -8,6 +8,7 @@ from pathlib import Path
 
 from effitrain import tasks
 from effitrain.models import adapters, loading
+from effitrain.speedups import chunked_lm_loss
 
 
 @dataclass
@@ -19,10 +20,14 @@ class SavedModel:
 
 
 def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None = None) -> tuple[Path, object]:
-    """The directory and its task (refused when it is not `expected_task`); reads config.json only, so
-    that bad inputs are refused before any weights load."""
-    path = loading.resolve(model_dir, allow_pickle)
-    return path, tasks.for_model_config(loading.load_config(path), str(path), expected_task)
+    """The directory and its task (refused when it is not `expected_task`); reads config.json only (and,
+    for an adapter folder, finds its base and checks its architecture and shapes: its weights are hashed
+    when it loads), so that bad inputs are refused before any weights or data load."""
+    path = loading.resolve(model_dir, allow_pickle, adapter=True)  # an adapter folder is applied to its base
+    task = tasks.for_model_config(loading.load_config(path), str(path), expected_task)
+    if adapters.is_adapter_dir(path):
+        adapters.base_of(path, weights=False)
+    return path, task
 
 
 def load(path: Path, task) -> SavedModel:
@@ -32,10 +37,15 @@ def load(path: Path, task) -> SavedModel:
 
 def build(path: Path, task, processor):
     """The saved model, head as it is (no labels given); an adapter folder (adapter/, best/ of a --peft
-    run) is applied to its base model and merged."""
+    run) is applied to its base model and merged. A causal LM's loss is computed as in training, without
+    the whole logits (speedups/chunked_lm_loss.py)."""
     if adapters.is_adapter_dir(path):
-        return adapters.load_for_inference(path, task)
-    return task.build_model(loading.ModelSource(path), None, processor)
+        model = adapters.load_for_inference(path, task)
+    else:
+        model = task.build_model(loading.ModelSource(path), None, processor)
+    if task.chunked_loss:
+        chunked_lm_loss.apply(model)
+    return model
 
 
 def text_max_length(processor, model_config) -> int:

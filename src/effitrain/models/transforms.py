@@ -19,7 +19,7 @@ import torch
 from effitrain.errors import UserError
 from effitrain.models import adapters, loading
 from effitrain.models.blocks import blocks
-from effitrain.speedups import dropout, first_token_head, onednn_linear
+from effitrain.speedups import chunked_lm_loss, dropout, first_token_head, onednn_linear
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,10 @@ PIPELINE = (
               _in_place(loading.enable_gradient_checkpointing),
               why="on the transformers model, whose switch it is, before peft wraps it; non-reentrant, so that "
                   "under a frozen body (LoRA) the recomputed inputs still require gradients (peft #137)"),
+    Transform("chunked-lm-loss", lambda s: s.task.chunked_loss, _in_place(chunked_lm_loss.apply),
+              why="after onednn-linear, whose forward the output layer keeps outside the loss; before the adapters, "
+                  "on the plain model's output layer (which they leave as it is); in the planner's model too: "
+                  "it changes what a step holds (no whole logits)"),
     Transform("adapters", lambda s: s.peft is not None, _adapters,
               why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
                   "the entries above must not touch; before compile, whose graphs must hold them"),

@@ -70,10 +70,23 @@ def foreign_entries(folder: Path) -> list[str]:
         if entry.is_dir() and not entry.is_symlink() and (entry / MARKER).is_file():
             found += [f"{entry.name}/{name}" for name in foreign_entries(entry)]
             continue
-        if entry.suffix == ".log" and entry.is_file() and (entry.with_suffix("") / MARKER).is_file():
+        if entry.suffix == ".log" and entry.is_file() and ((entry.with_suffix("") / MARKER).is_file()
+                                                           or _variant_log(entry)):
             continue
         found.append(entry.name)
     return found
+
+
+def _variant_log(entry: Path) -> bool:
+    """A bench's NAME.log of a variant that left no folder (it failed at its start, and a failed start
+    removes what it made): bench writes it beginning with the command it ran."""
+    if files.read_json(entry.parent / MARKER).get("kind") != "bench":
+        return False
+    try:
+        with entry.open("rb") as log:
+            return log.read(12) == b"$ effitrain "
+    except OSError:
+        return False
 
 
 def finished(folder: Path) -> bool:

@@ -114,9 +114,10 @@ def run_folders(path: Path) -> list[Path]:
     if is_bench(path):
         variants = bench_variants(path)
         if not variants:
-            raise UserError(f"the bench in {path} holds no variant runs (yet)", "wait for its first variant, or "
-                            "pass run folders")
+            raise no_variants(path)
         return variants
+    if not any(path.iterdir()):
+        raise UserError(f"RUN {path} is not an effitrain run: the folder is empty", RUN_HINT)
     if not is_run(path):
         inside = next((p for p in path.parents if is_run(p)), None)
         held = [p for p in sorted(path.iterdir()) if p.is_dir() and (is_run(p) or is_bench(p))]
@@ -125,6 +126,27 @@ def run_folders(path: Path) -> list[Path]:
                + (" ..." if len(held) > 3 else "") if held else RUN_HINT)
         raise UserError(f"RUN {path} is not an effitrain run (no config.yaml, log.jsonl or metrics.json)", fix)
     return [path]
+
+
+def no_variants(path: Path) -> UserError:
+    """What a bench folder without a variant run is: still starting, stopped before its first variant
+    (killed or failed: no bench.json), or done with every variant failed or skipped (bench.json says why)."""
+    rerun = f"correct the bench command and rerun it with --output-dir {path} --overwrite (or another folder)"
+    if run_status(path, {}) == "training":
+        return UserError(f"RUN {path} is a bench still starting: no variant has run yet",
+                         f"report it once its first variant has started: effitrain report {path}")
+    listed = [v for v in files.read_json(path / "bench.json").get("variants", []) if isinstance(v, dict)]
+    if not listed:
+        return UserError(f"RUN {path} is an unfinished bench folder: it stopped (killed or failed) before its first "
+                         "variant ran, and holds no bench.json", rerun)
+    failed = [v for v in listed if v.get("status") == "failed"]
+    counts = f"{len(failed)} failed, {len(listed) - len(failed)} skipped"
+    if not failed:
+        return UserError(f"RUN {path} is a bench folder in which no variant ran ({counts})", rerun)
+    first, error = failed[0], str(failed[0].get("error") or "no message")
+    error = error.removeprefix("effitrain: error: ").split("; fix: ")[0]
+    return UserError(f"RUN {path} is a bench folder in which no variant ran ({counts}; {first.get('name')}: "
+                     f"{error[:160]})", f"see {path / (str(first.get('name')) + '.log')}, then {rerun}")
 
 
 def is_run(path: Path) -> bool:

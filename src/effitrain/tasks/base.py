@@ -19,6 +19,8 @@ class Task:
     is_text: bool = False  # tokenised text: tokens/s, a tokenizer, a vocabulary
     has_labels: bool = True  # a label column, a classification head sized for it
     supports_packing: bool = False
+    chunked_loss: bool = False  # the loss multiplies the output layer itself (speedups/chunked_lm_loss.py)
+    supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
     def __init__(self, name: str):
@@ -39,6 +41,13 @@ class Task:
         if config.packing and not self.supports_packing:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")
+        if not self.supports_chat:
+            from effitrain.config import TrainConfig
+
+            changed = next((flag for flag, name in (("--chat-template", "chat_template"), ("--loss-on", "loss_on"))
+                            if getattr(config, name) != getattr(TrainConfig, name)), None)
+            if changed:
+                raise UserError(f"{changed} applies to --task causal-lm, not {self.name}", f"drop {changed}")
 
     def supports(self, model_config) -> bool:
         return type(model_config) in self.auto_class._model_mapping
@@ -133,12 +142,27 @@ class Task:
         self.check_lengths(config)
         return sources.load(config, self.columns(config))
 
+    def drop_untrainable(self, encoded, config) -> tuple[object, int]:
+        """(the preprocessed splits, how many examples were left out): examples that would train on nothing
+        (a causal LM's answer cut away by --max-length) are refused, or dropped and counted with
+        --skip-bad-rows. Every example of most tasks teaches something."""
+        return encoded, 0
+
+    def data_description(self, splits, config) -> str:
+        """What the run's first line says about the data beyond its sizes (causal-lm: its format)."""
+        return ""
+
     def check_lengths(self, config) -> None:
         """--max-length within the model's positions (read from --model's config; no weights loaded)."""
         if not self.is_text:
             return
-        source = loading.resolve_source(config.model, config.allow_pickle)
+        # adapter=True: evaluate reads an adapter folder's config.json here (train refused one earlier).
+        source = loading.resolve_source(config.model, config.allow_pickle, adapter=True)
         loading.check_length(self.source_config(source), config.max_length, "--max-length")
+
+    def shortest_input(self, model_config) -> int:
+        """The fewest samples (audio) an input must hold for this model; 0: no minimum."""
+        return 0
 
     def sequence_length(self, config, processor) -> int:
         """The longest input a micro-batch can hold (the planner's sequence length)."""
@@ -284,6 +308,7 @@ class PredictInputs:
 class PredictOptions:
     max_length: int | None = None  # text: tokens kept per input (None: the tokenizer's model_max_length)
     max_duration: float = 10.0  # audio: seconds kept per clip
+    min_samples: int = 0  # audio: shorter clips are refused (predict sets it from the model: task.shortest_input)
     max_new_tokens: int = 32  # causal LM: tokens generated per prompt
     temperature: float | None = None  # causal LM: sampling (instead of greedy) when this or top_p is set
     top_p: float | None = None

@@ -1,4 +1,5 @@
-"""Causal language modelling: every token predicts the next one."""
+"""Causal language modelling: every token predicts the next one; on instruction and chat data, only the
+answers' tokens are learnt (data/answers.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from effitrain.errors import UserError
 from effitrain.models import loading
+from effitrain.speedups import chunked_lm_loss
 from effitrain.tasks.base import Task
 
 
@@ -17,6 +19,8 @@ class CausalLM(Task):
     is_text = True
     has_labels = False
     supports_packing = True
+    chunked_loss = True
+    supports_chat = True
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy",)
 
@@ -31,21 +35,87 @@ class CausalLM(Task):
     def adapt_model(self, model, processor) -> None:
         if model.config.pad_token_id is None and processor is not None:
             model.config.pad_token_id = processor.pad_token_id
+        rows = model.get_input_embeddings().weight.shape[0]
+        if processor is not None and len(processor) > rows:  # a chat template's special tokens were added
+            model.resize_token_embeddings(len(processor))
+
+    def check_config(self, config) -> None:
+        super().check_config(config)
+        if config.chat_template is not None:
+            from effitrain.data import templates
+
+            templates.read(config.chat_template)  # a missing file or one that does not parse: before anything loads
 
     # -- data --------------------------------------------------------------------------------------
     def columns(self, config) -> dict[str, str]:
         return {"text": config.text_column}
 
-    def preprocess(self, splits, processor, config, base_dir):
-        from effitrain.data import text
+    def load_data(self, config):
+        """The columns of the format the data has (conversations.columns), its conversations checked."""
+        from effitrain.data import conversations, sources
 
-        return text.tokenize(splits, processor, config.max_length, labels=False)
+        self.check_lengths(config)
+        return sources.load(config, lambda names, where: conversations.columns(names, config.text_column, where),
+                            bad_rows=conversations.bad_rows)
+
+    def preprocess(self, splits, processor, config, base_dir):
+        """Text: every token; prompt-completion and conversations: ids and labels on the answers (answers.py),
+        conversations rendered by the chat template (--chat-template installed on the tokenizer first)."""
+        from effitrain.data import answers, conversations, templates, text
+
+        fmt = conversations.of_data(splits["train"])
+        if config.chat_template is not None and fmt not in conversations.CONVERSATIONAL:
+            raise UserError(f"--chat-template applies to conversations (a `messages` column, or prompt/completion as "
+                            f"message lists); --data {config.data} is {fmt} data",
+                            "drop --chat-template, or give the data as messages")
+        if fmt == conversations.TEXT:
+            return text.tokenize(splits, processor, config.max_length, labels=False)
+        if config.chat_template is not None:
+            templates.install(processor, config.chat_template)
+        if fmt in conversations.CONVERSATIONAL:
+            templates.require(processor, config.model)
+        return answers.encode_splits(splits, processor, fmt, config.loss_on, config.max_length)
+
+    def drop_untrainable(self, encoded, config):
+        """Examples whose every answer token lies beyond --max-length (possible only with labels on answers)."""
+        from effitrain.data import answers
+
+        if "labels" not in encoded["train"].column_names:
+            return encoded, 0
+        keep = {name: [answers.has_answer(labels) for labels in split["labels"]] for name, split in encoded.items()}
+        empty = sum(len(flags) - sum(flags) for flags in keep.values())
+        if empty and not config.skip_bad_rows:
+            raise UserError(f"{empty} example(s) of --data {config.data} keep no answer token within --max-length "
+                            f"{config.max_length} (the prompt fills it)",
+                            "raise --max-length, or pass --skip-bad-rows to leave them out")
+        if empty:
+            encoded = type(encoded)({name: split.select([i for i, ok in enumerate(keep[name]) if ok])
+                                     for name, split in encoded.items()})
+        return encoded, empty
+
+    def data_description(self, splits, config) -> str:
+        from effitrain.data import conversations
+
+        fmt = conversations.of_data(splits["train"])
+        if fmt == conversations.TEXT:
+            return "text: loss on every token"
+        template = "" if fmt not in conversations.CONVERSATIONAL else \
+            f", chat template {config.chat_template or 'of the tokenizer'}"
+        loss = "every token" if config.loss_on == "all" else \
+            "the completions" if fmt == conversations.PROMPT_COMPLETION else "the assistant turns"
+        return f"{fmt}{template}, loss on {loss}"
 
     def collators(self, processor, config):
-        """(training collator, evaluation collator): packed rows only in training, when asked."""
-        from effitrain.data import text
+        """(training collator, evaluation collator): packed rows only in training, when asked. Data with
+        labels of its own (answers only) keeps them; text's labels are its ids."""
+        from effitrain.data import answers, text
 
-        padded = text.lm_collator(processor, text.pad_multiple(config))
+        by_ids = text.lm_collator(processor, text.pad_multiple(config))
+        by_labels = answers.collator(processor.pad_token_id, text.pad_multiple(config))
+
+        def padded(features):
+            return (by_labels if "labels" in features[0] else by_ids)(features)
+
         return (text.packing_collator() if config.packing else padded), padded
 
     # -- the loss and its counts -------------------------------------------------------------------
@@ -64,18 +134,34 @@ class CausalLM(Task):
             return (batch["position_ids"] == 0).sum()
         return super().example_count(batch)
 
+    def hidden_and_targets(self, model, batch, head):
+        """The final hidden states where the logits would be (the output layer passes its input through),
+        for the chunked loss to multiply only the positions that count."""
+        with chunked_lm_loss.hidden_states_of(head):
+            hidden = model(**self.inputs(batch), use_cache=False).logits
+        return hidden[:, :-1], batch["labels"][:, 1:]
+
     def loss_sum(self, model, batch) -> torch.Tensor:
+        head = chunked_lm_loss.output_layer(model)
+        if head is not None:
+            hidden, targets = self.hidden_and_targets(model, batch, head)
+            return chunked_lm_loss.loss_sum(hidden, head.weight, head.bias, targets)
         logits, targets = self.logits_and_targets(model, batch)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
                                ignore_index=-100)
 
     # -- evaluation --------------------------------------------------------------------------------
     def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
-        logits, targets = self.logits_and_targets(model, batch)
+        head = chunked_lm_loss.output_layer(model)
+        if head is not None:
+            hidden, targets = self.hidden_and_targets(model, batch, head)
+            losses, correct = chunked_lm_loss.per_position(hidden, head.weight, head.bias, targets)
+        else:
+            logits, targets = self.logits_and_targets(model, batch)
+            losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+            correct = logits.argmax(-1) == targets
         mask = targets != -100
-        losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
-        correct = (logits.argmax(-1) == targets) & mask
-        return losses.sum(-1), mask.sum(-1), correct.sum(-1)
+        return losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1)
 
     def metrics(self, outputs: tuple, label_names: list[str] | None) -> dict[str, float]:
         loss_total, tokens, correct = (float(t.double().sum()) for t in outputs)
@@ -116,7 +202,9 @@ class CausalLM(Task):
     def prediction_encodings(self, records: list[dict], processor, options) -> list:
         """Each prompt's token ids, all tokenised in one call; a long prompt keeps its end (what the
         model continues), options.max_length tokens of it."""
-        rows = [_prompt_ids(processor, ids) for ids in processor([r["prompt"] for r in records])["input_ids"]]
+        from effitrain.data import answers
+
+        rows = [answers.prompt_ids(processor, ids) for ids in processor([r["prompt"] for r in records])["input_ids"]]
         return [row[-options.max_length:] for row in rows] if options.max_length else rows
 
     def prediction_size(self, encoding) -> int:
@@ -150,11 +238,3 @@ class CausalLM(Task):
                                                skip_special_tokens=True)
         return [{"generated": text} for text in continuations]
 
-
-def _prompt_ids(processor, ids: list[int]) -> list[int]:
-    """A prompt's tokens with the tokenizer's leading special tokens (BOS, [CLS]) but none after it:
-    a trailing EOS or [SEP] would tell the model that the text has ended."""
-    special = set(processor.all_special_ids)
-    while len(ids) > 1 and ids[-1] in special:
-        ids = ids[:-1]
-    return ids

@@ -46,6 +46,7 @@ class Classification(Task):
             return loading.load_text_tokenizer(source)
         with loading.loading(source.path or "config"):
             if self.modality == "image":
+                image.check_channels(config, f"model {source.path or config.model_type}")
                 return image.image_processor(source.path, config)
             return audio.feature_extractor(source.path, config.model_type)
 
@@ -106,7 +107,15 @@ class Classification(Task):
             return text.tokenize(splits, processor, config.max_length, labels=True)
         if self.modality == "image":
             return image.preprocess(splits, processor, base_dir)
-        return audio.preprocess(splits, processor, config.max_duration, base_dir)
+        # Its config only (the weights were resolved, and pickle allowed or refused, before the data loaded).
+        model_config = self.source_config(loading.resolve_source(config.model, allow_pickle=True))
+        return audio.preprocess(splits, processor, config.max_duration, base_dir, self.shortest_input(model_config))
+
+    def shortest_input(self, model_config) -> int:
+        """Audio: the fewest samples the model's convolutions make a frame of (shorter clips are refused)."""
+        from effitrain.data import audio
+
+        return audio.shortest_clip(model_config) if self.modality == "audio" else 0
 
     def collators(self, processor, config):
         """(training collator, evaluation collator)."""
@@ -249,8 +258,8 @@ class Classification(Task):
             pixels = processor(images=[image.load_image(r["image"], None) for r in records])["pixel_values"]
             return [{"pixel_values": np.asarray(p, dtype=np.float32)} for p in pixels]
         rate = processor.sampling_rate
-        encoded = processor([audio.decode(r["audio"], rate, options.max_duration) for r in records],
-                            sampling_rate=rate)
+        clips = [audio.decode(r["audio"], rate, options.max_duration, options.min_samples) for r in records]
+        encoded = processor(clips, sampling_rate=rate)
         return [{key: encoded[key][i] for key in encoded} for i in range(len(records))]
 
     def predictions(self, model, batch: dict, processor, options) -> list[dict]:

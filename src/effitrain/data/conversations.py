@@ -1,0 +1,129 @@
+"""The formats of causal-LM data, as TRL defines them, told apart by their columns: `text` (language
+modelling), `prompt` + `completion` strings, `messages` (a conversation: a list of {role, content}), and
+`prompt` + `completion` as message lists. Rows of the last two are checked here, with the file's row
+numbers, before any template sees them."""
+
+from __future__ import annotations
+
+from effitrain.errors import UserError
+
+TEXT = "text"
+PROMPT_COMPLETION = "prompt-completion"
+MESSAGES = "messages"
+CHAT_PROMPT_COMPLETION = "prompt-completion messages"
+CONVERSATIONAL = (MESSAGES, CHAT_PROMPT_COMPLETION)  # the formats a chat template renders
+ROLES = ("system", "user", "assistant", "tool")
+ANSWER = "assistant"
+
+
+def columns(names: list[str], text_column: str, where: str) -> dict[str, str]:
+    """The canonical columns (name -> the user's column) of the format the column names show; a file
+    holding the columns of two formats is refused (each row must be read one way)."""
+    found = [fmt for fmt, wanted in ((MESSAGES, ("messages",)), (PROMPT_COMPLETION, ("prompt", "completion")),
+                                     (TEXT, (text_column,))) if any(name in names for name in wanted)]
+    if len(found) > 1:
+        shown = {MESSAGES: "`messages`", PROMPT_COMPLETION: "`prompt`/`completion`", TEXT: f"`{text_column}`"}
+        raise UserError(f"{where} mixes data formats: it has {' and '.join(shown[f] for f in found)} columns",
+                        "keep one format per file: `text`, `prompt` + `completion`, or `messages`")
+    if found == [MESSAGES]:
+        return {"messages": "messages"}
+    if found == [PROMPT_COMPLETION]:
+        missing = next((name for name in ("prompt", "completion") if name not in names), None)
+        if missing is not None:
+            other = "completion" if missing == "prompt" else "prompt"
+            raise UserError(f"{where} has a `{other}` column but no `{missing}` column",
+                            f"give each row both a `prompt` and a `completion`")
+        return {"prompt": "prompt", "completion": "completion"}
+    return {"text": text_column}  # absent: sources names the missing column and the flag to fix it
+
+
+def detect(names: list[str]) -> str:
+    """The format of splits whose columns have their canonical names (after sources.load)."""
+    if "messages" in names:
+        return MESSAGES
+    if "prompt" in names:
+        return PROMPT_COMPLETION  # or CHAT_PROMPT_COMPLETION: told apart by the columns' types (of_data)
+    return TEXT
+
+
+def of_data(data) -> str:
+    """The format of a loaded split, telling string prompts from message lists by the column's type."""
+    fmt = detect(data.column_names)
+    if fmt == PROMPT_COMPLETION and _is_messages(data.features["prompt"]):
+        return CHAT_PROMPT_COMPLETION
+    return fmt
+
+
+def _is_messages(feature) -> bool:
+    inner = getattr(feature, "feature", None)  # datasets' List (or Sequence) of structs
+    return isinstance(inner, dict) and {"role", "content"} <= set(inner)
+
+
+def check_types(data, where: str) -> None:
+    """Each column of the format holds what it must: strings, or lists of {role, content}."""
+    from datasets import Value
+
+    def is_text(feature):
+        return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+
+    fmt = detect(data.column_names)
+    if fmt == MESSAGES and not _is_messages(data.features["messages"]):
+        raise UserError(f"{where}: column `messages` is not a list of {{role, content}} messages",
+                        'give each row a list like [{"role": "user", "content": "..."}, {"role": "assistant", '
+                        '"content": "..."}]')
+    if fmt == PROMPT_COMPLETION:
+        kinds = [("messages" if _is_messages(data.features[c]) else "text" if is_text(data.features[c]) else None)
+                 for c in ("prompt", "completion")]
+        if None in kinds or kinds[0] != kinds[1]:
+            raise UserError(f"{where}: columns `prompt` and `completion` must both be text, or both lists of "
+                            f"{{role, content}} messages", "convert them to one of the two")
+
+
+def bad_rows(data, where: str, skip: bool) -> list[int]:
+    """Conversations that cannot be trained on (an unknown role, an empty turn, no answer to learn,
+    a conversation ending on a user turn): the first refused with its row number, or, with
+    --skip-bad-rows, all of their indices returned to be left out."""
+    check_types(data, where)
+    fmt = of_data(data)
+    if fmt not in CONVERSATIONAL:
+        return []
+    bad = []
+    for index, row in enumerate(data.select_columns(list(data.column_names)).to_list()):
+        problem = _problem(row, fmt)
+        if problem is not None:
+            if not skip:
+                raise UserError(f"{where}: row {index + 1} {problem[0]}", f"{problem[1]}, or pass --skip-bad-rows "
+                                "to leave such rows out")
+            bad.append(index)
+    return bad
+
+
+def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
+    messages, first_answer = as_messages(row, fmt)
+    if not messages:
+        return "has no messages", "give it a conversation ending with the assistant's answer"
+    if fmt == CHAT_PROMPT_COMPLETION and not row["completion"]:
+        return "has an empty completion", "give it the assistant's answer"
+    for number, message in enumerate(messages, 1):
+        role = message.get("role")
+        if role not in ROLES:
+            return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
+        if not (message.get("content") or "").strip():
+            what = "an empty completion" if role == ANSWER else f"an empty {role} message"
+            return f"has {what} (message {number})", "give every message some content"
+    if fmt == CHAT_PROMPT_COMPLETION and any(m["role"] != ANSWER for m in messages[first_answer:]):
+        return "has a completion with a turn that is not the assistant's", "keep only assistant turns in completions"
+    if messages[-1]["role"] != ANSWER:
+        return (f"ends on a {messages[-1]['role']} turn (nothing for the model to answer there)",
+                "end each conversation with the assistant's answer")
+    return None
+
+
+def as_messages(row: dict, fmt: str) -> tuple[list[dict], int]:
+    """A conversational row as one message list, and the index of the first message the loss may
+    cover (its answers are the assistant messages from there on): 0 for `messages`, the completion's
+    first message for prompt-completion messages."""
+    if fmt == MESSAGES:
+        return list(row["messages"] or []), 0
+    prompt = list(row["prompt"] or [])
+    return prompt + list(row["completion"] or []), len(prompt)

@@ -1,0 +1,187 @@
+"""A causal LM's output projection and cross-entropy, computed a chunk of positions at a time, over only
+the positions whose target counts: the whole logits tensor ([tokens, vocabulary]) never exists.
+
+At a 151,936-token vocabulary and 8 x 2,048 tokens the logits alone are 9.3 GiB in fp32, and a plain
+`F.cross_entropy(model(...).logits.float(), ...)` holds them, their log-softmax and, in the backward,
+their gradient. Here each chunk's logits are made, turned into the loss and the gradient of its rows
+(softmax - one-hot), multiplied back into the hidden states' and the weight's gradients, and freed,
+in the forward (as Liger-Kernel's fused linear cross-entropy does): the same three matrix products as
+the plain path, no recomputation, and at most one chunk's logits alive. The backward only scales the
+gradients kept by the incoming gradient (a scalar: the loss is a sum).
+
+The arithmetic is the plain path's: logits in the matmul's dtype (bf16 under autocast, as the model's
+head makes them), softmax and loss in fp32, the gradients' products in the matmul's dtype, the weight's
+gradient summed over chunks in fp32. Tested equal to the plain path (tests/unit/test_chunked_lm_loss.py).
+Plain PyTorch: it runs wherever torch does, forward and backward."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_BYTES = 64 * 2**20  # fp32 logits per chunk: the softmax and its gradient are about as large again
+
+
+def chunk_rows(vocabulary: int) -> int:
+    """Positions per chunk: CHUNK_BYTES of fp32 logits, at least 64 rows, so that the products stay
+    large enough to run at full speed."""
+    return max(64, CHUNK_BYTES // (4 * vocabulary))
+
+
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the model's head would multiply in: autocast's where it is on, else the hidden states'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(hidden @ weight^T + bias, targets); gradients made in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype, rows_per_chunk, grad_enabled):
+        # needs_input_grad says requires_grad even under no_grad: evaluation makes no gradients
+        wants = [grad_enabled and needed for needed in ctx.needs_input_grad[:3]]
+        matrix = weight.to(dtype)
+        offset = None if bias is None else bias.to(dtype)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden, dtype=dtype) if wants[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], rows_per_chunk):
+                rows = hidden[start:start + rows_per_chunk].to(dtype)
+                target = targets[start:start + rows_per_chunk]
+                logits = F.linear(rows, matrix, offset).float()
+                loss += F.cross_entropy(logits, target, reduction="sum")
+                if not any(wants):
+                    continue
+                gradient = torch.softmax(logits, dim=-1)  # d(sum of losses)/d(logits) = softmax - one-hot
+                del logits
+                gradient[torch.arange(len(target), device=target.device), target] -= 1
+                if grad_bias is not None:
+                    grad_bias += gradient.sum(0)
+                gradient = gradient.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:start + rows_per_chunk] = gradient @ matrix
+                if grad_weight is not None:
+                    grad_weight += (gradient.t() @ rows).float()
+        ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
+        ctx.kept = [g is not None for g in (grad_hidden, grad_weight, grad_bias)]
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        kept = iter(ctx.saved_tensors)
+        grads = [next(kept) * grad_loss if is_kept else None for is_kept in ctx.kept]
+        grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
+        return (*grads, None, None, None, None)
+
+
+def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             targets: torch.Tensor, ignore_index: int = -100, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """The summed cross-entropy of `hidden @ weight^T + bias` against `targets` over the rows whose target
+    is not `ignore_index`: those rows are dropped before the product. `hidden` is [..., H], `targets`
+    the matching [...]. Returns an fp32 scalar, differentiable in hidden, weight and bias."""
+    rows, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if not _fake(targets):  # the planner's fake tensors have no values to select by: every position counts
+        keep = wanted != ignore_index
+        rows, wanted = rows[keep], wanted[keep]
+    return _LinearCrossEntropy.apply(rows, weight, bias, wanted, compute_dtype(hidden),
+                                     rows_per_chunk or chunk_rows(weight.shape[0]), torch.is_grad_enabled())
+
+
+@torch.no_grad()
+def per_position(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation's view, a chunk at a time: each position's loss (0 where ignored) and whether the
+    arg-max of its logits is the target, both shaped as `targets`."""
+    flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    losses = torch.zeros(wanted.shape, dtype=torch.float32, device=hidden.device)
+    correct = torch.zeros(wanted.shape, dtype=torch.bool, device=hidden.device)
+    keep = (wanted != ignore_index).nonzero().squeeze(1)
+    dtype = compute_dtype(hidden)
+    step = chunk_rows(weight.shape[0])
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, len(keep), step):
+            where = keep[start:start + step]
+            logits = F.linear(flat[where].to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+            losses[where] = F.cross_entropy(logits, wanted[where], reduction="none")
+            correct[where] = logits.argmax(-1) == wanted[where]
+    return losses.view(targets.shape), correct.view(targets.shape)
+
+
+# -- the model's side: an output layer that hands its input to the loss ---------------------------------
+PASS_THROUGH = "effitrain_pass_through"
+
+
+def apply(model: torch.nn.Module) -> bool:
+    """Let the model's output layer return its input (the final hidden states) inside `hidden_states_of`,
+    for this module's loss to multiply a chunk at a time. Returns whether it did: not for an output
+    layer that is not a linear layer, nor for a model that changes the logits after it (Gemma's
+    soft-capping, Cohere's logit scale...): those keep the plain loss. Checked with a 4-token forward
+    both ways where the weights are real (not on the meta device, as the planner builds)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    head.effitrain_forward = head.forward  # the forward it has (oneDNN's, where that applies)
+    setattr(head, PASS_THROUGH, False)
+    head.forward = types.MethodType(_forward, head)  # a bound method: deepcopy rebinds it
+    if head.weight.device.type != "meta" and not _fake(head.weight) and not _logits_are_the_heads(model, head):
+        head.forward = head.effitrain_forward
+        del head.effitrain_forward
+        delattr(head, PASS_THROUGH)
+        return False
+    return True
+
+
+def _forward(head, x: torch.Tensor) -> torch.Tensor:
+    return x if getattr(head, PASS_THROUGH) else head.effitrain_forward(x)
+
+
+def output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output layer `apply` prepared, inside whatever wraps the model (DDP, peft, compile); None
+    when it did not, when an adapter wraps it (--lora-target-modules lm_head: the adapter's product is
+    added to the logits), or when its weight is sharded (FSDP: gathered only inside the model's forward)."""
+    for name, module in model.named_modules():
+        if hasattr(module, PASS_THROUGH):
+            from torch.distributed.tensor import DTensor
+
+            wrapped = name.rpartition(".")[2] == "base_layer"  # peft's tuner layers hold the layer they adapt there
+            return None if wrapped or isinstance(module.weight, DTensor) else module
+    return None
+
+
+@contextlib.contextmanager
+def hidden_states_of(head: torch.nn.Linear):
+    """Inside: the model's forward returns the final hidden states where it would return logits."""
+    setattr(head, PASS_THROUGH, True)
+    try:
+        yield
+    finally:
+        setattr(head, PASS_THROUGH, False)
+
+
+def _fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+@torch.no_grad()
+def _logits_are_the_heads(model: torch.nn.Module, head: torch.nn.Linear) -> bool:
+    ids = torch.arange(1, 5, device=head.weight.device).remainder(head.weight.shape[0]).unsqueeze(0)
+    training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+        with hidden_states_of(head):
+            hidden = model(input_ids=ids, use_cache=False).logits
+    finally:
+        model.train(training)
+    return hidden.shape[-1] == head.in_features and torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-4)

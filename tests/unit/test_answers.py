@@ -1,0 +1,225 @@
+"""Instruction and chat data: formats, templates and the labels on answers (data/conversations.py,
+data/templates.py, data/answers.py), over token ids, with templates as data and a byte-level BPE
+tokenizer trained here (no download)."""
+
+import pytest
+import torch
+from effitrain.data import answers, conversations, templates
+from effitrain.errors import UserError
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>"]
+
+CHATML = templates.CHATML
+LLAMA3 = (r"{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          r"'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + "
+          r"'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+          r"{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+          r"{% endif %}")
+QWEN = (r"{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + "
+        r"'<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+        r"helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if not (message.role == "
+        r"'system' and loop.first) %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + "
+        r"'\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen": "<|im_end|>"}
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen": QWEN}
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "It is four."},
+    {"role": "user", "content": "And three plus three?"},
+    {"role": "assistant", "content": "Six, of course."},
+]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE tokenizer trained on a few sentences, with the three templates' special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [m["content"] for m in CONVERSATION] * 20 + ["You are Qwen, created by Alibaba Cloud.", "system user"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   bos_token="<|begin_of_text|>",
+                                   extra_special_tokens=SPECIAL[1:3] + SPECIAL[4:])
+
+
+def with_template(tokenizer, template):
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def expected_answers(tokenizer, messages, end_of_turn):
+    """Each assistant turn's content tokenised alone, then its end-of-turn token."""
+    eot = tokenizer.convert_tokens_to_ids(end_of_turn)
+    return [tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [eot]
+            for m in messages if m["role"] == "assistant"]
+
+
+def runs(labels):
+    out, current = [], []
+    for label in labels + [answers.IGNORE]:
+        if label != answers.IGNORE:
+            current.append(label)
+        elif current:
+            out.append(current)
+            current = []
+    return out
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_labels_cover_exactly_the_assistant_turns_and_their_end_of_turn_tokens(bpe, name):
+    tokenizer = with_template(bpe, TEMPLATES[name])
+    messages = CONVERSATION[1:] if name == "qwen" else CONVERSATION  # Qwen's adds its default system prompt
+    encoded = answers.encode(tokenizer, {"messages": messages}, conversations.MESSAGES)
+    assert encoded.input_ids == tokenizer.apply_chat_template(messages)["input_ids"]
+    assert runs(encoded.labels) == expected_answers(tokenizer, messages, END_OF_TURN[name])
+    assert all(label in (answers.IGNORE, token) for label, token in zip(encoded.labels, encoded.input_ids))
+    if name == "qwen":  # the default system prompt is rendered, and not learnt
+        assert "You are Qwen" in tokenizer.decode(encoded.input_ids)
+
+
+def test_generation_blocks_give_the_same_labels_as_rendering_prefixes(bpe):
+    marked = CHATML.replace("message['content'] + '<|im_end|>'",
+                            "'' }}{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + "
+                            "'<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}"
+                            "{% endif %}{{ ''")
+    assert templates.has_generation_blocks(marked)
+    plain, blocks = with_template(bpe, CHATML), with_template(bpe, marked)
+    assert blocks.apply_chat_template(CONVERSATION, tokenize=False) == plain.apply_chat_template(CONVERSATION,
+                                                                                                tokenize=False)
+    by_blocks = answers.encode(blocks, {"messages": CONVERSATION}, conversations.MESSAGES)
+    by_prefixes = answers.encode(plain, {"messages": CONVERSATION}, conversations.MESSAGES)
+    assert by_blocks == by_prefixes
+
+
+def test_a_generation_block_that_leaves_the_end_of_turn_out_is_refused(bpe):
+    marked = CHATML.replace("message['content'] + '<|im_end|>'",
+                            "'' }}{% generation %}{{ message['content'] }}{% endgeneration %}{{ '<|im_end|>'")
+    with pytest.raises(UserError, match="no special token .* inside its {% generation %} blocks"):
+        answers.encode(with_template(bpe, marked), {"messages": CONVERSATION}, conversations.MESSAGES)
+
+
+def test_a_template_without_an_end_of_turn_token_is_refused(bpe):
+    plain = (r"{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+             r"{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    with pytest.raises(UserError, match="no special token .* at the end of each assistant turn"):
+        answers.encode(with_template(bpe, plain), {"messages": CONVERSATION}, conversations.MESSAGES)
+
+
+def test_a_template_that_renders_earlier_turns_differently_cannot_locate_them(bpe):
+    """As Qwen3's drops the reasoning of earlier turns: the conversation up to a turn is not a prefix."""
+    changing = CHATML.replace("message['content']", "(message['content'] if loop.last else '...')")
+    with pytest.raises(answers.Unlocatable, match="as the start of the whole conversation"):
+        answers.encode(with_template(bpe, changing), {"messages": CONVERSATION}, conversations.MESSAGES)
+
+
+def test_prompt_completion_strings_learn_the_completion_and_the_end_of_text(bpe):
+    encoded = answers.encode(bpe, {"prompt": "What is two plus two?", "completion": " It is four."},
+                             conversations.PROMPT_COMPLETION)
+    prompt = bpe("What is two plus two?", add_special_tokens=False)["input_ids"]
+    completion = bpe(" It is four.", add_special_tokens=False)["input_ids"] + [bpe.eos_token_id]
+    assert encoded.input_ids == prompt + completion
+    assert encoded.labels == [answers.IGNORE] * len(prompt) + completion
+
+
+def test_conversational_prompt_completion_learns_only_the_completion(bpe):
+    """An assistant turn inside the prompt is context, not an answer to learn."""
+    tokenizer = with_template(bpe, CHATML)
+    row = {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:]}
+    encoded = answers.encode(tokenizer, row, conversations.CHAT_PROMPT_COMPLETION)
+    assert encoded.input_ids == tokenizer.apply_chat_template(CONVERSATION)["input_ids"]
+    assert runs(encoded.labels) == expected_answers(tokenizer, CONVERSATION[4:], "<|im_end|>")
+
+
+def test_loss_on_all_labels_every_token(bpe):
+    tokenizer = with_template(bpe, CHATML)
+    encoded = answers.encode(tokenizer, {"messages": CONVERSATION}, conversations.MESSAGES, loss_on="all")
+    assert encoded.labels == encoded.input_ids
+
+
+def test_padding_with_the_end_of_turn_token_keeps_it_learnt(bpe):
+    """Padded by length, not by id: a pad token that is also the end-of-turn token stays in the labels."""
+    eot = bpe.convert_tokens_to_ids("<|im_end|>")
+    batch = answers.collator(eot, multiple=4)([{"input_ids": [5, 6, eot], "labels": [-100, 6, eot]},
+                                               {"input_ids": [7], "labels": [-100]}])
+    assert batch["input_ids"].tolist() == [[5, 6, eot, eot], [7, eot, eot, eot]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, eot, -100], [-100, -100, -100, -100]]
+
+
+def test_the_step_loss_is_the_mean_over_answer_tokens():
+    """causal-lm's loss sum over its item count: cross-entropy averaged over the answer positions only."""
+    from effitrain import tasks
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, intermediate_size=32)).eval()
+    batch = answers.collator(0)([{"input_ids": [3, 4, 5, 6, 7], "labels": [-100, -100, 5, 6, 7]},
+                                 {"input_ids": [8, 9, 10], "labels": [-100, -100, 10]}])
+    task = tasks.get("causal-lm")
+    assert int(task.item_count(batch)) == 4
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    by_hand = torch.stack([torch.nn.functional.cross_entropy(logits[row, position - 1], torch.tensor(target))
+                           for row, position, target in ((0, 2, 5), (0, 3, 6), (0, 4, 7), (1, 2, 10))]).mean()
+    with torch.no_grad():
+        loss = task.loss_sum(model, batch) / task.item_count(batch)
+    torch.testing.assert_close(loss, by_hand, rtol=1e-6, atol=1e-6)
+
+
+def test_formats_are_told_apart_by_their_columns():
+    assert conversations.columns(["messages", "id"], "text", "d") == {"messages": "messages"}
+    assert conversations.columns(["prompt", "completion"], "text", "d") == {"prompt": "prompt",
+                                                                             "completion": "completion"}
+    assert conversations.columns(["body"], "body", "d") == {"text": "body"}
+    with pytest.raises(UserError, match="mixes data formats: it has `messages` and `text` columns"):
+        conversations.columns(["text", "messages"], "text", "d")
+    with pytest.raises(UserError, match="has a `prompt` column but no `completion` column"):
+        conversations.columns(["prompt"], "text", "d")
+
+
+def test_bad_conversations_are_refused_by_row_or_skipped():
+    from datasets import Dataset
+
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [good, [{"role": "robot", "content": "hi"}, good[1]], good[:1], [good[0], {"role": "assistant",
+                                                                                      "content": " "}]]
+    data = Dataset.from_dict({"messages": rows})
+    with pytest.raises(UserError, match="row 2 message 1 has the unknown role `robot`"):
+        conversations.bad_rows(data, "d", skip=False)
+    assert conversations.bad_rows(data, "d", skip=True) == [1, 2, 3]
+    assert conversations.bad_rows(data.select([2]), "d", skip=True) == [0]
+    with pytest.raises(UserError, match="row 1 ends on a user turn"):
+        conversations.bad_rows(data.select([2]), "d", skip=False)
+    with pytest.raises(UserError, match="row 1 has an empty completion"):
+        conversations.bad_rows(data.select([3]), "d", skip=False)
+
+
+def test_chatml_adds_its_tokens_and_becomes_the_eos_of_a_tokenizer_without_one(tokenizer):
+    import copy
+
+    bert = copy.deepcopy(tokenizer)  # WordPiece: no EOS, no chat template
+    templates.install(bert, "chatml")
+    assert bert.chat_template == CHATML and bert.eos_token == "<|im_end|>"
+    ids = bert.apply_chat_template(CONVERSATION[1:3])["input_ids"]
+    assert bert.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [ids[0], ids[-1]]
+    encoded = answers.encode(bert, {"messages": CONVERSATION[1:3]}, conversations.MESSAGES)
+    assert runs(encoded.labels) == [bert("It is four.", add_special_tokens=False)["input_ids"] + [ids[-1]]]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_end_of_turn_token_is_what_ends_the_answers(bpe, name):
+    tokenizer = with_template(bpe, TEMPLATES[name])
+    assert answers.end_of_turn_id(tokenizer, conversations.MESSAGES) == tokenizer.convert_tokens_to_ids(
+        END_OF_TURN[name])
+    assert answers.end_of_turn_id(tokenizer, conversations.PROMPT_COMPLETION) == tokenizer.eos_token_id
