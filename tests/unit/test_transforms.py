@@ -63,14 +63,15 @@ def test_training_and_the_planner_build_the_same_model(tiny_model_dir, monkeypat
     task, source, device = tasks.get(config.task), loading.resolve_source(config.model), torch.device("cpu")
     plan = setup.RunPlan(1, gradient_checkpointing=checkpointing, precision={"fp32": "no"}.get(precision, precision))
     trained, applied = setup.build_model(task, source, setup.Data(None, None, None, ["ham", "spam"]), plan, config, device)
-    shapes = planner.model_shapes(config.task, config.model, 2, peft=adapters.Peft.of(config))
-    _mode, planned = simulate._fake_model(config.task, shapes.config, checkpointing, shapes.peft, precision)
+    shapes = planner.model_shapes(config.task, config.model, 2, peft=adapters.Peft.of(config), packing=config.packing)
+    _mode, planned = simulate._fake_model(config.task, shapes.config, checkpointing, shapes.peft, precision,
+                                          shapes.packing)
 
     assert modules(trained) == modules(planned)
     assert parameters(trained) == parameters(planned)
     assert getattr(trained, "is_gradient_checkpointing", False) == planned.is_gradient_checkpointing == checkpointing
     assert ("compile" in applied) == compiled and ("adapters" in applied) == (peft != "none")
-    simulated = transforms.chosen(simulate.settings(config.task, checkpointing, shapes.peft))
+    simulated = transforms.chosen(simulate.settings(config.task, checkpointing, shapes.peft, shapes.packing))
     assert [t.name for t in simulated] == [name for name in applied if name not in NOT_SIMULATED]
 
 

@@ -94,7 +94,8 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
         budget = int(smallest.item())
     task = tasks.get(config.task)
     vocab = len(processor) if task.is_text else None
-    shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config))
+    shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
+                               config.packing)
     planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)

@@ -83,6 +83,7 @@ class ModelShapes:
     supports_checkpointing: bool = True
     peft: Peft | None = None  # LoRA or QLoRA: the adapted model's shapes; the simulation applies them too
     quantized: list[tuple[int, ...]] | None = None  # QLoRA: the weights stored in 4 bits
+    packing: bool = False  # --packing: the model a packed run trains (simulate.settings)
 
     @property
     def weight_bytes(self) -> int:
@@ -101,7 +102,7 @@ class ModelShapes:
 
 
 def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | None = None,
-                 peft: Peft | None = None) -> ModelShapes:
+                 peft: Peft | None = None, packing: bool = False) -> ModelShapes:
     """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
     model_type:key=value), built on fake tensors. `vocab_size`: the tokenizer's, which `train` gives
     a text model built from a config. `peft`: with LoRA or QLoRA, the adapted model (built on the
@@ -112,7 +113,7 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     tasks.get(task).check_supported(config)
     quantized = None
     if adapters.method(peft):
-        built, layers = simulate.adapted_on_meta(task, config, peft)
+        built, layers = simulate.adapted_on_meta(task, config, peft, packing=packing)
         quantized = [tuple(layer.weight.shape) for layer in layers.values()]
     else:
         peft = None
@@ -123,7 +124,7 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     inner = built.get_base_model() if peft else built
     return ModelShapes(inner.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
                        sum(b.numel() * b.element_size() for b in built.buffers()), largest,
-                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized)
+                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized, packing)
 
 
 def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
@@ -233,7 +234,8 @@ class Planner:
 
             try:
                 self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch,
-                                                        self.seq_len, precision, checkpointing, self.shapes.peft)
+                                                        self.seq_len, precision, checkpointing, self.shapes.peft,
+                                                        self.shapes.packing)
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                     fake_tensor.UnsupportedOperatorException) as err:
                 raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "

@@ -154,26 +154,30 @@ def build(task: str, config):
     return tasks.get(task).auto_class.from_config(config)
 
 
-def settings(task: str, checkpointing: bool, peft=None) -> transforms.Settings:
+def settings(task: str, checkpointing: bool, peft=None, packing: bool = False) -> transforms.Settings:
     """The training model's transforms as the planner applies them (models/transforms.py): those `train`
     applies, the CPU speed-ups included (fast dropout keeps its masks and the first-token head drops the
     other tokens' head activations: the default model at 24 x 128 holds 753 MiB where transformers' own
     layers hold 883, measured on real tensors; simulated 755); not oneDNN linear layers (device "meta"),
-    which fake tensors run as plain ones."""
-    return transforms.Settings(tasks.get(task), "meta", checkpointing, peft=peft if adapters.method(peft) else None)
+    which fake tensors run as plain ones. `packing` as training has it: a packed run keeps the whole head
+    (its rows hold several examples, each read at its own first token)."""
+    return transforms.Settings(tasks.get(task), "meta", checkpointing, packing,
+                               peft=peft if adapters.method(peft) else None)
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
-               peft=None) -> Phases:
+               peft=None, packing: bool = False) -> Phases:
     """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
-    `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None."""
+    `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None; `packing`: the model a
+    packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing)."""
     depth = depth_of(config)
+    model = {"peft": peft, "packing": packing}
     if depth is not None and depth > 3:
-        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, peft=peft)
-        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, peft=peft)
+        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, **model)
+        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, **model)
         if at2 is not None and at3 is not None:
             return Phases.extrapolate(at2, at3, depth)
-    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False, peft=peft)
+    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False, **model)
 
 
 _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model): built once per planning
@@ -184,7 +188,7 @@ _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model
 RANDOM_STRUCTURE = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
 
 
-def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
+def _fake_model(task, config, checkpointing, peft=None, precision="fp32", packing=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = copy.deepcopy(config)
@@ -194,24 +198,24 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
     adapted = adapters.method(peft) is not None
     # QLoRA's stand-in layers compute in the training precision (bitsandbytes' compute dtype).
     key = (task, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
-           precision if adapters.quantized(peft) else None)
+           precision if adapters.quantized(peft) else None, packing)
     if key not in _MODELS:
         if len(_MODELS) > 16:
             _MODELS.clear()
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         if adapted:
-            model = _fake_adapted(mode, task, config, checkpointing, peft, precision)
+            model = _fake_adapted(mode, task, config, checkpointing, peft, precision, packing)
         else:
             with mode:
                 model = build(task, config)
                 model.train()
-                model, _ = transforms.apply_all(model, settings(task, checkpointing))
+                model, _ = transforms.apply_all(model, settings(task, checkpointing, packing=packing))
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
 
 # -- adapters (--peft) ----------------------------------------------------------------------------------
-def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
+def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packing: bool = False):
     """The model `train --peft` trains (its transforms, adapters included), on the meta device (peft
     moves modules with .to(), which fake parameters refuse), and the names of the linear layers QLoRA
     stores in 4 bits: those bitsandbytes converts on load (not the task's head, which is trained, nor
@@ -229,14 +233,14 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
     model.train()
     layers = dict(model.named_modules())
     quantized = {name: layers[name] for name in quantized}
-    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft))
+    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft, packing))
     return model, quantized
 
 
-def _fake_adapted(mode, task, config, checkpointing, peft, precision):
+def _fake_adapted(mode, task, config, checkpointing, peft, precision, packing=False):
     """The adapted model with fake tensors in place of its meta ones (shared parameters stay shared);
     QLoRA's 4-bit layers replaced by stand-ins that allocate what bitsandbytes' do."""
-    model, quantized = adapted_on_meta(task, config, peft, checkpointing)
+    model, quantized = adapted_on_meta(task, config, peft, checkpointing, packing)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(tensor, parameter):
@@ -303,10 +307,11 @@ class _Linear4bitStandIn:
         return out.to(x.dtype).clone()
 
 
-def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None) -> Phases | None:
+def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
+              packing=False) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
-    mode, model = _fake_model(task, config, checkpointing, peft, precision)
+    mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
     model.zero_grad(set_to_none=True)
     with mode:
         stack = layer_stack(model) if split else None
