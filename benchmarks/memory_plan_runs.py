@@ -83,7 +83,6 @@ def child(row, output_dir: str, model: str | None) -> None:
         estimate, changes = fit(planner, *args, **kwargs)
         phases = planner.phases(estimate.setting.precision, estimate.setting.checkpointing, estimate.setting.micro_batch)
         seen.update(breakdown=estimate.to_dict(), tensors=estimate.total - estimate.overhead,
-                    forward_heap_churn=phases.forward_heap_churn, forward_large_churn=phases.forward_large_churn,
                     heap_churn=plan.heap_churn(phases), changes=changes)
         return estimate, changes
 
@@ -95,8 +94,27 @@ def child(row, output_dir: str, model: str | None) -> None:
                           "predicted": memory["predicted_peak_bytes"], "transforms": metrics.get("transforms")}))
 
 
+def saved(row, folder: str) -> str:
+    """QLoRA quantises pretrained weights as they load, so a QLoRA row of a model built from a config trains a
+    copy saved first (here, not in the measured process), with the default tokenizer beside it and its
+    vocabulary (what `train` gives a model built from a config)."""
+    from transformers import AutoTokenizer
+
+    from effitrain.models import loading
+    from effitrain.planning import planner as plan
+    from effitrain.planning import simulate
+
+    path = Path(folder) / "saved"
+    tokenizer = AutoTokenizer.from_pretrained(str(loading.default_model_dir()))
+    simulate.build(row[2], plan.model_config(row[1], row[2], 5, len(tokenizer))).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
 def measure(row, script: str, model: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
+        if model is None and row[8] == "qlora" and row[1] != DEFAULT:
+            model = saved(row, folder)
         args = ["--child-run", json.dumps([list(row), str(Path(folder) / "run"), model])]
         if row[-1] == "fsdp":
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
@@ -149,28 +167,26 @@ def verdict(results: list[dict]) -> bool:
 
 
 def calibrate(results: list[dict]) -> dict:
-    """Least squares over the fit rows: measured - tensors = constant + heap_share x forward heap churn
-    + activation_share x activations; the held-out rows then predicted with it."""
+    """Least squares over the fit rows: measured - tensors = constant + churn_share x the micro-step's heap
+    churn (planner.heap_churn); the held-out rows then predicted with it."""
     import numpy as np
 
-    def features(r):  # heap churn as planner.heap_churn counts it (rows saved before it was recorded: recomputed)
-        churn = r["heap_churn"] if "heap_churn" in r else r["forward_heap_churn"] + r.get("forward_large_churn", 0)
-        return [1.0, churn, r["breakdown"]["activations"]]
+    def features(r):
+        return [1.0, r["heap_churn"]]
 
     fit = [r for r in results if r["row"][0] == "fit"]
     x = np.array([features(r) for r in fit])
     y = np.array([r["measured"] - r["tensors"] for r in fit], dtype=float)
-    constant, heap, act = np.linalg.lstsq(x, y, rcond=None)[0]
+    constant, share = np.linalg.lstsq(x, y, rcond=None)[0]
     for r in results:
-        r["refit_predicted"] = round(r["tensors"] + np.dot([constant, heap, act], features(r)))
+        r["refit_predicted"] = round(r["tensors"] + np.dot([constant, share], features(r)))
         r["refit_error"] = r["refit_predicted"] / r["measured"] - 1
-    print(f"CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, "
-          f"'activation_share': {act:.3f}}}")
+    print(f"CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'churn_share': {share:.3f}}}")
     for role in ("fit", "held-out"):
         errors = [r["refit_error"] for r in results if r["row"][0] == role]
         if errors:
             print(f"refit, {role}: worst over {max(errors):+.1%}, worst under {min(errors):+.1%}")
-    return {"constant": constant, "heap_share": heap, "activation_share": act}
+    return {"constant": constant, "churn_share": share}
 
 
 def planned(row):

@@ -82,11 +82,12 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     assert timeline.flops == fake.flops and timeline.flops > 0
 
 
-def test_cpu_overhead_counts_the_forwards_heap_sized_allocations_once():
-    """The CPU overhead's regressor: bytes the forward allocates in pieces under glibc's mmap threshold.
-    Non-reentrant checkpointing makes the same forward allocations (saved tensors are dropped, not
-    avoided) and repeats them in the backward, which the regressor leaves out: checkpointing changes
-    the predicted overhead only through the activations."""
+def test_cpu_overhead_counts_the_steps_heap_allocations_recomputation_included():
+    """The CPU overhead's regressor: the bytes a micro-step allocates, forward and backward, in pieces under
+    glibc's mmap threshold, and the larger ones too where the run keeps freed memory (glibc then serves
+    them from its heap). Non-reentrant checkpointing makes the same forward allocations and repeats them
+    in the backward, which counts: checkpointing changes the predicted overhead by that churn."""
+    from effitrain.speedups import allocator
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import flop_registry
 
@@ -95,16 +96,21 @@ def test_cpu_overhead_counts_the_forwards_heap_sized_allocations_once():
         timeline = simulate._Timeline(flop_registry)
         with timeline:
             small + 1, big + 1
-    assert timeline.heap_churn == 2**20  # the mapped piece is not the heap's
+    assert (timeline.heap_churn, timeline.large_churn) == (2**20, simulate.HEAP_LIMIT)
     config = small_bert(layers=2, hidden=128)
     plain, recomputed = (simulate._simulate("sequence-classification", config, 8, 64, "fp32", ckpt, split=False)
                          for ckpt in (False, True))
     assert plain.forward_heap_churn == recomputed.forward_heap_churn > 0 and recomputed.flops > plain.flops
+    assert recomputed.backward_heap_churn > plain.backward_heap_churn
     planner = plan.Planner(plan.model_shapes("causal-lm", SMALL_GPT2), 64)
-    off, on = (planner.estimate(plan.Setting("fp32", "adamw", checkpointing, 4, 1)) for checkpointing in (False, True))
+    phases = {ckpt: planner.phases("fp32", ckpt, 4) for ckpt in (False, True)}
+    off, on = (planner.estimate(plan.Setting("fp32", "adamw", ckpt, 4, 1)) for ckpt in (False, True))
     assert on.activations < off.activations
     assert on.overhead - off.overhead == pytest.approx(
-        plan.CPU_OVERHEAD["activation_share"] * (on.activations - off.activations), abs=1)
+        plan.CPU_OVERHEAD["churn_share"] * (plan.heap_churn(phases[True]) - plan.heap_churn(phases[False])), abs=1)
+    whole = sum(getattr(phases[True], f"{way}_{kind}_churn") for way in ("forward", "backward") for kind in ("heap", "large"))
+    kept = whole if allocator.keeps_freed_memory() else phases[True].forward_heap_churn + phases[True].backward_heap_churn
+    assert plan.heap_churn(phases[True]) == kept
 
 
 @pytest.mark.parametrize("task, model, precision, checkpointing", [
@@ -157,7 +163,10 @@ def tiny_planner(tiny_model_dir, seq_len=128):
 
 
 def test_fit_trades_micro_batch_first_then_checkpointing_then_a_lighter_optimizer(tiny_model_dir):
-    planner = tiny_planner(tiny_model_dir)
+    # At 512 tokens, where activations outweigh the gradients: at 128 this model (97% of it the word
+    # embeddings) plans 16 x 1 under 8 x 2, rightly: a later micro-batch holds every gradient and the
+    # embeddings' new dense gradient beside it (3.9 MB each), more than the 2.8 MB of activations it saves.
+    planner = tiny_planner(tiny_model_dir, seq_len=512)
 
     def total(micro, ckpt=False, optimizer="adamw"):
         return planner.estimate(plan.Setting("fp32", optimizer, ckpt, micro, 16 // micro)).total

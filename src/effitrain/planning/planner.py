@@ -30,15 +30,15 @@ from effitrain.planning import simulate
 GiB = 2**30
 MiB = 2**20
 
-# CPU resident memory beyond the live tensors = CONSTANT + HEAP_SHARE x forward heap churn
-# + ACTIVATION_SHARE x activations. glibc keeps the free space of its heap, cut into holes by the small
-# objects (autograd nodes, tensor headers) left between the tensors: it grows with the bytes the forward
-# passes through the heap (every piece: effitrain's CPU runs keep freed memory, see heap_churn), less what
-# is still held at the peak (already counted as activations: hence the negative share). The constant:
-# what a run builds after its plan besides the model's tensors (the planner's own objects, the loaders).
-# Least squares on effitrain's own runs (benchmarks/memory_plan.py --runs, the `fit` rows: peak RSS minus
-# the RSS at planning; xeon2c, 2026-12-05): 8 rows within 5.6%, each left out predicted within 7.1%.
-CPU_OVERHEAD = {"constant": 171 * MiB, "heap_share": 0.487, "activation_share": -0.438}
+# CPU resident memory beyond the live tensors = CONSTANT + CHURN_SHARE x the step's heap churn. glibc keeps
+# the free space of its heap (every piece: effitrain's CPU runs keep freed memory, see heap_churn), cut into
+# holes by the small objects (autograd nodes, tensor headers) left between the tensors: it grows with the
+# bytes a micro-step passes through the heap, forward and backward (checkpointing's recomputation
+# included). The constant: what a run builds after its plan besides the model's tensors (the planner's own
+# objects, the loaders). Least squares on effitrain's own runs (benchmarks/memory_plan.py --runs, the 12
+# `fit` rows: peak RSS minus the RSS at planning; xeon2c, 2026-12-05); the held-out rows and the rows still
+# outside 15% (fsdp's whole logits, adapters): benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
+CPU_OVERHEAD = {"constant": 267 * MiB, "churn_share": 0.100}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
@@ -280,13 +280,12 @@ class Planner:
         # the temporaries of the forward, loss and backward.
         activations = max(above, step) - gradients
         tensors = weights + gradients + states + activations
-        overhead = self.overhead(phases, tensors, activations)
+        overhead = self.overhead(phases, tensors)
         return Estimate(setting, weights, gradients, states, activations, overhead, self.relative_speed(setting))
 
-    def overhead(self, phases: simulate.Phases, tensors: int, activations: int) -> int:
+    def overhead(self, phases: simulate.Phases, tensors: int) -> int:
         if self.device == "cpu":
-            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * heap_churn(phases)
-                         + CPU_OVERHEAD["activation_share"] * activations)
+            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["churn_share"] * heap_churn(phases))
         return round(CUDA_OVERHEAD["context"] + CUDA_OVERHEAD["fragmentation"] * tensors)
 
     def relative_speed(self, setting: Setting) -> float:
@@ -312,12 +311,14 @@ class Planner:
 
 
 def heap_churn(phases: simulate.Phases) -> int:
-    """What the forward allocates from glibc's heap: every piece when training keeps freed memory (on
-    glibc, unless switched off: speedups/allocator.py), else the pieces under glibc's mmap threshold."""
+    """What a micro-step (forward and backward) allocates from glibc's heap: every piece when training keeps
+    freed memory (on glibc, unless switched off: speedups/allocator.py), else the pieces under glibc's mmap
+    threshold."""
     from effitrain.speedups import allocator
 
-    large = phases.forward_large_churn if allocator.keeps_freed_memory() else 0
-    return phases.forward_heap_churn + large
+    small = phases.forward_heap_churn + phases.backward_heap_churn
+    large = phases.forward_large_churn + phases.backward_large_churn
+    return small + (large if allocator.keeps_freed_memory() else 0)
 
 
 def micro_batches(batch: int) -> list[int]:

@@ -36,7 +36,7 @@ from effitrain.models import adapters, transforms
 # glibc, as it starts, serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its
 # heaps, which keep freed memory resident; bigger ones are mapped and unmapped each time, unless the run
 # keeps freed memory (speedups/allocator.py: every block from the heap). The CPU overhead model counts
-# what the forward allocates of each kind (see plan.CPU_OVERHEAD).
+# what the forward and the backward allocate of each kind (see planner.CPU_OVERHEAD).
 HEAP_LIMIT = 32 * 2**20
 # Autocast dtypes of the half precisions (fp32 runs without autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,6 +56,8 @@ class Phases:
     last_with_grads: int
     forward_heap_churn: int  # bytes the forward allocates in heap-sized pieces (CPU overhead model)
     forward_large_churn: int  # ... and in pieces of HEAP_LIMIT or more (glibc maps them, unless told not to)
+    backward_heap_churn: int  # the same two for the backward (checkpointing's recomputation included)
+    backward_large_churn: int
     flops: int
 
     def peak(self, grads_before: int) -> int:
@@ -358,6 +360,8 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
             forward_heap_churn, forward_large_churn = timeline.heap_churn, timeline.large_churn
             loss.backward()
             del loss
+            backward_heap_churn = timeline.heap_churn - forward_heap_churn
+            backward_large_churn = timeline.large_churn - forward_large_churn
         for handle in handles:
             handle.remove()
     points = timeline.points
@@ -371,5 +375,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
     return Phases(forward_held=max(h for h, _ in forward),
                   first_held=max(h for h, _ in first), first_with_grads=max(h + g for h, g in first),
                   last_held=max(h for h, _ in last), last_with_grads=max(h + g for h, g in last),
-                  forward_heap_churn=forward_heap_churn, forward_large_churn=forward_large_churn, flops=timeline.flops)
+                  forward_heap_churn=forward_heap_churn, forward_large_churn=forward_large_churn,
+                  backward_heap_churn=backward_heap_churn, backward_large_churn=backward_large_churn,
+                  flops=timeline.flops)
 
