@@ -38,7 +38,7 @@ MiB = 2**20
 # objects, the loaders). Least squares on effitrain's own runs (benchmarks/memory_plan.py --runs, the 12
 # `fit` rows: peak RSS minus the RSS at planning; xeon2c, 2026-12-05); the held-out rows and the rows still
 # outside 15% (fsdp's whole logits, adapters): benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
-CPU_OVERHEAD = {"constant": 267 * MiB, "churn_share": 0.100}
+CPU_OVERHEAD = {"constant": 252 * MiB, "churn_share": 0.106}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
