@@ -143,7 +143,7 @@ def predict(model_name, task, micro, length, precision, optimizer, checkpointing
         cache[key] = planner.Planner(shapes, length, device)
     estimate = cache[key].estimate(planner.Setting(precision, optimizer, checkpointing, micro, accumulation))
     phases = cache[key].phases(precision, checkpointing, micro)
-    return estimate, phases.forward_heap_churn
+    return estimate, planner.heap_churn(phases)
 
 
 def main() -> int:
@@ -208,7 +208,7 @@ def main() -> int:
         predicted = estimate.total - (estimate.overhead if measured["device"] == "cuda" else 0)
         error = predicted / measured["measured"] - 1
         rows.append({"config": config, "predicted": predicted, "measured": measured["measured"], "error": error,
-                     "tensors": estimate.total - estimate.overhead, "forward_heap_churn": churn,
+                     "tensors": estimate.total - estimate.overhead, "heap_churn": churn,
                      "breakdown": estimate.to_dict(), "device": measured["device"]})
         name = "default" if config[0] == DEFAULT else "gpt2-4L"
         print(f"{name:8} {config[2]:>3} x {config[3]:<4} {config[4]:4} {config[5]:10} "
@@ -264,13 +264,13 @@ def _saved(config, folder: str) -> str | None:
 
 
 def _calibrate(rows) -> None:
-    """Least squares over the CPU rows: measured - tensors = constant + heap_share x forward heap churn
-    + activation_share x activations. Held out: each configuration (all its measurements) predicted by
+    """Least squares over the CPU rows: measured - tensors = constant + churn_share x the micro-step's heap
+    churn (planner.heap_churn; rows saved before it was recorded carry the forward's only). Held out: each configuration (all its measurements) predicted by
     the fit on the others; the default-model rows by the fit on the GPT-2 ones, and the other way round."""
     import numpy as np
 
     rows = [r for r in rows if r["device"] == "cpu"]
-    x = np.array([[1.0, r["forward_heap_churn"], r["breakdown"]["activations"]] for r in rows])
+    x = np.array([[1.0, r.get("heap_churn", r["forward_heap_churn"])] for r in rows])
     tensors = np.array([r["tensors"] for r in rows], dtype=float)
     measured = np.array([r["measured"] for r in rows], dtype=float)
     configs = [json.dumps(r["config"]) for r in rows]
@@ -282,11 +282,11 @@ def _calibrate(rows) -> None:
         return max(np.abs((tensors[m] + x[m] @ fitted(~m)) / measured[m] - 1).max() for m in held_out if m.any())
 
     everything = np.ones(len(rows), bool)
-    constant, heap, act = fitted(everything)
+    constant, share = fitted(everything)
     one_out = worst([np.array([c == config for c in configs]) for config in set(configs)])
     gpt2 = np.array([r["config"][0] == GPT2 for r in rows])
     print(f"calibration over {len(rows)} measurements ({len(set(configs))} configurations): CPU_OVERHEAD = "
-          f"{{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, 'activation_share': {act:.3f}}}, "
+          f"{{'constant': {constant / MiB:.0f} * MiB, 'churn_share': {share:.3f}}}, "
           f"worst {np.abs((tensors + x @ fitted(everything)) / measured - 1).max():.1%}; held out: "
           f"leave-one-configuration-out worst {one_out:.1%}, default model from GPT-2 rows {worst([~gpt2]):.1%}, "
           f"GPT-2 from default-model rows {worst([gpt2]):.1%}")
