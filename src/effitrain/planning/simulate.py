@@ -196,8 +196,8 @@ RANDOM_STRUCTURE = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob"
 
 # Transforms whose effect a run sharded by FSDP does not get: the chunked causal-LM loss needs the output
 # layer's whole weight, which FSDP gathers only inside the model's forward, so the loss takes the whole
-# logits there (speedups/chunked_lm_loss.output_layer). Measured: gpt2-4L, 8 x 256 fp32, 2 processes: the
-# training peak 2,190 MiB a process against 953 for one process with checkpointing, 1,595 at 16 x 256.
+# logits there (speedups/chunked_lm_loss.output_layer). Measured: gpt2-4L, 8 x 256 fp32, 2 processes: live
+# tensors at a step's peak 1,098 MiB a process (traced), simulated 1,097 this way, 610 with the chunked loss.
 NOT_WHEN_SHARDED = ("chunked-lm-loss",)
 
 
