@@ -235,7 +235,7 @@ class Planner:
             try:
                 self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch,
                                                         self.seq_len, precision, checkpointing, self.shapes.peft,
-                                                        self.shapes.packing, sharded=self._fsdp)
+                                                        self.shapes.packing)
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                     fake_tensor.UnsupportedOperatorException) as err:
                 raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "

@@ -171,13 +171,12 @@ def settings(task: str, checkpointing: bool, peft=None, packing: bool = False) -
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
-               peft=None, packing: bool = False, sharded: bool = False) -> Phases:
+               peft=None, packing: bool = False) -> Phases:
     """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
     `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None; `packing`: the model a
-    packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing); `sharded`:
-    the weights FSDP shards (see NOT_WHEN_SHARDED)."""
+    packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing)."""
     depth = depth_of(config)
-    model = {"peft": peft, "packing": packing, "sharded": sharded}
+    model = {"peft": peft, "packing": packing}
     if depth is not None and depth > 3:
         at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, **model)
         at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, **model)
@@ -194,14 +193,7 @@ _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model
 RANDOM_STRUCTURE = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
 
 
-# Transforms whose effect a run sharded by FSDP does not get: the chunked causal-LM loss needs the output
-# layer's whole weight, which FSDP gathers only inside the model's forward, so the loss takes the whole
-# logits there (speedups/chunked_lm_loss.output_layer). Measured: gpt2-4L, 8 x 256 fp32, 2 processes: live
-# tensors at a step's peak 1,098 MiB a process (traced), simulated 1,097 this way, 610 with the chunked loss.
-NOT_WHEN_SHARDED = ("chunked-lm-loss",)
-
-
-def _fake_model(task, config, checkpointing, peft=None, precision="fp32", packing=False, sharded=False):
+def _fake_model(task, config, checkpointing, peft=None, precision="fp32", packing=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = copy.deepcopy(config)
@@ -211,26 +203,24 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32", packin
     adapted = adapters.method(peft) is not None
     # QLoRA's stand-in layers compute in the training precision (bitsandbytes' compute dtype).
     key = (task, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
-           precision if adapters.quantized(peft) else None, packing, sharded)
+           precision if adapters.quantized(peft) else None, packing)
     if key not in _MODELS:
         if len(_MODELS) > 16:
             _MODELS.clear()
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         if adapted:
-            model = _fake_adapted(mode, task, config, checkpointing, peft, precision, packing, sharded)
+            model = _fake_adapted(mode, task, config, checkpointing, peft, precision, packing)
         else:
             with mode:
                 model = build(task, config)
                 model.train()
-                model, _ = transforms.apply_all(model, settings(task, checkpointing, packing=packing),
-                                                skip=NOT_WHEN_SHARDED if sharded else ())
+                model, _ = transforms.apply_all(model, settings(task, checkpointing, packing=packing))
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
 
 # -- adapters (--peft) ----------------------------------------------------------------------------------
-def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packing: bool = False,
-                    sharded: bool = False):
+def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packing: bool = False):
     """The model `train --peft` trains (its transforms, adapters included), on the meta device (peft
     moves modules with .to(), which fake parameters refuse), and the names of the linear layers QLoRA
     stores in 4 bits: those bitsandbytes converts on load (not the task's head, which is trained, nor
@@ -248,15 +238,14 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packin
     model.train()
     layers = dict(model.named_modules())
     quantized = {name: layers[name] for name in quantized}
-    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft, packing),
-                                    skip=NOT_WHEN_SHARDED if sharded else ())
+    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft, packing))
     return model, quantized
 
 
-def _fake_adapted(mode, task, config, checkpointing, peft, precision, packing=False, sharded=False):
+def _fake_adapted(mode, task, config, checkpointing, peft, precision, packing=False):
     """The adapted model with fake tensors in place of its meta ones (shared parameters stay shared);
     QLoRA's 4-bit layers replaced by stand-ins that allocate what bitsandbytes' do."""
-    model, quantized = adapted_on_meta(task, config, peft, checkpointing, packing, sharded)
+    model, quantized = adapted_on_meta(task, config, peft, checkpointing, packing)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(tensor, parameter):
@@ -324,10 +313,10 @@ class _Linear4bitStandIn:
 
 
 def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
-              packing=False, sharded=False) -> Phases | None:
+              packing=False) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
-    mode, model = _fake_model(task, config, checkpointing, peft, precision, packing, sharded)
+    mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
     model.zero_grad(set_to_none=True)
     with mode:
         stack = layer_stack(model) if split else None
