@@ -154,7 +154,7 @@ def main() -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--only", choices=("peft", "sharded"),
                         help="peft: only the rows with LoRA or QLoRA adapters; sharded: the 2-process ddp and fsdp "
-                             "rows (fsdp_memory.py)")
+                             "rows (fsdp_memory.py; with --runs: the fsdp rows)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--runs", action="store_true",
                         help="measure effitrain's own training runs instead (memory_plan_runs.py: every family, fit "
@@ -235,7 +235,7 @@ def _runs(args) -> int:
             with open(path) as saved:
                 results += json.load(saved)
     else:
-        results = runs.run_all(__file__, runs.DRY_RUN if args.dry_run else runs.ROWS)
+        results = runs.run_all(__file__, runs.DRY_RUN if args.dry_run else runs.selected(args.only))
     ok = runs.verdict(results)
     if args.calibrate or args.rows:
         runs.calibrate(results)

@@ -15,6 +15,7 @@ Rows marked `fit` are those CPU_OVERHEAD (planning/planner.py) is fitted on (`--
     python benchmarks/memory_plan.py --runs                      # every row; exit 1 past the bars
     python benchmarks/memory_plan.py --runs --calibrate --json F # also refit the constants on the fit rows
     python benchmarks/memory_plan.py --rows F --runs             # refit from saved rows, measuring nothing
+    python benchmarks/memory_plan.py --runs --only sharded       # only the fsdp rows (--only peft: adapter rows)
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ ROWS = [
 ]
 DRY_RUN = [("fit", "gpt2:n_layer=2,n_embd=64,n_head=2", LM, 2, 32, "fp32", "adamw", True, "none", "single")]
 WORLD = 2  # fsdp rows' processes
+
+
+def selected(only: str | None) -> list:
+    """--only with --runs: peft, the rows with adapters; sharded, the fsdp rows; None, every row."""
+    keep = {None: lambda row: True, "peft": lambda row: row[8] != "none", "sharded": lambda row: row[9] == "fsdp"}
+    return [row for row in ROWS if keep[only](row)]
 
 
 def train_config(row, output_dir: str, model: str | None = None) -> dict:

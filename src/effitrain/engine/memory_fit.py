@@ -84,8 +84,10 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     import torch.distributed as dist
 
     from effitrain import tasks
+    from effitrain.models import adapters
     from effitrain.planning import planner as plan
 
+    adapters.import_libraries(config)  # before the baseline: libraries are not training memory
     in_use = in_use_bytes(device)
     budget = budget_bytes(config, device)
     if world > 1 and dist.is_initialized():  # every process must choose the same: plan for the tightest
