@@ -157,7 +157,12 @@ def run_all(script: str, rows, model: str | None = None) -> list[dict]:
     print(HEADER, flush=True)
     results = []
     for row in rows:
-        measured = measure(row, script, model)
+        try:
+            measured = measure(row, script, model)
+        except RuntimeError as err:  # a run that stops (a bug outside the planner): reported, the others measured
+            results.append({"row": list(row), "failed": str(err).splitlines()[-1]})
+            print(f"| {row[0]} | {name(row)} | not measured: {results[-1]['failed']} |", flush=True)
+            continue
         results.append({"row": list(row), **measured})
         print(line(row, measured), flush=True)
     return results

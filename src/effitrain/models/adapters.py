@@ -59,7 +59,7 @@ def import_libraries(settings) -> None:
     import peft  # noqa: F401
 
     if quantized(settings):
-        import bitsandbytes  # noqa: F401
+        check_4bit()  # bitsandbytes, or one line saying why it does not load
 
 
 def load_options(task, source, settings, precision: str, device) -> dict:
