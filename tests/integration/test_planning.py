@@ -461,3 +461,26 @@ def test_memory_budget_plans_with_the_runs_adapters(monkeypatch):
                          lora_r=4, lora_target_modules="query,value")
     pieces, *_ = memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
     assert pieces == 1 and seen == [plan.Peft("lora", 4, 16.0, 0.05, "query,value")]
+
+
+def test_memory_budget_counts_from_after_the_adapters_libraries(monkeypatch):
+    """A LoRA run imports peft before the plan's baseline (in_use_bytes): a library is not training memory,
+    and the measured peak above the baseline is what the planner predicts. Without adapters nothing is imported."""
+    import subprocess
+    import sys
+
+    from effitrain.config import TrainConfig
+    from effitrain.models import adapters
+
+    events = []
+    real = adapters.import_libraries
+    monkeypatch.setattr(adapters, "import_libraries", lambda settings: events.append("libraries") or real(settings))
+    monkeypatch.setattr(memory_fit, "in_use_bytes", lambda device: events.append("baseline") or 1)
+    config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora")
+    memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
+    assert events == ["libraries", "baseline"]
+    fresh = ("import sys; from effitrain.models import adapters; adapters.import_libraries(adapters.Peft()); "
+             "before = 'peft' in sys.modules; adapters.import_libraries(adapters.Peft('lora')); "
+             "print(before, 'peft' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
