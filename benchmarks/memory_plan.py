@@ -152,9 +152,9 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", metavar="JSON",
                         help="refit CPU_OVERHEAD from rows saved by --json (one file a run) instead of measuring")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--only", choices=("peft", "sharded"),
+    parser.add_argument("--only", choices=("peft", "sharded", "adafactor"),
                         help="peft: only the rows with LoRA or QLoRA adapters; sharded: the 2-process ddp and fsdp "
-                             "rows (fsdp_memory.py; with --runs: the fsdp rows)")
+                             "rows (fsdp_memory.py; with --runs: the fsdp rows); adafactor: the Adafactor rows")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--runs", action="store_true",
                         help="measure effitrain's own training runs instead (memory_plan_runs.py: every family, fit "
@@ -196,6 +196,8 @@ def main() -> int:
     configs = [(*c, "none")[:9] for c in (DRY_RUN if args.dry_run else CONFIGS)]
     if args.only == "peft":
         configs = [c for c in configs if c[8] != "none"]
+    elif args.only == "adafactor":
+        configs = [c for c in configs if c[5] == "adafactor"]
     saved = tempfile.TemporaryDirectory()
     for config in configs:
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps([*config, _saved(config, saved.name)])],

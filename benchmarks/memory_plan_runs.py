@@ -15,7 +15,7 @@ Rows marked `fit` are those CPU_OVERHEAD (planning/planner.py) is fitted on (`--
     python benchmarks/memory_plan.py --runs                      # every row; exit 1 past the bars
     python benchmarks/memory_plan.py --runs --calibrate --json F # also refit the constants on the fit rows
     python benchmarks/memory_plan.py --rows F --runs             # refit from saved rows, measuring nothing
-    python benchmarks/memory_plan.py --runs --only sharded       # only the fsdp rows (--only peft: adapter rows)
+    python benchmarks/memory_plan.py --runs --only sharded       # only the fsdp rows (peft, adafactor: those rows)
 """
 
 from __future__ import annotations
@@ -64,8 +64,10 @@ WORLD = 2  # fsdp rows' processes
 
 
 def selected(only: str | None) -> list:
-    """--only with --runs: peft, the rows with adapters; sharded, the fsdp rows; None, every row."""
-    keep = {None: lambda row: True, "peft": lambda row: row[8] != "none", "sharded": lambda row: row[9] == "fsdp"}
+    """--only with --runs: peft, the rows with adapters; sharded, the fsdp rows; adafactor, the Adafactor rows;
+    None, every row."""
+    keep = {None: lambda row: True, "peft": lambda row: row[8] != "none", "sharded": lambda row: row[9] == "fsdp",
+            "adafactor": lambda row: row[6] == "adafactor"}
     return [row for row in ROWS if keep[only](row)]
 
 

@@ -463,24 +463,35 @@ def test_memory_budget_plans_with_the_runs_adapters(monkeypatch):
     assert pieces == 1 and seen == [plan.Peft("lora", 4, 16.0, 0.05, "query,value")]
 
 
-def test_memory_budget_counts_from_after_the_adapters_libraries(monkeypatch):
-    """A LoRA run imports peft before the plan's baseline (in_use_bytes): a library is not training memory,
-    and the measured peak above the baseline is what the planner predicts. Without adapters nothing is imported."""
+def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
+    """The plan's baseline (in_use_bytes) is taken after what the run's adapters and optimizer import (peft;
+    transformers' Adafactor, which imports peft and bitsandbytes): a library is not training memory, and the
+    peak measured above the baseline is what the planner predicts. Plain AdamW without adapters imports nothing."""
     import subprocess
     import sys
 
     from effitrain.config import TrainConfig
+    from effitrain.engine import optim
     from effitrain.models import adapters
 
     events = []
-    real = adapters.import_libraries
-    monkeypatch.setattr(adapters, "import_libraries", lambda settings: events.append("libraries") or real(settings))
+    for module, name in ((adapters, "adapters"), (optim, "optimizer")):
+        real = module.import_libraries
+        monkeypatch.setattr(module, "import_libraries", lambda settings, real=real, name=name:
+                            events.append((name, getattr(settings, "peft", settings))) or real(settings))
     monkeypatch.setattr(memory_fit, "in_use_bytes", lambda device: events.append("baseline") or 1)
-    config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora")
+    config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora",
+                         optim="adafactor")
     memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
-    assert events == ["libraries", "baseline"]
-    fresh = ("import sys; from effitrain.models import adapters; adapters.import_libraries(adapters.Peft()); "
-             "before = 'peft' in sys.modules; adapters.import_libraries(adapters.Peft('lora')); "
-             "print(before, 'peft' in sys.modules)")
+    assert events == [("adapters", "lora"), ("optimizer", "adafactor"), "baseline"]
+    fresh = ("import sys; from effitrain.engine import optim; from effitrain.models import adapters; "
+             "adapters.import_libraries(adapters.Peft()); optim.import_libraries('adamw'); "
+             "before = [m in sys.modules for m in ('peft', 'transformers.optimization')]; "
+             "optim.import_libraries('adafactor'); after_optim = 'peft' in sys.modules; "
+             "print(*before, after_optim)")
     out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "True"]
+    assert out.stdout.split() == ["False", "False", "True"]
+    fresh = "import sys; from effitrain.models import adapters; adapters.import_libraries(adapters.Peft('lora')); " \
+            "print('peft' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]

@@ -84,10 +84,13 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     import torch.distributed as dist
 
     from effitrain import tasks
+    from effitrain.engine import optim
     from effitrain.models import adapters
     from effitrain.planning import planner as plan
 
-    adapters.import_libraries(config)  # before the baseline: libraries are not training memory
+    # Before the baseline, what the run's adapters and optimizer import: libraries are not training memory.
+    adapters.import_libraries(config)
+    optim.import_libraries(fixed[0] if fixed else config.optim)
     in_use = in_use_bytes(device)
     budget = budget_bytes(config, device)
     if world > 1 and dist.is_initialized():  # every process must choose the same: plan for the tightest
