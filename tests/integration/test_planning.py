@@ -495,3 +495,25 @@ def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
             "print('peft' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"]
+
+
+def test_fsdp_imports_its_libraries_as_it_sets_up(monkeypatch):
+    """--strategy fsdp: fully_shard and its companions are imported in setup_environment, which runs before the
+    memory plan's baseline (setup.py), so a library is not counted as training memory."""
+    import contextlib
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from effitrain.engine import sharding
+    from effitrain.engine.strategies.fsdp import Fsdp
+
+    events = []
+    for name in ("check_supported", "join_alone", "import_libraries"):
+        monkeypatch.setattr(sharding, name, lambda *a, name=name: events.append(name))
+    Fsdp(SimpleNamespace(mixed_precision="no")).setup_environment(contextlib.ExitStack())
+    assert events == ["check_supported", "join_alone", "import_libraries"]
+    fresh = ("import sys; from effitrain.engine import sharding; before = 'torch.distributed.fsdp' in sys.modules; "
+             "sharding.import_libraries(); print(before, 'torch.distributed.fsdp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
