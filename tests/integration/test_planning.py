@@ -210,6 +210,24 @@ def test_sharding_divides_the_states_and_ddp_adds_its_buckets(tiny_model_dir):
     assert zero1.optimizer == math.ceil(one.optimizer / 4) and zero1.gradients == one.gradients
 
 
+def test_fsdp_holds_the_gathered_root_unit_through_the_step(tiny_model_dir):
+    """fsdp's root unit (the parameters outside the transformer blocks: BERT's embeddings, pooler, classifier)
+    stays gathered from its forward to its backward (sharding.shard), on top of two gathered blocks and the
+    prefetched ones; in bf16 it is gathered in bf16."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    real = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    shapes = plan.model_shapes("sequence-classification", str(tiny_model_dir))
+    assert shapes.root_params == sum(p.numel() for n, p in real.named_parameters() if ".encoder.layer." not in n) > 0
+    planner = plan.Planner(shapes, 64, "cpu", world_size=4, strategy="fsdp")
+    layers = 2 * 4 * 2 * shapes.largest_layer_params  # two gathered blocks and their gradients' twins
+    for precision, width in (("fp32", 4), ("bf16", 2)):
+        phases = planner.phases(precision, False, 8)
+        fsdp = planner.estimate(plan.Setting(precision, "adamw", False, 8, 1))
+        held = max(phases.forward_held, phases.first_held, phases.last_held)
+        assert fsdp.activations == held + layers + width * shapes.root_params
+
+
 @pytest.mark.parametrize("text, value", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("16GB", 16 * 10**9),
                                          ("1.5G", int(1.5 * 2**30)), ("2000", 2000)])
 def test_parse_size(text, value):

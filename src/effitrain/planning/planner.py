@@ -24,6 +24,7 @@ import torch
 from effitrain import tasks
 from effitrain.errors import UserError
 from effitrain.models import adapters, loading
+from effitrain.models.blocks import blocks
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
 from effitrain.planning import simulate
 
@@ -39,7 +40,7 @@ MiB = 2**20
 # plan's baseline (memory_fit.plan_run, Fsdp.setup_environment), so they are not in it. Least squares on
 # effitrain's own runs (benchmarks/memory_plan.py --runs, the 12 `fit` rows: peak RSS minus the RSS at
 # planning; xeon2c, 2026-12-05); the held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
-CPU_OVERHEAD = {"constant": 161 * MiB, "churn_share": 0.113}
+CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
@@ -85,6 +86,7 @@ class ModelShapes:
     peft: Peft | None = None  # LoRA or QLoRA: the adapted model's shapes; the simulation applies them too
     quantized: list[tuple[int, ...]] | None = None  # QLoRA: the weights stored in 4 bits
     packing: bool = False  # --packing: the model a packed run trains (simulate.settings)
+    root_params: int = 0  # outside the transformer blocks (embeddings, head): fsdp's root unit (models/blocks.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -123,9 +125,11 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     stack = simulate.layer_stack(built)
     largest = max((sum(p.numel() for p in layer.parameters()) for layer in stack), default=0) if stack else 0
     inner = built.get_base_model() if peft else built
+    in_blocks = {id(p) for block in blocks(built) for p in block.parameters()}
     return ModelShapes(inner.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
                        sum(b.numel() * b.element_size() for b in built.buffers()), largest,
-                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized, packing)
+                       bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized, packing,
+                       sum(p.numel() for p in built.parameters() if id(p) not in in_blocks))
 
 
 def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
@@ -275,6 +279,8 @@ class Planner:
             above = phases.peak(grads_before=full if setting.accumulation > 1 else 0) + gradients - full
         if fsdp or zero >= 3:
             above += layer  # the all-gathered weights of the current and the prefetched layer
+        if fsdp:  # the root unit stays gathered from its forward to its backward (engine/sharding.shard)
+            above += (2 if setting.precision == "bf16" else 4) * self.shapes.root_params
         # The optimizer step holds every gradient and the states, but no activations.
         step = gradients + optimizer_step_temporary_bytes(setting.optimizer, self._trainable_shapes)
         # What is left at the peak once weights, gradients and states are counted: activations and
