@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
 import _common  # noqa: E402
+import memory_plan_runs as runs  # noqa: E402
 
 # This folder holds scripts; none may shadow a library (benchmarks/peft.py once shadowed peft, hence peft_vs_full.py).
 sys.path[:] = [p for p in sys.path if p != sys.path[0]] if sys.path and sys.path[0].endswith("benchmarks") else sys.path
@@ -142,7 +143,7 @@ def predict(model_name, task, micro, length, precision, optimizer, checkpointing
         cache[key] = planner.Planner(shapes, length, device)
     estimate = cache[key].estimate(planner.Setting(precision, optimizer, checkpointing, micro, accumulation))
     phases = cache[key].phases(precision, checkpointing, micro)
-    return estimate, phases.forward_heap_churn
+    return estimate, planner.heap_churn(phases)
 
 
 def main() -> int:
@@ -151,21 +152,27 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", metavar="JSON",
                         help="refit CPU_OVERHEAD from rows saved by --json (one file a run) instead of measuring")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--only", choices=("peft", "sharded"),
+    parser.add_argument("--only", choices=("peft", "sharded", "adafactor"),
                         help="peft: only the rows with LoRA or QLoRA adapters; sharded: the 2-process ddp and fsdp "
-                             "rows (fsdp_memory.py)")
+                             "rows (fsdp_memory.py; with --runs: the fsdp rows); adafactor: the Adafactor rows")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", action="store_true",
+                        help="measure effitrain's own training runs instead (memory_plan_runs.py: every family, fit "
+                             "and held-out rows reported apart)")
+    parser.add_argument("--child-run", help=argparse.SUPPRESS)
     parser.add_argument("--dry-run", action="store_true",
                         help="2 tiny configurations (a tiny default model, benchmarks/_common.py); no --calibrate, "
                              "--json, --rows or --only; the 15%% bar is not applied")
     args = parser.parse_args()
-    if args.dry_run:
+    if args.dry_run and not args.runs:
         _common.dry_run_model()
         args.calibrate, args.json, args.rows, args.only = False, None, None, None
         _common.skipped("the real configurations (QLoRA among them), calibration and the 15% bar")
     if args.child:
         print(json.dumps(measure(*json.loads(args.child))))
         return 0
+    if args.child_run or args.runs:
+        return _runs(args)
     if args.only == "sharded":  # several processes per row: a script of its own
         from pathlib import Path
 
@@ -189,6 +196,8 @@ def main() -> int:
     configs = [(*c, "none")[:9] for c in (DRY_RUN if args.dry_run else CONFIGS)]
     if args.only == "peft":
         configs = [c for c in configs if c[8] != "none"]
+    elif args.only == "adafactor":
+        configs = [c for c in configs if c[5] == "adafactor"]
     saved = tempfile.TemporaryDirectory()
     for config in configs:
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps([*config, _saved(config, saved.name)])],
@@ -201,7 +210,7 @@ def main() -> int:
         predicted = estimate.total - (estimate.overhead if measured["device"] == "cuda" else 0)
         error = predicted / measured["measured"] - 1
         rows.append({"config": config, "predicted": predicted, "measured": measured["measured"], "error": error,
-                     "tensors": estimate.total - estimate.overhead, "forward_heap_churn": churn,
+                     "tensors": estimate.total - estimate.overhead, "heap_churn": churn,
                      "breakdown": estimate.to_dict(), "device": measured["device"]})
         name = "default" if config[0] == DEFAULT else "gpt2-4L"
         print(f"{name:8} {config[2]:>3} x {config[3]:<4} {config[4]:4} {config[5]:10} "
@@ -215,6 +224,29 @@ def main() -> int:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)
     return 0 if worst <= 0.15 or args.dry_run else 1
+
+
+def _runs(args) -> int:
+    """--runs: effitrain's own training runs, one fresh process (or torchrun pair) per row."""
+    if args.child_run:
+        runs.child(*json.loads(args.child_run))
+        return 0
+    if args.rows:
+        results = []
+        for path in args.rows:
+            with open(path) as saved:
+                results += json.load(saved)
+    else:
+        results = runs.run_all(__file__, runs.DRY_RUN if args.dry_run else runs.selected(args.only))
+    failed = [r for r in results if "failed" in r]  # a row whose run stopped: no measurement, not a pass
+    results = [r for r in results if "failed" not in r]
+    ok = runs.verdict(results) and not failed
+    if args.calibrate or args.rows:
+        runs.calibrate(results)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
+    return 0 if ok or args.dry_run else 1
 
 
 def _saved(config, folder: str) -> str | None:
@@ -236,13 +268,13 @@ def _saved(config, folder: str) -> str | None:
 
 
 def _calibrate(rows) -> None:
-    """Least squares over the CPU rows: measured - tensors = constant + heap_share x forward heap churn
-    + activation_share x activations. Held out: each configuration (all its measurements) predicted by
+    """Least squares over the CPU rows: measured - tensors = constant + churn_share x the micro-step's heap
+    churn (planner.heap_churn; rows saved before it was recorded carry the forward's only). Held out: each configuration (all its measurements) predicted by
     the fit on the others; the default-model rows by the fit on the GPT-2 ones, and the other way round."""
     import numpy as np
 
     rows = [r for r in rows if r["device"] == "cpu"]
-    x = np.array([[1.0, r["forward_heap_churn"], r["breakdown"]["activations"]] for r in rows])
+    x = np.array([[1.0, r.get("heap_churn", r["forward_heap_churn"])] for r in rows])
     tensors = np.array([r["tensors"] for r in rows], dtype=float)
     measured = np.array([r["measured"] for r in rows], dtype=float)
     configs = [json.dumps(r["config"]) for r in rows]
@@ -254,11 +286,11 @@ def _calibrate(rows) -> None:
         return max(np.abs((tensors[m] + x[m] @ fitted(~m)) / measured[m] - 1).max() for m in held_out if m.any())
 
     everything = np.ones(len(rows), bool)
-    constant, heap, act = fitted(everything)
+    constant, share = fitted(everything)
     one_out = worst([np.array([c == config for c in configs]) for config in set(configs)])
     gpt2 = np.array([r["config"][0] == GPT2 for r in rows])
     print(f"calibration over {len(rows)} measurements ({len(set(configs))} configurations): CPU_OVERHEAD = "
-          f"{{'constant': {constant / MiB:.0f} * MiB, 'heap_share': {heap:.3f}, 'activation_share': {act:.3f}}}, "
+          f"{{'constant': {constant / MiB:.0f} * MiB, 'churn_share': {share:.3f}}}, "
           f"worst {np.abs((tensors + x @ fitted(everything)) / measured - 1).max():.1%}; held out: "
           f"leave-one-configuration-out worst {one_out:.1%}, default model from GPT-2 rows {worst([~gpt2]):.1%}, "
           f"GPT-2 from default-model rows {worst([gpt2]):.1%}")

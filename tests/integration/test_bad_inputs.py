@@ -324,6 +324,7 @@ def write_bad_models(root, tiny_model_dir):
 CPU_ONLY = pytest.mark.skipif(has_accelerator(), reason="refusals for machines without an accelerator")
 NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 TINY = ["--model", "prev/model", "--max-train-samples", "8"]
+T5 = "t5:d_model=16,d_ff=32,num_layers=1,num_heads=2,d_kv=8"
 LLAMA = ["--model", "llama:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
          "intermediate_size=16", "--task", "causal-lm", "--max-train-samples", "8"]
 # Rows marked FRESH run as `python -m effitrain` in a new process: one or more for each command and for each
@@ -501,6 +502,10 @@ CASES = [
     pytest.param(["inspect", "unknown-type"], "model_type `nosuchmodel`, which transformers", marks=FRESH),
     (["train", *TINY, "--data", "d.csv", "--model", "vit", "--output-dir", "new"],
      "model type `vit` has no sequence-classification head"),
+    # encoder-decoder models: refused from the config, by plan as by train (no traceback at the first forward)
+    (["plan", "--model", T5], "model type `t5` is an encoder-decoder model, which effitrain does not train"),
+    (["train", *TINY, "--data", "d.csv", "--model", T5, "--output-dir", "new"],
+     "model type `t5` is an encoder-decoder model, which effitrain does not train"),
     (["train", *TINY, "--data", "d.csv", "--model", "prev/modle", "--output-dir", "new"],
      "model path prev/modle does not exist (the folder prev does)"),
     (["train", *TINY, "--data", "d.csv", "--max-length", "100000", "--output-dir", "new"],

@@ -58,7 +58,7 @@ def test_optimizer_state_bytes_are_exact(name):
 def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointing):
     """The timeline counted on fake tensors (no memory) is the one a real forward+backward makes."""
     from effitrain import tasks
-    from effitrain.models import loading
+    from effitrain.models import transforms
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
@@ -67,8 +67,8 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
     model.train()
-    if checkpointing:
-        loading.enable_gradient_checkpointing(model)
+    # The model `train` runs, as the planner builds it: the CPU speed-ups, and checkpointing.
+    model, _ = transforms.apply_all(model, simulate.settings("sequence-classification", checkpointing))
     batch = simulate.example_batch("sequence-classification", config, 8, 64)
     # Padding, as real batches have: otherwise transformers sees an all-ones mask and skips building
     # the 4-d attention mask, which it cannot know on fake tensors.
@@ -86,11 +86,12 @@ def test_fake_tensor_simulation_equals_the_same_step_on_real_tensors(checkpointi
     assert timeline.flops == fake.flops and timeline.flops > 0
 
 
-def test_cpu_overhead_counts_the_forwards_heap_sized_allocations_once():
-    """The CPU overhead's regressor: bytes the forward allocates in pieces under glibc's mmap threshold.
-    Non-reentrant checkpointing makes the same forward allocations (saved tensors are dropped, not
-    avoided) and repeats them in the backward, which the regressor leaves out: checkpointing changes
-    the predicted overhead only through the activations."""
+def test_cpu_overhead_counts_the_steps_heap_allocations_recomputation_included():
+    """The CPU overhead's regressor: the bytes a micro-step allocates, forward and backward, in pieces under
+    glibc's mmap threshold, and the larger ones too where the run keeps freed memory (glibc then serves
+    them from its heap). Non-reentrant checkpointing makes the same forward allocations and repeats them
+    in the backward, which counts: checkpointing changes the predicted overhead by that churn."""
+    from effitrain.speedups import allocator
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import flop_registry
 
@@ -99,16 +100,21 @@ def test_cpu_overhead_counts_the_forwards_heap_sized_allocations_once():
         timeline = simulate._Timeline(flop_registry)
         with timeline:
             small + 1, big + 1
-    assert timeline.heap_churn == 2**20  # the mapped piece is not the heap's
+    assert (timeline.heap_churn, timeline.large_churn) == (2**20, simulate.HEAP_LIMIT)
     config = small_bert(layers=2, hidden=128)
     plain, recomputed = (simulate._simulate("sequence-classification", config, 8, 64, "fp32", ckpt, split=False)
                          for ckpt in (False, True))
     assert plain.forward_heap_churn == recomputed.forward_heap_churn > 0 and recomputed.flops > plain.flops
+    assert recomputed.backward_heap_churn > plain.backward_heap_churn
     planner = plan.Planner(plan.model_shapes("causal-lm", SMALL_GPT2), 64)
-    off, on = (planner.estimate(plan.Setting("fp32", "adamw", checkpointing, 4, 1)) for checkpointing in (False, True))
+    phases = {ckpt: planner.phases("fp32", ckpt, 4) for ckpt in (False, True)}
+    off, on = (planner.estimate(plan.Setting("fp32", "adamw", ckpt, 4, 1)) for ckpt in (False, True))
     assert on.activations < off.activations
     assert on.overhead - off.overhead == pytest.approx(
-        plan.CPU_OVERHEAD["activation_share"] * (on.activations - off.activations), abs=1)
+        plan.CPU_OVERHEAD["churn_share"] * (plan.heap_churn(phases[True]) - plan.heap_churn(phases[False])), abs=1)
+    whole = sum(getattr(phases[True], f"{way}_{kind}_churn") for way in ("forward", "backward") for kind in ("heap", "large"))
+    kept = whole if allocator.keeps_freed_memory() else phases[True].forward_heap_churn + phases[True].backward_heap_churn
+    assert plan.heap_churn(phases[True]) == kept
 
 
 @pytest.mark.parametrize("task, model, precision, checkpointing", [
@@ -161,7 +167,10 @@ def tiny_planner(tiny_model_dir, seq_len=128):
 
 
 def test_fit_trades_micro_batch_first_then_checkpointing_then_a_lighter_optimizer(tiny_model_dir):
-    planner = tiny_planner(tiny_model_dir)
+    # At 512 tokens, where activations outweigh the gradients: at 128 this model (97% of it the word
+    # embeddings) plans 16 x 1 under 8 x 2, rightly: a later micro-batch holds every gradient and the
+    # embeddings' new dense gradient beside it (3.9 MB each), more than the 2.8 MB of activations it saves.
+    planner = tiny_planner(tiny_model_dir, seq_len=512)
 
     def total(micro, ckpt=False, optimizer="adamw"):
         return planner.estimate(plan.Setting("fp32", optimizer, ckpt, micro, 16 // micro)).total
@@ -183,6 +192,15 @@ def test_fit_trades_micro_batch_first_then_checkpointing_then_a_lighter_optimize
         plan.fit(planner, 16, "fp32", "adamw", False, 10 * 2**20)
 
 
+def test_under_fsdp_the_causal_lm_loss_is_planned_chunked_as_on_one_process():
+    """FSDP's root unit, which holds the output layer, stays gathered after its forward, so an fsdp run's
+    causal-LM loss is the chunked one (speedups/chunked_lm_loss.weight_and_bias), as on one process: the
+    micro-step holds the same activations."""
+    shapes = plan.model_shapes("causal-lm", "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=256,vocab_size=60000")
+    one = plan.Planner(shapes, 256).phases("fp32", False, 4)
+    assert plan.Planner(shapes, 256, world_size=2, strategy="fsdp").phases("fp32", False, 4) == one
+
+
 def test_sharding_divides_the_states_and_ddp_adds_its_buckets(tiny_model_dir):
     shapes = plan.model_shapes("sequence-classification", str(tiny_model_dir))
     setting = plan.Setting("fp32", "adamw", False, 8, 1)
@@ -194,6 +212,24 @@ def test_sharding_divides_the_states_and_ddp_adds_its_buckets(tiny_model_dir):
     assert fsdp.weights == math.ceil(4 * shapes.parameters / 4) + shapes.buffer_bytes
     assert fsdp.optimizer == math.ceil(one.optimizer / 4) and fsdp.gradients == math.ceil(one.gradients / 4)
     assert zero1.optimizer == math.ceil(one.optimizer / 4) and zero1.gradients == one.gradients
+
+
+def test_fsdp_holds_the_gathered_root_unit_through_the_step(tiny_model_dir):
+    """fsdp's root unit (the parameters outside the transformer blocks: BERT's embeddings, pooler, classifier)
+    stays gathered from its forward to its backward (sharding.shard), on top of two gathered blocks and the
+    prefetched ones; in bf16 it is gathered in bf16."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    real = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    shapes = plan.model_shapes("sequence-classification", str(tiny_model_dir))
+    assert shapes.root_params == sum(p.numel() for n, p in real.named_parameters() if ".encoder.layer." not in n) > 0
+    planner = plan.Planner(shapes, 64, "cpu", world_size=4, strategy="fsdp")
+    layers = 2 * 4 * 2 * shapes.largest_layer_params  # two gathered blocks and their gradients' twins
+    for precision, width in (("fp32", 4), ("bf16", 2)):
+        phases = planner.phases(precision, False, 8)
+        fsdp = planner.estimate(plan.Setting(precision, "adamw", False, 8, 1))
+        held = max(phases.forward_held, phases.first_held, phases.last_held)
+        assert fsdp.activations == held + layers + width * shapes.root_params
 
 
 @pytest.mark.parametrize("text, value", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("16GB", 16 * 10**9),
@@ -378,20 +414,23 @@ def test_4bit_weight_bytes_are_what_bitsandbytes_stores():
 
 def test_fake_simulation_under_lora_equals_the_real_adapted_step():
     """peft's LoRA applied to the fake model: the timeline is the one the real adapted model makes
-    (the dropout copies and masks of each adapted input, A(x), the head's gradients), and it holds
-    more than the same step without adapters."""
+    (the dropout copies and masks of each adapted input, A(x), the head's gradients), and not the same
+    step's without adapters: fewer FLOPs (no weight gradients for the frozen body). Not more held either:
+    with the CPU speed-ups the adapted step's forward holds less than the plain one (8.01 vs 8.29 MB, on
+    real tensors as on fake ones)."""
     from effitrain import tasks
-    from effitrain.models import adapters
+    from effitrain.models import transforms
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 
     config, lora = small_bert(layers=2, hidden=128), plan.Peft("lora")
     fake = simulate._simulate("sequence-classification", config, 8, 64, "fp32", False, split=False, peft=lora)
     without = simulate._simulate("sequence-classification", config, 8, 64, "fp32", False, split=False)
-    assert fake.forward_held > without.forward_held
+    assert fake.forward_held != without.forward_held and fake.flops < without.flops
     torch.manual_seed(0)
     task = tasks.get("sequence-classification")
-    model = adapters.apply(BertForSequenceClassification(config), task, lora)
+    # The adapted model `train` runs, as the planner builds it (speed-ups, then the adapters).
+    model, _ = transforms.apply_all(BertForSequenceClassification(config), simulate.settings(task.name, False, lora))
     model.train()
     batch = simulate.example_batch("sequence-classification", config, 8, 64)
     batch["attention_mask"][0, -5:] = 0
@@ -444,3 +483,59 @@ def test_memory_budget_plans_with_the_runs_adapters(monkeypatch):
                          lora_r=4, lora_target_modules="query,value")
     pieces, *_ = memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
     assert pieces == 1 and seen == [plan.Peft("lora", 4, 16.0, 0.05, "query,value")]
+
+
+def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
+    """The plan's baseline (in_use_bytes) is taken after what the run's adapters and optimizer import (peft;
+    transformers' Adafactor, which imports peft and bitsandbytes): a library is not training memory, and the
+    peak measured above the baseline is what the planner predicts. Plain AdamW without adapters imports nothing."""
+    import subprocess
+    import sys
+
+    from effitrain.config import TrainConfig
+    from effitrain.engine import optim
+    from effitrain.models import adapters
+
+    events = []
+    for module, name in ((adapters, "adapters"), (optim, "optimizer")):
+        real = module.import_libraries
+        monkeypatch.setattr(module, "import_libraries", lambda settings, real=real, name=name:
+                            events.append((name, getattr(settings, "peft", settings))) or real(settings))
+    monkeypatch.setattr(memory_fit, "in_use_bytes", lambda device: events.append("baseline") or 1)
+    config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora",
+                         optim="adafactor")
+    memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
+    assert events == [("adapters", "lora"), ("optimizer", "adafactor"), "baseline"]
+    fresh = ("import sys; from effitrain.engine import optim; from effitrain.models import adapters; "
+             "adapters.import_libraries(adapters.Peft()); optim.import_libraries('adamw'); "
+             "before = [m in sys.modules for m in ('peft', 'transformers.optimization')]; "
+             "optim.import_libraries('adafactor'); after_optim = 'peft' in sys.modules; "
+             "print(*before, after_optim)")
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
+    fresh = "import sys; from effitrain.models import adapters; adapters.import_libraries(adapters.Peft('lora')); " \
+            "print('peft' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]
+
+
+def test_fsdp_imports_its_libraries_as_it_sets_up(monkeypatch):
+    """--strategy fsdp: fully_shard and its companions are imported in setup_environment, which runs before the
+    memory plan's baseline (setup.py), so a library is not counted as training memory."""
+    import contextlib
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from effitrain.engine import sharding
+    from effitrain.engine.strategies.fsdp import Fsdp
+
+    events = []
+    for name in ("check_supported", "join_alone", "import_libraries"):
+        monkeypatch.setattr(sharding, name, lambda *a, name=name: events.append(name))
+    Fsdp(SimpleNamespace(mixed_precision="no")).setup_environment(contextlib.ExitStack())
+    assert events == ["check_supported", "join_alone", "import_libraries"]
+    fresh = ("import sys; from effitrain.engine import sharding; before = 'torch.distributed.fsdp' in sys.modules; "
+             "sharding.import_libraries(); print(before, 'torch.distributed.fsdp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]

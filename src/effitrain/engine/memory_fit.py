@@ -84,8 +84,13 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     import torch.distributed as dist
 
     from effitrain import tasks
+    from effitrain.engine import optim
+    from effitrain.models import adapters
     from effitrain.planning import planner as plan
 
+    # Before the baseline, what the run's adapters and optimizer import: libraries are not training memory.
+    adapters.import_libraries(config)
+    optim.import_libraries(fixed[0] if fixed else config.optim)
     in_use = in_use_bytes(device)
     budget = budget_bytes(config, device)
     if world > 1 and dist.is_initialized():  # every process must choose the same: plan for the tightest
@@ -94,7 +99,8 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
         budget = int(smallest.item())
     task = tasks.get(config.task)
     vocab = len(processor) if task.is_text else None
-    shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config))
+    shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
+                               config.packing)
     planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)

@@ -3,6 +3,7 @@ stores per parameter, at what precision: reported from the optimizer's own state
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -55,6 +56,21 @@ def build(name: str, model: torch.nn.Module, lr: float, weight_decay: float, bet
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=betas[0])
     return _eight_bit(name, groups, lr, betas)
+
+
+def import_libraries(name: str) -> None:
+    """Import what builds this optimizer now (transformers' Adafactor: transformers.optimization, which
+    imports the Trainer's utilities, peft and bitsandbytes; 8-bit Adam: bitsandbytes, else torchao): the
+    run's memory plan counts from what the process holds before it (memory_fit.in_use_bytes), and a
+    library's code and tables are not training memory."""
+    modules = {"adafactor": ["transformers.optimization"], "adamw-8bit": ["bitsandbytes.optim", "torchao.optim"],
+               "adam-8bit": ["bitsandbytes.optim", "torchao.optim"]}.get(name, [])
+    for module in modules:
+        try:
+            importlib.import_module(module)
+            return
+        except ImportError:  # the next one, or none: build() says so in one line
+            continue
 
 
 def _eight_bit(name: str, groups, lr: float, betas):

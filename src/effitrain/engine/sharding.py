@@ -33,6 +33,17 @@ def _fsdp():
     return FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
+def import_libraries() -> None:
+    """What sharding runs with (fully_shard, the device mesh, DTensor, distributed checkpointing), imported as
+    the strategy sets up: before the memory plan's baseline (memory_fit.in_use_bytes), since a library's
+    code and tables are not training memory."""
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    _fsdp()
+
+
 def check_shardable(model: torch.nn.Module) -> None:
     if not blocks(model):
         raise UserError(f"--strategy fsdp shards a model by its transformer blocks, and {type(model).__name__} "

@@ -50,6 +50,18 @@ def quantized(settings) -> bool:
     return method(settings) == "qlora"
 
 
+def import_libraries(settings) -> None:
+    """Import what these adapters train with (peft; bitsandbytes, which peft imports where installed) now:
+    the run's memory plan counts from what the process holds before it (memory_fit.in_use_bytes), and a
+    library's code and tables are not training memory."""
+    if method(settings) is None:
+        return
+    import peft  # noqa: F401
+
+    if quantized(settings):
+        check_4bit()  # bitsandbytes, or one line saying why it does not load
+
+
 def load_options(task, source, settings, precision: str, device) -> dict:
     """What the task's from_pretrained needs for these adapters: QLoRA's base quantised as it loads, on
     this process's device, where bitsandbytes quantises it (the head kept in full precision)."""

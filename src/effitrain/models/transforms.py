@@ -32,10 +32,9 @@ class Settings:
     packing: bool = False
     peft: adapters.Peft | None = None  # None: no adapters
     compile: bool = False
-    # The CPU speed-ups (fast dropout, first-token head, oneDNN linear). Off for the memory planner's
-    # model (meta device, fake tensors) and the benchmarks that measure it: transformers' own dropout,
-    # attention and linear layers, as CPU_OVERHEAD was calibrated. The speed-ups change how values are
-    # computed, not which tensors are held (the attention's temporaries by ~0.5% of a step's).
+    # The CPU speed-ups (fast dropout, first-token head, oneDNN linear). On for the memory planner's model
+    # too (they change which tensors a step holds; planning/simulate.settings); off for benchmarks that
+    # measure transformers' own layers.
     speed_ups: bool = True
 
 

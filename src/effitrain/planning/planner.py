@@ -30,16 +30,16 @@ from effitrain.planning import simulate, sizes
 GiB = 2**30
 MiB = 2**20
 
-# CPU resident memory beyond the live tensors = CONSTANT + HEAP_SHARE x forward heap churn
-# + ACTIVATION_SHARE x activations. glibc keeps the free space of its heap (pieces under 32 MiB), cut into
+# CPU resident memory beyond the live tensors = CONSTANT + CHURN_SHARE x the step's heap churn. glibc keeps
+# the free space of its heap (every piece: effitrain's CPU runs keep freed memory, see heap_churn), cut into
 # holes by the small objects (autograd nodes, tensor headers) left between the tensors: it grows with the
-# bytes the forward passes through the heap, while the backward and checkpointing's recomputation (the
-# forward's sizes again, in the same order) mostly refill those holes. The activation term: fragmentation
-# that grows with what is held at the peak. Least squares on 42 measurements (two runs of the 21
-# configurations of benchmarks/memory_plan.py; fresh process each, peak RSS minus the RSS before the
-# model is built), worst 13.6%; held out (leave one configuration out) worst 14.8%. Why not the whole
-# step's churn, nor the heap's high-water mark of live bytes: benchmarks/README.md. `--calibrate` refits.
-CPU_OVERHEAD = {"constant": 69 * MiB, "heap_share": 0.297, "activation_share": 0.085}
+# bytes a micro-step passes through the heap, forward and backward (checkpointing's recomputation
+# included). The constant: what a run builds after its plan besides the model's tensors (the planner's own
+# objects, the loaders); the libraries a run's adapters, optimizer and strategy use are imported before the
+# plan's baseline (memory_fit.plan_run, Fsdp.setup_environment), so they are not in it. Least squares on
+# effitrain's own runs (benchmarks/memory_plan.py --runs, the 12 `fit` rows: peak RSS minus the RSS at
+# planning; xeon2c, 2026-12-05); the held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
+CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
@@ -85,6 +85,8 @@ class ModelShapes:
     peft: Peft | None = None  # LoRA or QLoRA: the adapted model's shapes; the simulation applies them too
     quantized: list[tuple[int, ...]] | None = None  # QLoRA: the weights stored in 4 bits
     block_matrices: list[tuple[int, ...]] | None = None  # trainable 2-D weights inside the blocks (muon's)
+    packing: bool = False  # --packing: the model a packed run trains (simulate.settings)
+    root_params: int = 0  # outside the transformer blocks (embeddings, head): fsdp's root unit (models/blocks.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -103,7 +105,7 @@ class ModelShapes:
 
 
 def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | None = None,
-                 peft: Peft | None = None) -> ModelShapes:
+                 peft: Peft | None = None, packing: bool = False) -> ModelShapes:
     """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
     model_type:key=value), built on fake tensors. `vocab_size`: the tokenizer's, which `train` gives
     a text model built from a config. `peft`: with LoRA or QLoRA, the adapted model (built on the
@@ -114,7 +116,7 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     tasks.get(task).check_supported(config)
     quantized = None
     if adapters.method(peft):
-        built, layers = simulate.adapted_on_meta(task, config, peft)
+        built, layers = simulate.adapted_on_meta(task, config, peft, packing=packing)
         quantized = [tuple(layer.weight.shape) for layer in layers.values()]
     else:
         peft = None
@@ -123,10 +125,13 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
     stack = simulate.layer_stack(built)
     largest = max((sum(p.numel() for p in layer.parameters()) for layer in stack), default=0) if stack else 0
     inner = built.get_base_model() if peft else built
+    in_blocks = {id(p) for block in blocks.blocks(built) for p in block.parameters()}
     return ModelShapes(inner.config, task, [(tuple(p.shape), p.requires_grad) for p in built.parameters()],
                        sum(b.numel() * b.element_size() for b in built.buffers()), largest,
                        bool(getattr(built, "supports_gradient_checkpointing", False)), peft, quantized,
-                       [tuple(p.shape) for b in blocks.blocks(built) for p in b.parameters() if p.requires_grad and p.ndim == 2])
+                       block_matrices=[tuple(p.shape) for b in blocks.blocks(built) for p in b.parameters()
+                                       if p.requires_grad and p.ndim == 2],
+                       packing=packing, root_params=sum(p.numel() for p in built.parameters() if id(p) not in in_blocks))
 
 
 def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
@@ -240,7 +245,8 @@ class Planner:
 
             try:
                 self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch,
-                                                        self.seq_len, precision, checkpointing, self.shapes.peft)
+                                                        self.seq_len, precision, checkpointing, self.shapes.peft,
+                                                        self.shapes.packing)
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                     fake_tensor.UnsupportedOperatorException) as err:
                 raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "
@@ -280,19 +286,20 @@ class Planner:
             above = phases.peak(grads_before=full if setting.accumulation > 1 else 0) + gradients - full
         if fsdp or zero >= 3:
             above += layer  # the all-gathered weights of the current and the prefetched layer
+        if fsdp:  # the root unit stays gathered from its forward to its backward (engine/sharding.shard)
+            above += (2 if setting.precision == "bf16" else 4) * self.shapes.root_params
         # The optimizer step holds every gradient and the states, but no activations.
         step = gradients + optimizer_step_temporary_bytes(setting.optimizer, self._trainable_shapes)
         # What is left at the peak once weights, gradients and states are counted: activations and
         # the temporaries of the forward, loss and backward.
         activations = max(above, step) - gradients
         tensors = weights + gradients + states + activations
-        overhead = self.overhead(phases, tensors, activations)
+        overhead = self.overhead(phases, tensors)
         return Estimate(setting, weights, gradients, states, activations, overhead, self.relative_speed(setting))
 
-    def overhead(self, phases: simulate.Phases, tensors: int, activations: int) -> int:
+    def overhead(self, phases: simulate.Phases, tensors: int) -> int:
         if self.device == "cpu":
-            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["heap_share"] * phases.forward_heap_churn
-                         + CPU_OVERHEAD["activation_share"] * activations)
+            return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["churn_share"] * heap_churn(phases))
         return round(CUDA_OVERHEAD["context"] + CUDA_OVERHEAD["fragmentation"] * tensors)
 
     def relative_speed(self, setting: Setting) -> float:
@@ -315,6 +322,17 @@ class Planner:
             else:
                 self._half_speedup = GPU_HALF_SPEEDUP
         return self._half_speedup
+
+
+def heap_churn(phases: simulate.Phases) -> int:
+    """What a micro-step (forward and backward) allocates from glibc's heap: every piece when training keeps
+    freed memory (on glibc, unless switched off: speedups/allocator.py), else the pieces under glibc's mmap
+    threshold."""
+    from effitrain.speedups import allocator
+
+    small = phases.forward_heap_churn + phases.backward_heap_churn
+    large = phases.forward_large_churn + phases.backward_large_churn
+    return small + (large if allocator.keeps_freed_memory() else 0)
 
 
 def micro_batches(batch: int) -> list[int]:

@@ -8,10 +8,13 @@ states by arithmetic (see `optimizer_state_bytes`): neither needs simulating.
 
 Deep models are simulated at depth 2 and 3 and extrapolated: in a stack of identical layers each
 extra layer adds the same activations (forward) and the same gradients (backward), so each phase's
-peak is linear in depth. The backward is cut into its first layer (plus the head) and its last
+peak is linear in depth. The backward is cut into its first two layers (plus the head) and its last
 layer (plus the embeddings) because the backward peak sits at one of those two ends: there the
-held activations are largest, here the gradients are. `tests/integration/test_planning.py` checks the
-extrapolation against a full-depth simulation.
+held activations are largest, here the gradients are. Two layers, not one: the top layer may be
+lighter than the others (the first-token head computes one row there), so the held peak is in the
+backward of the layer below it (by 1.2 MB, a 64-wide BERT in bf16 with checkpointing: its recomputation
+with every lower layer's input held). `tests/integration/test_planning.py` checks the extrapolation
+against a full-depth simulation.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from effitrain import tasks
 from effitrain.config import ALL_LINEAR
 from effitrain.models import adapters, transforms
 
-# glibc serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its heaps, which
-# keep freed memory resident; bigger ones are mapped and unmapped each time. The CPU overhead model
-# counts the first kind allocated by the forward (see plan.CPU_OVERHEAD).
+# glibc, as it starts, serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its
+# heaps, which keep freed memory resident; bigger ones are mapped and unmapped each time, unless the run
+# keeps freed memory (speedups/allocator.py: every block from the heap). The CPU overhead model counts
+# what the forward and the backward allocate of each kind (see planner.CPU_OVERHEAD).
 HEAP_LIMIT = 32 * 2**20
 # Autocast dtypes of the half precisions (fp32 runs without autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,6 +55,9 @@ class Phases:
     last_held: int
     last_with_grads: int
     forward_heap_churn: int  # bytes the forward allocates in heap-sized pieces (CPU overhead model)
+    forward_large_churn: int  # ... and in pieces of HEAP_LIMIT or more (glibc maps them, unless told not to)
+    backward_heap_churn: int  # the same two for the backward (checkpointing's recomputation included)
+    backward_large_churn: int
     flops: int
 
     def peak(self, grads_before: int) -> int:
@@ -75,6 +82,7 @@ class _Timeline(TorchDispatchMode):
         self.grads = 0
         self.points: list[tuple[int, int]] = []
         self.heap_churn = 0
+        self.large_churn = 0
         self.flops = 0
         self._flop_registry = flop_counter
         self._sizes = WeakIdKeyDictionary()  # storage -> [bytes, is_grad]
@@ -111,6 +119,8 @@ class _Timeline(TorchDispatchMode):
             self.held += size
             if size < HEAP_LIMIT:
                 self.heap_churn += size
+            else:
+                self.large_churn += size
         self.points.append((self.held, self.grads))
         return out
 
@@ -149,26 +159,30 @@ def build(task: str, config):
     return tasks.get(task).auto_class.from_config(config)
 
 
-def settings(task: str, checkpointing: bool, peft=None) -> transforms.Settings:
-    """The training model's transforms as the planner applies them (models/transforms.py): checkpointing
-    and adapters as `train` applies them; transformers' own dropout, SDPA and linear layers, not the CPU
-    speed-ups: the same masks' sizes, kept the same way; the attention's temporaries differ by ~0.5% of a
-    step's held bytes (a 2-layer BERT at 8 x 64)."""
-    return transforms.Settings(tasks.get(task), "meta", checkpointing, peft=peft if adapters.method(peft) else None,
-                               speed_ups=False)
+def settings(task: str, checkpointing: bool, peft=None, packing: bool = False) -> transforms.Settings:
+    """The training model's transforms as the planner applies them (models/transforms.py): those `train`
+    applies, the CPU speed-ups included (fast dropout keeps its masks and the first-token head drops the
+    other tokens' head activations: the default model at 24 x 128 holds 753 MiB where transformers' own
+    layers hold 883, measured on real tensors; simulated 755); not oneDNN linear layers (device "meta"),
+    which fake tensors run as plain ones. `packing` as training has it: a packed run keeps the whole head
+    (its rows hold several examples, each read at its own first token)."""
+    return transforms.Settings(tasks.get(task), "meta", checkpointing, packing,
+                               peft=peft if adapters.method(peft) else None)
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
-               peft=None) -> Phases:
+               peft=None, packing: bool = False) -> Phases:
     """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
-    `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None."""
+    `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None; `packing`: the model a
+    packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing)."""
     depth = depth_of(config)
+    model = {"peft": peft, "packing": packing}
     if depth is not None and depth > 3:
-        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, peft=peft)
-        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, peft=peft)
+        at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, **model)
+        at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, **model)
         if at2 is not None and at3 is not None:
             return Phases.extrapolate(at2, at3, depth)
-    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False, peft=peft)
+    return _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=False, **model)
 
 
 _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model): built once per planning
@@ -179,7 +193,7 @@ _MODELS: dict = {}  # (task, config as JSON, checkpointing) -> (fake mode, model
 RANDOM_STRUCTURE = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
 
 
-def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
+def _fake_model(task, config, checkpointing, peft=None, precision="fp32", packing=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = copy.deepcopy(config)
@@ -189,24 +203,24 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32"):
     adapted = adapters.method(peft) is not None
     # QLoRA's stand-in layers compute in the training precision (bitsandbytes' compute dtype).
     key = (task, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
-           precision if adapters.quantized(peft) else None)
+           precision if adapters.quantized(peft) else None, packing)
     if key not in _MODELS:
         if len(_MODELS) > 16:
             _MODELS.clear()
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         if adapted:
-            model = _fake_adapted(mode, task, config, checkpointing, peft, precision)
+            model = _fake_adapted(mode, task, config, checkpointing, peft, precision, packing)
         else:
             with mode:
                 model = build(task, config)
                 model.train()
-                model, _ = transforms.apply_all(model, settings(task, checkpointing))
+                model, _ = transforms.apply_all(model, settings(task, checkpointing, packing=packing))
         _MODELS[key] = (mode, model)
     return _MODELS[key]
 
 
 # -- adapters (--peft) ----------------------------------------------------------------------------------
-def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
+def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packing: bool = False):
     """The model `train --peft` trains (its transforms, adapters included), on the meta device (peft
     moves modules with .to(), which fake parameters refuse), and the names of the linear layers QLoRA
     stores in 4 bits: those bitsandbytes converts on load (not the task's head, which is trained, nor
@@ -224,14 +238,14 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False):
     model.train()
     layers = dict(model.named_modules())
     quantized = {name: layers[name] for name in quantized}
-    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft))
+    model, _ = transforms.apply_all(model, settings(task, checkpointing, peft, packing))
     return model, quantized
 
 
-def _fake_adapted(mode, task, config, checkpointing, peft, precision):
+def _fake_adapted(mode, task, config, checkpointing, peft, precision, packing=False):
     """The adapted model with fake tensors in place of its meta ones (shared parameters stay shared);
     QLoRA's 4-bit layers replaced by stand-ins that allocate what bitsandbytes' do."""
-    model, quantized = adapted_on_meta(task, config, peft, checkpointing)
+    model, quantized = adapted_on_meta(task, config, peft, checkpointing, packing)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(tensor, parameter):
@@ -298,10 +312,11 @@ class _Linear4bitStandIn:
         return out.to(x.dtype).clone()
 
 
-def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None) -> Phases | None:
+def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
+              packing=False) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
-    mode, model = _fake_model(task, config, checkpointing, peft, precision)
+    mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
     model.zero_grad(set_to_none=True)
     with mode:
         stack = layer_stack(model) if split else None
@@ -331,21 +346,25 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
             with autocast:
                 loss = tasks.get(task).loss_sum(model, batch) / batch_size
             backward_start = len(timeline.points)
-            forward_heap_churn = timeline.heap_churn
+            forward_heap_churn, forward_large_churn = timeline.heap_churn, timeline.large_churn
             loss.backward()
             del loss
+            backward_heap_churn = timeline.heap_churn - forward_heap_churn
+            backward_large_churn = timeline.large_churn - forward_large_churn
         for handle in handles:
             handle.remove()
     points = timeline.points
     forward = points[:backward_start] or [(0, 0)]
     if split:
         top = len(stack) - 1
-        first = points[backward_start:done_at[top] + 1]
+        first = points[backward_start:done_at[top - 1] + 1]  # the top two layers (see the module's doc)
         last = points[done_at[1]:] if 1 in done_at else points[backward_start:]
     else:
         first = last = points[backward_start:] or [(0, 0)]
     return Phases(forward_held=max(h for h, _ in forward),
                   first_held=max(h for h, _ in first), first_with_grads=max(h + g for h, g in first),
                   last_held=max(h for h, _ in last), last_with_grads=max(h + g for h, g in last),
-                  forward_heap_churn=forward_heap_churn, flops=timeline.flops)
+                  forward_heap_churn=forward_heap_churn, forward_large_churn=forward_large_churn,
+                  backward_heap_churn=backward_heap_churn, backward_large_churn=backward_large_churn,
+                  flops=timeline.flops)
 

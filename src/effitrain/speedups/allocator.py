@@ -49,10 +49,16 @@ def _glibc():
         return None
 
 
+def keeps_freed_memory() -> bool:
+    """Whether a CPU run in this environment will keep freed memory (what `keep_freed_memory` would do),
+    without changing anything: the memory planner's CPU overhead model depends on it."""
+    return _glibc() is not None and os.environ.get(SWITCH, "1") != "0"
+
+
 def keep_freed_memory() -> bool:
     """glibc keeps freed blocks for reuse; whether it applied (glibc only, and unless SWITCH is 0)."""
     libc = _glibc()
-    if libc is None or os.environ.get(SWITCH, "1") == "0":
+    if not keeps_freed_memory():
         return False
     if libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, KEEP):
         return True

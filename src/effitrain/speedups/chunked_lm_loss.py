@@ -145,16 +145,27 @@ def _forward(head, x: torch.Tensor) -> torch.Tensor:
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The output layer `apply` prepared, inside whatever wraps the model (DDP, peft, compile); None
-    when it did not, when an adapter wraps it (--lora-target-modules lm_head: the adapter's product is
-    added to the logits), or when its weight is sharded (FSDP: gathered only inside the model's forward)."""
+    """The output layer `apply` prepared, inside whatever wraps the model (DDP, FSDP, peft, compile);
+    None when it did not, or when an adapter wraps it (--lora-target-modules lm_head: the adapter's
+    product is added to the logits)."""
     for name, module in model.named_modules():
         if hasattr(module, PASS_THROUGH):
-            from torch.distributed.tensor import DTensor
-
             wrapped = name.rpartition(".")[2] == "base_layer"  # peft's tuner layers hold the layer they adapt there
-            return None if wrapped or isinstance(module.weight, DTensor) else module
+            return None if wrapped else module
     return None
+
+
+def weight_and_bias(head: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer's weight and bias as the loss multiplies them, read after the model's forward.
+    Under FSDP the root unit (which holds the output layer) stays gathered after its forward
+    (engine/sharding.py: reshard_after_forward=False), so these are the gathered parameters, whose
+    gradients FSDP reduce-scatters after the backward; one still sharded is gathered here, differentiably."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(tensor):
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    return whole(head.weight), None if head.bias is None else whole(head.bias)
 
 
 @contextlib.contextmanager

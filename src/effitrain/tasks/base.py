@@ -66,6 +66,13 @@ class Task:
         if not self.supports(model_config):
             raise UserError(f"model type `{model_config.model_type}` has no {self.name} head in transformers",
                             f"pass a model that {self.auto_class_name} supports, or another --task")
+        if getattr(model_config, "is_encoder_decoder", False):
+            # Its forward needs decoder inputs (and t5's classifier reads the hidden state at each example's
+            # end-of-sequence token) that no task here builds: refused before anything loads or plans,
+            # by `train`, `plan` and `inspect` alike, rather than a traceback at the first forward.
+            raise UserError(f"model type `{model_config.model_type}` is an encoder-decoder model, which effitrain "
+                            f"does not train ({self.name} takes encoder-only or decoder-only models)",
+                            "pass an encoder (bert, roberta...) or a decoder (gpt2, llama...) model")
 
     @staticmethod
     def source_config(source: loading.ModelSource):

@@ -189,7 +189,7 @@ class CausalLM(Task):
         head = chunked_lm_loss.output_layer(model)
         if head is not None:
             hidden, targets = self.hidden_and_targets(model, batch, head)
-            return chunked_lm_loss.loss_sum(hidden, head.weight, head.bias, targets)
+            return chunked_lm_loss.loss_sum(hidden, *chunked_lm_loss.weight_and_bias(head), targets)
         logits, targets = self.logits_and_targets(model, batch)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
                                ignore_index=-100)
@@ -211,7 +211,7 @@ class CausalLM(Task):
         head = chunked_lm_loss.output_layer(model)
         if head is not None:
             hidden, targets = self.hidden_and_targets(model, batch, head)
-            losses, correct = chunked_lm_loss.per_position(hidden, head.weight, head.bias, targets)
+            losses, correct = chunked_lm_loss.per_position(hidden, *chunked_lm_loss.weight_and_bias(head), targets)
         else:
             logits, targets = self.logits_and_targets(model, batch)
             losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)

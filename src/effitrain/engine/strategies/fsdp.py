@@ -30,6 +30,7 @@ class Fsdp(Strategy):
     def setup_environment(self, cleanup: contextlib.ExitStack) -> None:
         sharding.check_supported(self.accelerator.mixed_precision)
         sharding.join_alone(self.accelerator, cleanup)
+        sharding.import_libraries()
 
     def check_module(self, model: torch.nn.Module) -> None:
         sharding.check_shardable(model)
