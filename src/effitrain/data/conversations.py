@@ -32,7 +32,7 @@ def columns(names: list[str], text_column: str, where: str) -> dict[str, str]:
         if missing is not None:
             other = "completion" if missing == "prompt" else "prompt"
             raise UserError(f"{where} has a `{other}` column but no `{missing}` column",
-                            f"give each row both a `prompt` and a `completion`")
+                            "give each row both a `prompt` and a `completion`")
         return {"prompt": "prompt", "completion": "completion"}
     return {"text": text_column}  # absent: sources names the missing column and the flag to fix it
 
