@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-HELPERS = {"_common.py"}  # imported by the scripts, not run
+HELPERS = {"_common.py", "memory_plan_runs.py"}  # imported by the scripts (memory_plan.py --runs), not run
 
 
 def scripts() -> list[str]:
