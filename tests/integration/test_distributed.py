@@ -159,7 +159,9 @@ def test_a_killed_worker_ends_the_job_within_60_seconds(tiny_model_dir, tmp_path
     last_saved = (int(match[1]) - 1) // 2 * 2  # --save-every 2; the one before, if that save was cut short
     assert checkpoint.name in (f"step-{last_saved}", f"step-{last_saved - 2}")
     assert (checkpoint / "trainer_state.json").is_file()
-    assert int(match[1]) == logged[-1] + 1  # the step the survivor was in: one after its last logged one
+    # The step the survivor was in: one after its last logged one, or two when the peer died during the
+    # all-reduce that logs a step the survivor had already counted done (engine/run.py: log_window).
+    assert int(match[1]) in (logged[-1] + 1, logged[-1] + 2)
     assert not descendants(job.pid)
 
 
