@@ -539,3 +539,12 @@ def test_fsdp_imports_its_libraries_as_it_sets_up(monkeypatch):
              "sharding.import_libraries(); print(before, 'torch.distributed.fsdp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_plan_table_columns_line_up_whatever_the_optimizers_name():
+    from effitrain.planning.planner import Estimate, Setting, format_table
+
+    rows = [Estimate(Setting("fp32", name, False, 16, 1), 2**30, 2**30, 2**30, 2**30, 2**29, 1.0, True)
+            for name in ("sgd", "schedule-free-adamw")]
+    header, *lines = format_table(rows, rows[0]).splitlines()
+    assert {line.index("16 x 1") for line in lines} == {header.index("micro x acc") + len("micro x acc") - len("16 x 1")}

@@ -444,12 +444,13 @@ def format_table(rows: list[Estimate], recommended: Estimate | None) -> str:
     def gib(n: int) -> str:
         return f"{n / GiB:.2f}"
 
-    lines = [f"{'precision':9} {'optimizer':10} {'ckpt':4} {'micro x acc':>11} {'weights':>8} {'grads':>8} "
+    width = max([10, *(len(e.setting.optimizer) for e in rows)])  # schedule-free-adamw is 19 characters
+    lines = [f"{'precision':9} {'optimizer':{width}} {'ckpt':4} {'micro x acc':>11} {'weights':>8} {'grads':>8} "
              f"{'optim':>8} {'activ':>8} {'overhd':>8} {'total':>8} {'speed':>6}  fits"]
     for e in rows:
         s = e.setting
         mark = {True: "yes", False: "no", None: "-"}[e.fits] + ("  <- recommended" if e is recommended else "")
-        lines.append(f"{s.precision:9} {s.optimizer:10} {'on' if s.checkpointing else 'off':4} "
+        lines.append(f"{s.precision:9} {s.optimizer:{width}} {'on' if s.checkpointing else 'off':4} "
                      f"{f'{s.micro_batch} x {s.accumulation}':>11} {gib(e.weights):>8} {gib(e.gradients):>8} "
                      f"{gib(e.optimizer):>8} {gib(e.activations):>8} {gib(e.overhead):>8} {gib(e.total):>8} "
                      f"{e.relative_speed:>5.2f}x  {mark}")
