@@ -141,6 +141,26 @@ def test_packed_loss_equals_unpacked_mean_token_loss():
     assert not torch.isclose(mean_crossing, mean_padded, rtol=1e-3)
 
 
+def test_padded_text_batches_learn_the_eos_token_as_packed_ones_do():
+    """A pad token that is the end-of-text token (GPT-2's, here the packaged tokenizer's [SEP] made its pad):
+    padding is found by the attention mask, so a real one in a text keeps its label padded as packed (the
+    same labels, the same tokens counted)."""
+    from effitrain.data import text
+    from effitrain.models.loading import default_model_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer.pad_token = tokenizer.sep_token
+    eos = tokenizer.sep_token_id
+    features = [{"input_ids": [5, 6, eos]}, {"input_ids": [7, 8, 9, 10, eos]}]
+    padded = text.lm_collator(tokenizer, None)([dict(f) for f in features])
+    packed = text.packing_collator()([dict(f) for f in features])
+    assert padded["labels"].tolist() == [[5, 6, eos, -100, -100], [7, 8, 9, 10, eos]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    shifted_real = [label for row in padded["labels"][:, 1:].tolist() for label in row if label != -100]
+    assert shifted_real == [label for label in packed["labels"][0, 1:].tolist() if label != -100]
+
+
 def test_preprocessing_is_cached_and_reused(tiny_model_dir):
     from effitrain import tasks
     from effitrain.config import TrainConfig

@@ -39,11 +39,20 @@ def collator(tokenizer, multiple: int | None = 8):
 
 
 def lm_collator(tokenizer, multiple: int | None = 8):
-    """Causal LM, padded: labels are the inputs with padding set to -100 (the model shifts nothing:
-    the loss shifts them)."""
-    from transformers import DataCollatorForLanguageModeling
+    """Causal LM, padded: labels are the inputs, -100 on the padding positions (the loss shifts them).
+    Padding is found by the attention mask, not by token: where the pad token is the EOS (GPT-2, Llama
+    without one of their own), transformers' DataCollatorForLanguageModeling also hides every real EOS
+    from the loss, so a padded run never learnt to end a text where a packed run of the same data did."""
+    from transformers import DataCollatorWithPadding
 
-    return DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=multiple)
+    pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
+
+    def collate(features):
+        batch = pad([{key: f[key] for key in ("input_ids", "attention_mask") if key in f} for f in features])
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+    return collate
 
 
 def packing_collator():
