@@ -5,17 +5,25 @@ from __future__ import annotations
 from effitrain.data import cache
 
 
-def tokenize(splits, tokenizer, max_length: int, labels: bool = True):
+def tokenize(splits, tokenizer, max_length: int, labels: bool = True, end: int | None = None):
     """input_ids/attention_mask per example, unpadded: padding happens per batch (dynamic padding).
-    A `text_pair` column makes sentence pairs, truncated together (longest first), as in GLUE MRPC."""
+    A `text_pair` column makes sentence pairs, truncated together (longest first), as in GLUE MRPC.
+    `end` (language modelling): the end-of-text token appended to every text that does not end with it and
+    that --max-length did not cut (as TRL's SFTTrainer appends EOS), so that the model learns to stop."""
     pairs = "text_pair" in splits["train"].column_names
 
     def encode(batch):
-        return tokenizer(batch["text"], batch["text_pair"] if pairs else None, truncation=True,
-                         max_length=max_length)
+        encoded = tokenizer(batch["text"], batch["text_pair"] if pairs else None, truncation=True,
+                            max_length=max_length)
+        if end is not None:
+            for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"]):
+                if len(ids) < max_length and (not ids or ids[-1] != end):
+                    ids.append(end)
+                    mask.append(1)
+        return encoded
 
     removed = [c for c in splits["train"].column_names if c != "label"]
-    key = [tokenizer.name_or_path, len(tokenizer), max_length, pairs, labels]
+    key = [tokenizer.name_or_path, len(tokenizer), max_length, pairs, labels] + ([end] if end is not None else [])
     encoded = cache.map_splits(splits, encode, key, batched=True, remove_columns=removed)
     return encoded.rename_column("label", "labels") if labels else encoded
 

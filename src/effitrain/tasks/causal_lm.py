@@ -107,7 +107,8 @@ class CausalLM(Task):
                                 f"{config.data} is text data, which has no answers",
                                 "pass --metric-for-best loss (or perplexity, token_accuracy), or give prompt-completion "
                                 "or messages data")
-            return text.tokenize(splits, processor, config.max_length, labels=False)
+            stop = processor.eos_token_id if processor.eos_token_id is not None else processor.sep_token_id
+            return text.tokenize(splits, processor, config.max_length, labels=False, end=stop)
         if config.chat_template is not None:
             templates.install(processor, config.chat_template)
         if fmt in conversations.CONVERSATIONAL:
@@ -142,7 +143,7 @@ class CausalLM(Task):
 
         fmt = conversations.of_data(splits["train"])
         if fmt == conversations.TEXT:
-            return "text: loss on every token"
+            return "text: loss on every token, the end-of-text token after each text that fits"
         template = "" if fmt not in conversations.CONVERSATIONAL else \
             f", chat template {config.chat_template or 'of the tokenizer'}"
         loss = "every token" if config.loss_on == "all" else \
