@@ -349,14 +349,26 @@ def median(runs: list[dict], key: str):
     return statistics.median(values) if values else None
 
 
+QUIET = 0.1  # cores other processes may keep busy during a run whose speed is counted as clean
+
+
+def quiet_runs(runs: list[dict]) -> list[dict]:
+    """The runs other processes left alone (under QUIET cores busy), or all of them when none was: a shared
+    machine's busy moment is not a side's speed."""
+    quiet = [run for run in runs if ((run.get("cpu") or {}).get("other_cores") or 0) < QUIET]
+    return quiet or runs
+
+
 def summary(results: dict, precision: str, sides: list[str]) -> tuple[list[tuple], dict]:
     rows, medians = [], {}
     for side in sides:
         runs = results[(side, precision)]
-        m = medians[side] = {key: median(runs, key) for key in
+        counted = quiet_runs(runs)
+        m = medians[side] = {key: median(counted, key) for key in
                              ("tokens_per_second", "peak_rss_bytes", "saved_seconds", "tokens_per_step")}
         other = max((run["cpu"] or {}).get("other_cores") or 0 for run in runs)
-        rows.append((f"{side} {precision}", " / ".join(f"{run['tokens_per_second']:.0f}" for run in runs),
+        rows.append((f"{side} {precision}", " / ".join(f"{run['tokens_per_second']:.0f}" +
+                                                       ("" if run in counted else "*") for run in runs),
                      fmt(m["tokens_per_second"], ".0f"), fmt(m["tokens_per_step"], ".0f"), mib(m["peak_rss_bytes"]),
                      fmt(m["saved_seconds"], ".1f"), f"{other:.2f}"))
     return rows, medians
@@ -409,6 +421,7 @@ def compare(args) -> None:
           f"trl {next((r[0]['versions'].get('trl') for r in results.values() if 'trl' in r[0]['versions']), '-')}\n")
     for precision in args.precision:
         rows, medians = summary(results, precision, args.sides)
+        print(f"medians of the quiet runs (other processes under {QUIET} cores busy); * a run left out")
         print_columns(("", "tokens/s of each run", "median tokens/s", "tokens/step", "peak RSS", "s to saved model",
                        "other cores"), rows)
         print()
