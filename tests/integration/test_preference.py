@@ -213,3 +213,17 @@ def test_pairs_are_encoded_as_sft_encodes_prompt_completion(tokenizer):
     batch = preferences.collator(tokenizer.pad_token_id)([pair, pair])
     assert batch["input_ids"].shape == batch["labels"].shape == (2, 2, len(pair["rejected_input_ids"]))
     assert batch["labels"][0, 0, len(pair["chosen_input_ids"]):].eq(-100).all()
+
+
+def test_the_planner_counts_two_rows_per_pair_and_what_the_reference_holds():
+    """A micro-batch of 4 pairs is planned as SFT's micro-batch of 8 sequences; --reference copy holds the
+    weights again, precompute and adapters nothing more."""
+    from effitrain.planning import planner as plan
+
+    shapes = plan.model_shapes("causal-lm", TINY_LLAMA + ",vocab_size=500")
+    setting = {"precision": "fp32", "optimizer": "adamw", "checkpointing": False, "accumulation": 1}
+    sft = plan.Planner(shapes, 32).estimate(plan.Setting(micro_batch=8, **setting))
+    for reference, extra in (("precompute", 0), ("copy", shapes.weight_bytes + shapes.buffer_bytes)):
+        dpo = plan.Planner(plan.for_preference(shapes, "dpo", reference), 32).estimate(
+            plan.Setting(micro_batch=4, **setting))
+        assert dpo.activations == sft.activations and dpo.weights == sft.weights + extra
