@@ -709,6 +709,7 @@ CASES = [
      "--preference applies to --task causal-lm, not sequence-classification"),
     (["plan", "--task", "causal-lm", "--preference", "orpo", "--reference", "copy"],
      "--reference applies to --preference dpo"),
+    (["evaluate", "--model", "prev/model", "--reference-model", "prev/model"], "--reference-model is DPO's reference"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

@@ -227,3 +227,28 @@ def test_the_planner_counts_two_rows_per_pair_and_what_the_reference_holds():
         dpo = plan.Planner(plan.for_preference(shapes, "dpo", reference), 32).estimate(
             plan.Setting(micro_batch=4, **setting))
         assert dpo.activations == sft.activations and dpo.weights == sft.weights + extra
+
+
+def test_evaluate_with_the_starting_model_as_reference_gives_trains_test_metrics(tmp_path, tokenizer, cli_here):
+    """`evaluate --preference dpo --reference-model START` on the run's model/ gives metrics.json's test
+    metrics (the reference precomputed the same way); the model as its own reference gives rewards 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, intermediate_size=32)).save_pretrained(tmp_path / "start")
+    tokenizer.save_pretrained(tmp_path / "start")
+    data = write_pairs(tmp_path)
+    effitrain.train({"model": str(tmp_path / "start"), "task": "causal-lm", "data": data, "preference": "dpo",
+                     "batch_size": 8, "max_steps": 3, "lr": 1e-2, "precision": "fp32", "max_length": 64,
+                     "output_dir": str(tmp_path / "run")})
+    wanted = json.loads((tmp_path / "run" / "metrics.json").read_text())["test"]
+    common = ["evaluate", "--model", tmp_path / "run" / "model", "--data", data, "--preference", "dpo", "--precision",
+              "fp32", "--max-length", 64]
+    result = cli_here(*common, "--reference-model", tmp_path / "start")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout)
+    for key in preference.Preference.METRICS:
+        assert got[key] == pytest.approx(wanted[key], abs=1e-5), key
+    itself = json.loads(cli_here(*common, "--reference-model", tmp_path / "run" / "model").stdout)
+    assert itself["reward_margin"] == 0 and itself["loss"] == pytest.approx(0.6931472)
