@@ -255,3 +255,23 @@ def test_evaluate_with_the_starting_model_as_reference_gives_trains_test_metrics
         assert got[key] == pytest.approx(wanted[key], abs=1e-5), key
     itself = json.loads(cli_here(*common, "--reference-model", tmp_path / "run" / "model").stdout)
     assert itself["reward_margin"] == 0 and itself["loss"] == pytest.approx(0.6931472)
+
+
+def test_conversations_with_a_shared_prompt_encode_as_explicit_message_pairs(tokenizer):
+    """The implicit prompt (the conversations' common start) gives the ids and labels of the same pair with
+    an explicit `prompt`; the labels are the assistant's answer and its end of turn."""
+    import copy
+
+    from effitrain.data import templates
+
+    chat = copy.deepcopy(tokenizer)
+    templates.install(chat, "chatml")
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is 3 even?"}]
+    answers = {side: [{"role": "assistant", "content": text}] for side, text in (("chosen", "no"), ("rejected", "yes"))}
+    explicit = preferences.encode(chat, {"prompt": prompt, **answers}, preferences.MESSAGES, 96)
+    implicit = preferences.encode(chat, {side: prompt + turns for side, turns in answers.items()},
+                                  preferences.CONVERSATIONS, 96)
+    assert explicit == implicit
+    end = chat.convert_tokens_to_ids("<|im_end|>")
+    assert [label for label in explicit["chosen_labels"] if label != -100] == \
+        chat("no", add_special_tokens=False)["input_ids"] + [end]
