@@ -57,7 +57,8 @@ class Preference(CausalLM):
     def __init__(self, name: str, objective: Objective):
         super().__init__(name)
         self.objective = objective
-        self.reference = references.MODES[objective.reference]() if objective.kind == "dpo" else None
+        # A config not yet resolved (config.resolved fills it in) gets train's default without adapters.
+        self.reference = references.MODES[objective.reference or "precompute"]() if objective.kind == "dpo" else None
 
     def __repr__(self) -> str:
         return f"<task {self.name} --preference {self.objective.kind}>"
