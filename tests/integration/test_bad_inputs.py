@@ -127,6 +127,7 @@ def write_preference_cases(root):
     jsonl("pairs_role.jsonl", chat[:4] + [{**chat[4], "rejected": turn("robot", "no")}] + chat[5:])
     jsonl("pairs_user_answer.jsonl", chat[:1] + [{**chat[1], "chosen": turn("assistant", "yes") + turn("user", "ok")}]
           + chat[2:])
+    jsonl("pairs_number.jsonl", good[:3] + [{**good[3], "chosen": 5}] + good[4:])
     jsonl("pairs_apart.jsonl", [{"chosen": turn("user", f"a {n}") + turn("assistant", "yes"),
                                  "rejected": turn("user", f"b {n}") + turn("assistant", "no")} for n in range(12)])
 
@@ -675,6 +676,8 @@ CASES = [
      "mixes data formats: it has `chosen`/`rejected` and `completion` columns"),
     (["train", *LLAMA, "--data", "pairs_mixed.jsonl", "--preference", "dpo", "--output-dir", "new"],
      "mixes data formats: its columns hold text or messages"),
+    (["train", *LLAMA, "--data", "pairs_number.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "column `chosen` holds neither text nor lists of {role, content} messages"),
     (["train", *LLAMA, "--data", "pairs_long.jsonl", "--preference", "dpo", "--max-length", "24", "--output-dir",
       "new"], "keep no token of the chosen or the rejected answer within --max-length 24"),
     (["train", *LLAMA, "--data", "pairs_role.jsonl", "--preference", "dpo", "--chat-template", "chatml",

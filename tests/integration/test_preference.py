@@ -114,8 +114,8 @@ def run_losses(folder) -> list[float]:
 def test_reference_modes_give_the_same_losses(tmp_path, peft, modes):
     """The reference log-probs precomputed, from a frozen copy, and from the adapters switched off: the same
     losses at every step and the same validation metrics (fp32)."""
-    common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path), preference="dpo", batch_size=4,
-                  max_steps=4, lr=1e-2, log_every=1, max_length=64, precision="fp32", peft=peft, eval_batch_size=5)
+    common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path, 32), preference="dpo", batch_size=4,
+                  max_steps=3, lr=1e-2, log_every=1, max_length=64, precision="fp32", peft=peft, eval_batch_size=5)
     results = {}
     for mode in modes:
         effitrain.train({**common, "reference": mode, "output_dir": str(tmp_path / mode)})
