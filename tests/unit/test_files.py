@@ -31,7 +31,7 @@ def test_evaluate_output_that_appeared_while_evaluating_is_left_alone(tmp_path, 
         return {"accuracy": 1.0, "loss": 0.1, "samples": 2}
 
     monkeypatch.setattr(evaluate, "evaluate", evaluating)
-    args = argparse.Namespace(model="m", split="test", allow_pickle=False, task=None, debug=False,
+    args = argparse.Namespace(model="m", split="test", allow_pickle=False, task=None, reference_model=None, debug=False,
                               output=str(output))
     with pytest.raises(UserError, match="appeared while the model was evaluated"):
         evaluate.main(args)
