@@ -41,8 +41,11 @@ class CausalLM(Task):
             model.config.pad_token_id = processor.pad_token_id
         rows = model.get_input_embeddings().weight.shape[0]
         if processor is not None and len(processor) > rows:  # a chat template's special tokens were added
+            from effitrain.models import adapters
+
             model.resize_token_embeddings(len(processor))
-            model.effitrain_new_tokens = processor.convert_ids_to_tokens(list(range(rows, len(processor))))
+            added = list(range(rows, len(processor)))
+            adapters.mark_new_tokens(model, dict(zip(added, processor.convert_ids_to_tokens(added))))  # --peft trains them
         if processor is not None and model.can_generate():
             from effitrain.data import answers
 
@@ -55,19 +58,10 @@ class CausalLM(Task):
                 model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     def check_built_model(self, model, encoded, processor, config) -> None:
-        """Adapters over a model whose vocabulary a chat template grew are refused; --packing: two training
-        examples packed and padded give the same logits (tasks/packing_check.py). Run on the plain model: the
-        transforms after it change no computation across positions."""
-        from effitrain.models import adapters
+        """--packing: two training examples packed and padded give the same logits (tasks/packing_check.py).
+        Run on the plain model: the transforms after it change no computation across positions."""
         from effitrain.tasks import packing_check
 
-        added = getattr(model, "effitrain_new_tokens", None)
-        if added and adapters.method(config) is not None:
-            raise UserError(f"--chat-template {config.chat_template} adds {len(added)} token(s) ({', '.join(added)}) that "
-                            f"the tokenizer of {config.model} lacks: their embeddings are new rows, which "
-                            f"--peft {adapters.method(config)} leaves untrained, so the model could never learn to "
-                            "end a turn", "train without --peft, or start from a model whose tokenizer has these "
-                            "tokens (one effitrain trained with this --chat-template)")
         if config.packing:
             packed, padded = self.collators(processor, config)
             packing_check.check(model, packing_check.examples(encoded["train"]), packed, padded)
