@@ -32,6 +32,9 @@ class Peft:
     lora_alpha: float = TrainConfig.lora_alpha
     lora_dropout: float = TrainConfig.lora_dropout
     lora_target_modules: str = TrainConfig.lora_target_modules
+    # Rows the vocabulary gains at its end (a chat template's tokens over a pretrained base), trained in full:
+    # the planner grows and marks its model so (training reads them off the model: mark_new_tokens).
+    new_tokens: int = 0
 
     @classmethod
     def of(cls, config) -> "Peft | None":

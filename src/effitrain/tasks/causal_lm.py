@@ -20,6 +20,7 @@ class CausalLM(Task):
     has_labels = False
     supports_packing = True
     chunked_loss = True
+    grows_vocabulary = True  # adapt_model
     supports_chat = True
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy", "exact_match", "end_of_turn_share")
