@@ -92,6 +92,7 @@ class CausalLM(Task):
         from effitrain.data import answers, conversations, templates, text
 
         fmt = conversations.of_data(splits["train"])
+        templates.record_format(processor, fmt in conversations.CONVERSATIONAL)  # for predict --prompt
         if config.chat_template is not None and fmt not in conversations.CONVERSATIONAL:
             raise UserError(f"--chat-template applies to conversations (a `messages` column, or prompt/completion as "
                             f"message lists); --data {config.data} is {fmt} data",
@@ -284,10 +285,13 @@ class CausalLM(Task):
     def prediction_encodings(self, records: list[dict], processor, options) -> list:
         """Each input's token ids: prompts tokenised as training tokenised prompt-completion prompts, all in
         one call; conversations rendered by the saved chat template with its generation prompt (the ids
-        training saw before an answer). A long input keeps its end (what the model continues),
+        training saw before an answer), and so a prompt to a model trained on conversations (the saved
+        tokenizer's record), as one user message. A long input keeps its end (what the model continues),
         options.max_length tokens of it."""
         from effitrain.data import answers, templates
 
+        if templates.trained_on_conversations(processor):
+            records = [{"messages": [{"role": "user", "content": r["prompt"]}]} if "prompt" in r else r for r in records]
         prompts = [r["prompt"] for r in records if "prompt" in r]
         tokenised = iter(processor(prompts)["input_ids"] if prompts else [])
         if len(prompts) < len(records):
