@@ -60,23 +60,27 @@ def text_view(folder: Path) -> dict[str, str]:
     return paths
 
 
-def lora_over_a_trained_base(folder: Path, dry: dict) -> tuple[dict, dict, float]:
-    """(the base's validation metrics, the LoRA run's test metrics, seconds in all)."""
+def lora_over_a_trained_base(folder: Path, dry: dict, base_dir: str | None) -> tuple[dict | None, dict, float]:
+    """(the base's validation metrics, None for a given base; the LoRA run's test metrics; seconds in all)."""
     import effitrain
 
     start = time.perf_counter()
-    text = text_view(folder)
-    base = effitrain.train({**BASE, **dry, "data": text["train"], "validation_file": text["validation"],
-                            "test_file": text["test"], "output_dir": str(folder / "base")})
-    test = effitrain.train({**LORA, **dry, "model": str(folder / "base" / "model"),
-                            "output_dir": str(folder / "lora")})["test"]
-    return base["validation"], test, time.perf_counter() - start
+    base = None
+    if base_dir is None:
+        text = text_view(folder)
+        base = effitrain.train({**BASE, **dry, "data": text["train"], "validation_file": text["validation"],
+                                "test_file": text["test"], "output_dir": str(folder / "base")})["validation"]
+        base_dir = str(folder / "base" / "model")
+    test = effitrain.train({**LORA, **dry, "model": base_dir, "output_dir": str(folder / "lora")})["test"]
+    return base, test, time.perf_counter() - start
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="2 steps, 8 examples per split; no bars")
     parser.add_argument("--lora", action="store_true", help="LoRA over a base first trained on the text alone")
+    parser.add_argument("--base", help="--lora over this base (the model/ folder of an earlier first stage) "
+                                       "instead of training one")
     args = parser.parse_args(argv)
     import effitrain
 
@@ -86,9 +90,10 @@ def main(argv=None) -> int:
         dry = {"max_steps": 2, "max_train_samples": 8, "max_eval_samples": 8}
     with tempfile.TemporaryDirectory() as folder:
         if args.lora:
-            base, test, seconds = lora_over_a_trained_base(Path(folder), dry)
-            print(f"base (language modelling on the text): validation loss {base['loss']:.4f}, "
-                  f"perplexity {base['perplexity']:.2f}")
+            base, test, seconds = lora_over_a_trained_base(Path(folder), dry, args.base)
+            if base is not None:
+                print(f"base (language modelling on the text): validation loss {base['loss']:.4f}, "
+                      f"perplexity {base['perplexity']:.2f}")
         else:
             start = time.perf_counter()
             test = effitrain.train({**SETTINGS, **dry, "output_dir": str(Path(folder) / "run")})["test"]
