@@ -151,11 +151,33 @@ def write_chat_models(root, jsonl):
     templates.install(tokenizer, "chatml")
     model.save_pretrained(root / "lm-chat")
     tokenizer.save_pretrained(root / "lm-chat")
+    write_grown_adapter(root, exact, tokenizer)
     ask = [{"role": "user", "content": "hi"}]
     jsonl("ask.jsonl", [{"messages": ask}])
     jsonl("ask_answered.jsonl", [{"messages": ask}, {"messages": ask + [{"role": "assistant", "content": "hello"}]}])
     jsonl("ask_role.jsonl", [{"messages": [{"role": "robot", "content": "hi"}]}])
     jsonl("lm_text.jsonl", [{"text": f"plain text {n}"} for n in range(12)])
+
+
+def write_grown_adapter(root, base, tokenizer):
+    """An adapter trained over lm-exact grown by ChatML's two tokens, whose adapter_config.json was edited to
+    drop the rows it trained (trainable_token_indices)."""
+    import json
+
+    from effitrain import config as cfg
+    from effitrain import tasks
+    from effitrain.models import adapters
+
+    folder = root / "grown-adapter"
+    base.name_or_path = base.config.name_or_path = str(root / "lm-exact")  # what peft records as the base
+    base.resize_token_embeddings(len(tokenizer))
+    adapters.mark_new_tokens(base, {i: str(i) for i in range(len(tokenizer) - 2, len(tokenizer))})
+    adapted = adapters.apply(base, tasks.get("causal-lm"), cfg.build(None, {"peft": "lora", "task": "causal-lm"}))
+    adapters.save_adapter(adapted, folder)
+    adapters.plain_config(adapted).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**settings, "trainable_token_indices": None}))
 
 
 WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
@@ -640,7 +662,9 @@ CASES = [
       "--max-train-samples", "8", "--output-dir", "new"],
      "--packing: with model type `mamba` the second example of a packed row gets other outputs"),
     (["train", "--model", "lm-exact", "--task", "causal-lm", "--data", "chat.jsonl", "--chat-template", "chatml",
-      "--peft", "lora", "--output-dir", "new"], "which --peft lora leaves untrained"),
+      "--peft", "lora", "--lora-target-modules", "q_proj,lm_head", "--output-dir", "new"],
+     "whose output rows must be trained in full, which peft cannot do under a LoRA adapter"),
+    (["predict", "--model", "grown-adapter", "--prompt", "hi"], "the adapter does not hold the rows of the tokens"),
     # found by the adversarial pass (issue 28, item 10)
     (["train", "--model", "bert:hidden_size=99999996,num_attention_heads=4", "--max-train-samples", "8",
       "--output-dir", "new"], "of fp32 weights, more than this machine's"),

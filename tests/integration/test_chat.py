@@ -6,7 +6,7 @@ import json
 import effitrain
 import pytest
 import torch
-from effitrain.data import answers
+from effitrain.data import answers, templates
 
 from conftest import run_cli
 
@@ -44,6 +44,7 @@ def test_model_folder_renders_the_ids_trained_on(tmp_path):
     saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
     end = saved.convert_tokens_to_ids("<|im_end|>")
     assert saved.eos_token == "<|im_end|>" and (tmp_path / "run" / "model" / "chat_template.jinja").is_file()
+    assert templates.trained_on_conversations(saved)  # predict --prompt renders a prompt as a user message
     rendered = {tuple(saved.apply_chat_template(c)["input_ids"]): c for c in CONVERSATIONS}
     examples = 0
     for batch in watch.seen:

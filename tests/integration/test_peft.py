@@ -534,3 +534,80 @@ def test_predict_evaluate_and_train_treat_an_adapter_folder_alike(relative_run):
     with pytest.raises(UserError, match="run/adapter is an adapter folder .* pass the merged model run/model"):
         effitrain.train(tiny_run("run/adapter", "again"))
     assert not (work / "again").exists()
+
+
+# -- tokens a chat template adds to the base's vocabulary (issue 29) -----------------------------------
+def chat_data(tmp_path):
+    from test_chat import CONVERSATIONS
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    return data
+
+
+def chat_run(base_dir, out, data, **overrides):
+    return effitrain.train(small(base_dir, out, task="causal-lm", data=str(data), chat_template="chatml", max_length=96,
+                                 validation_split=0.2, test_split=0.2, max_eval_samples=None, max_new_tokens=4,
+                                 **overrides))
+
+
+def test_lora_over_a_base_without_the_templates_tokens_trains_their_rows_and_saves_both_forms(tmp_path):
+    """ChatML's two tokens are new rows of the base's embeddings and untied output layer: LoRA trains those
+    rows in full (peft's trainable tokens), the base's own rows stay as they were; adapter/ holds the rows
+    alone and loads over its base grown as in training; model/ computes what PeftModel(base, adapter/) does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = random_llama_dir(tmp_path / "base", hidden=32)
+    vocabulary = len(AutoTokenizer.from_pretrained(base_dir))
+    metrics = chat_run(base_dir, tmp_path / "o", chat_data(tmp_path), max_steps=3)
+    out = tmp_path / "o"
+    saved = adapter_weights(out)
+    rows = {key: value for key, value in saved.items() if "trainable_tokens_delta" in key}
+    assert sorted(rows) == ["base_model.model.lm_head.token_adapter.trainable_tokens_delta",
+                            "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
+    assert all(value.shape == (2, 32) for value in rows.values())
+    assert metrics["parameters"]["trainable"] == sum(value.numel() for value in saved.values())
+    settings = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert settings["trainable_token_indices"] == {"lm_head": [vocabulary, vocabulary + 1],
+                                                   "model.embed_tokens": [vocabulary, vocabulary + 1]}
+    before, merged = read_weights_of(base_dir), read_weights(out)
+    for key, name in (("model.embed_tokens.weight", "embed_tokens"), ("lm_head.weight", "lm_head")):
+        assert merged[key].shape[0] == vocabulary + 2
+        assert torch.equal(merged[key][:vocabulary], before[key])  # the base's rows did not move
+        trained = next(value for k, value in rows.items() if f".{name}." in k)
+        assert torch.equal(merged[key][vocabulary:], trained)  # the new rows are the trained ones
+    ids = torch.tensor([[vocabulary, 2000, 1500, vocabulary + 1, vocabulary, 1700]])
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(out / "model").eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(base_dir)
+        base.resize_token_embeddings(vocabulary + 2, mean_resizing=False)  # rows the adapter replaces
+        through_peft = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids).logits
+    torch.testing.assert_close(plain, through_peft, rtol=0, atol=1e-5)
+    # effitrain reads adapter/ over its base as model/: the same answers to a conversation.
+    ask = tmp_path / "ask.jsonl"
+    ask.write_text(json.dumps({"messages": [{"role": "user", "content": "Is 4 even?"}]}) + "\n")
+    assert predict(str(out / "adapter"), input_file=str(ask)) == predict(str(out / "model"), input_file=str(ask))
+
+
+def test_an_adapter_missing_the_new_rows_is_refused_over_its_base(tmp_path):
+    base_dir = random_llama_dir(tmp_path / "base", hidden=32)
+    chat_run(base_dir, tmp_path / "o", chat_data(tmp_path), max_steps=1)
+    marked = tmp_path / "o" / "adapter" / "adapter_config.json"
+    settings = json.loads(marked.read_text())
+    settings["trainable_token_indices"] = None
+    marked.write_text(json.dumps(settings))
+    with pytest.raises(UserError, match="the adapter does not hold the rows of the tokens between"):
+        predict(str(tmp_path / "o" / "adapter"), prompts=["hi"])
+
+
+def test_qlora_over_a_base_without_the_templates_tokens_trains_their_rows(tmp_path):
+    """The new rows sit in the embeddings and the output layer, which QLoRA keeps in full precision:
+    model/ gives the run's own test loss."""
+    base_dir = random_llama_dir(tmp_path / "base", hidden=64)
+    data = chat_data(tmp_path)
+    metrics = chat_run(base_dir, tmp_path / "o", data, max_steps=2, peft="qlora")
+    assert any("trainable_tokens_delta" in key for key in adapter_weights(tmp_path / "o"))
+    again = evaluate(str(tmp_path / "o" / "model"), {"data": str(data), "validation_split": 0.2, "test_split": 0.2,
+                                                     "max_length": 96}, split="test")
+    assert again["loss"] == pytest.approx(metrics["test"]["loss"], rel=1e-4)

@@ -394,6 +394,25 @@ def test_plan_with_lora_counts_states_of_the_adapters_and_head_only():
     assert weights == 4 * shapes.parameters + shapes.buffer_bytes
 
 
+def test_plan_under_lora_counts_the_rows_a_chat_template_adds(tmp_path):
+    """A pretrained causal LM whose tokenizer gained ChatML's two tokens: the plan's model grows as training's
+    does and, under LoRA, counts the new rows of the input embeddings and the untied output layer as
+    trainable (peft's trainable tokens), as the training model counts them; the step simulates."""
+    from test_peft import random_llama_dir
+    from transformers import AutoTokenizer
+
+    base = random_llama_dir(tmp_path / "base", hidden=32)
+    vocabulary, lora = len(AutoTokenizer.from_pretrained(base)), plan.Peft("lora", lora_dropout=0.0)
+    same = plan.model_shapes("causal-lm", str(base), 1, vocabulary, lora)
+    grown = plan.model_shapes("causal-lm", str(base), 1, vocabulary + 2, lora)
+    assert grown.peft.new_tokens == 2 and same.peft.new_tokens == 0
+    assert grown.trainable == same.trainable + 2 * 2 * 32  # two rows of 32 in each of the two layers
+    assert grown.parameters == same.parameters + 2 * (2 * 2 * 32)  # the rows themselves, and their trained copies
+    assert plan.model_shapes("causal-lm", str(base), 1, vocabulary + 2).trainable == \
+        plan.model_shapes("causal-lm", str(base), 1, vocabulary).trainable + 2 * 2 * 32  # resized without LoRA too
+    assert plan.Planner(grown, 32).estimate(plan.Setting("fp32", "adamw", False, 4, 1)).total > 0
+
+
 def test_4bit_weight_bytes_are_what_bitsandbytes_stores():
     """NF4 with double quantisation (QLoRA's settings), counted against bitsandbytes' own tensors; a
     QLoRA plan's weights: the linear layers at under a quarter of fp32, the rest as they are."""

@@ -86,3 +86,31 @@ def test_metrics_are_shares_of_the_gathered_examples():
     assert metrics["loss"] == 12.0 / 8 and metrics["token_accuracy"] == 5 / 8 and metrics["samples"] == 4
     assert metrics["exact_match"] == 0.75 and metrics["end_of_turn_share"] == 0.75
     assert "exact_match" not in task.metrics(outputs[:3], None)  # text data: no answers generated
+
+
+def test_a_prompt_is_one_user_message_for_a_model_trained_on_conversations(bpe, tmp_path):  # noqa: F811
+    """predict --prompt: raw, as prompt-completion training tokenised prompts, unless the saved tokenizer
+    records that the model learnt conversations; then rendered by the template as one user message with
+    the generation prompt (what training put before every answer). The record survives save and load."""
+    import types
+
+    from effitrain.data import templates
+    from transformers import AutoTokenizer
+
+    task, options = tasks.get("causal-lm"), types.SimpleNamespace(max_length=None)
+    tokenizer = with_template(bpe, TEMPLATES["chatml"])
+    prompt = CONVERSATION[1]["content"]
+    raw = [answers.prompt_ids(tokenizer, tokenizer(prompt)["input_ids"])]
+    as_message = [list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)["input_ids"])]
+    assert raw != as_message
+    assert task.prediction_encodings([{"prompt": prompt}], tokenizer, options) == raw
+    templates.record_format(tokenizer, conversational=True)
+    tokenizer.save_pretrained(tmp_path / "chat")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "chat")
+    assert templates.trained_on_conversations(saved)
+    assert task.prediction_encodings([{"prompt": prompt}], saved, options) == as_message
+    templates.record_format(saved, conversational=False)  # retrained on prompt-completion: raw again
+    saved.save_pretrained(tmp_path / "plain")
+    again = AutoTokenizer.from_pretrained(tmp_path / "plain")
+    assert task.prediction_encodings([{"prompt": prompt}], again, options) == raw

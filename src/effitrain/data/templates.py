@@ -77,3 +77,21 @@ def special_ids(tokenizer) -> set[int]:
     """The ids of special tokens: those an end of turn may be (<|im_end|>, <|eot_id|>, EOS)."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+# Saved in tokenizer_config.json: the model learnt conversations, so `predict --prompt` renders a bare prompt as
+# one user message (training never saw a prompt outside the template).
+TRAINED_ON = "effitrain_trained_on"
+
+
+def record_format(tokenizer, conversational: bool) -> None:
+    """What the tokenizer (saved with model/, adapter/, best/) says the model was trained on: conversations,
+    or not (a tokenizer from a model effitrain trained on conversations loses the mark)."""
+    if conversational:
+        tokenizer.init_kwargs[TRAINED_ON] = "conversations"
+    else:
+        tokenizer.init_kwargs.pop(TRAINED_ON, None)
+
+
+def trained_on_conversations(tokenizer) -> bool:
+    return getattr(tokenizer, "init_kwargs", {}).get(TRAINED_ON) == "conversations"

@@ -3,7 +3,10 @@ adapter becomes (merged weights for model/, peft's own folder for adapter/ and b
 
 peft's classes do the work (LoraConfig, get_peft_model, save_pretrained, PeftModel.from_pretrained);
 this module only decides what to pass them. The task's new head (a classifier sized for the labels)
-is trained in full through peft's `modules_to_save`: left frozen, a classifier stays random."""
+is trained in full through peft's `modules_to_save`: left frozen, a classifier stays random. Tokens the
+vocabulary gained (a chat template's `<|im_start|>`, `<|im_end|>` added to a base without them) are new
+rows of the input embeddings and of an untied output layer: their rows alone are trained in full,
+through peft's `trainable_token_indices` (left frozen, the model could never learn to end a turn)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from effitrain.errors import UserError
 from effitrain.models.loading import ADAPTER_CONFIG as ADAPTER_MARK  # peft's file: what makes an adapter folder
 
 ADAPTER = "default"  # peft's name for the one adapter a run trains
+NEW_TOKENS = "effitrain_new_tokens"  # on a model: {token id: token} of the rows its vocabulary gained
 
 
 # -- the settings --------------------------------------------------------------------------------------
@@ -28,6 +32,9 @@ class Peft:
     lora_alpha: float = TrainConfig.lora_alpha
     lora_dropout: float = TrainConfig.lora_dropout
     lora_target_modules: str = TrainConfig.lora_target_modules
+    # Rows the vocabulary gains at its end (a chat template's tokens over a pretrained base), trained in full:
+    # the planner grows and marks its model so (training reads them off the model: mark_new_tokens).
+    new_tokens: int = 0
 
     @classmethod
     def of(cls, config) -> "Peft | None":
@@ -184,10 +191,62 @@ def apply(model, task, config):
     names = targets(model, config.lora_target_modules, head)
     check_rank(model, names, config.lora_r)
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=names, modules_to_save=head or None, task_type=peft_task_type(task))
+                      target_modules=names, modules_to_save=head or None, task_type=peft_task_type(task),
+                      trainable_token_indices=token_rows(model, names))
     adapted = get_peft_model(model, lora)
     lean_dropout(adapted)
+    keep_chunked_loss(adapted)
     return adapted
+
+
+# -- tokens the vocabulary gained ----------------------------------------------------------------------
+def mark_new_tokens(model, tokens: dict[int, str]) -> None:
+    """Record on the model the rows its vocabulary gained (tasks/causal_lm.py, after resizing for a chat
+    template's special tokens; the planner's model too), for `apply` to train them."""
+    setattr(model, NEW_TOKENS, dict(tokens))
+
+
+def new_tokens(model) -> dict[int, str]:
+    return dict(getattr(model, NEW_TOKENS, None) or {})
+
+
+def _module_name(model, module) -> str:
+    return next(name for name, found in model.named_modules() if found is module)
+
+
+def token_rows(model, lora_targets: list[str]) -> dict[str, list[int]] | None:
+    """peft's trainable_token_indices: the rows of the new tokens in the input embeddings and, when it is
+    not tied to them, the output layer (whose rows make the new tokens' logits: left at their initial
+    values, `<|im_end|>` would never be the likeliest token). A tied output layer follows the input
+    embeddings' rows (peft ties them). peft cannot train rows of a layer that has a LoRA adapter."""
+    ids = sorted(new_tokens(model))
+    if not ids:
+        return None
+    rows = {_module_name(model, model.get_input_embeddings()): ids}
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is not None and not _tied(model, output):
+        name = _module_name(model, output)
+        if name in lora_targets:
+            raise UserError(f"--lora-target-modules names `{name.rsplit('.', 1)[-1]}`, the output layer, and the "
+                            f"chat template added {len(ids)} token(s) ({', '.join(new_tokens(model).values())}) "
+                            "whose output rows must be trained in full, which peft cannot do under a LoRA adapter",
+                            f"leave `{name.rsplit('.', 1)[-1]}` out of --lora-target-modules (the new tokens' rows "
+                            "of it are trained anyway)")
+        rows[name] = ids
+    return rows
+
+
+def keep_chunked_loss(model) -> None:
+    """peft's trainable tokens wrap the output layer and multiply by its effective weight themselves (the
+    wrapped layer's forward never runs): the wrapper, whose `weight` is that effective weight (the trained
+    rows in it, differentiably), becomes the layer the chunked loss reads (speedups/chunked_lm_loss.py)."""
+    from peft.utils.other import TrainableTokensWrapper
+
+    from effitrain.speedups import chunked_lm_loss
+
+    output = model.get_base_model().get_output_embeddings()
+    if isinstance(output, TrainableTokensWrapper) and chunked_lm_loss.prepared(output.token_adapter.get_base_layer()):
+        chunked_lm_loss.pass_through(output)
 
 
 def shape(module) -> tuple[int, int]:
@@ -359,6 +418,7 @@ def merged_state_dict(model) -> dict:
     would quantise a QLoRA merge to 4 bits again)."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
+    from peft.utils.other import TrainableTokensWrapper
 
     inner = model.get_base_model()
     merged, done = {}, ()
@@ -371,6 +431,8 @@ def merged_state_dict(model) -> dict:
             merged[f"{name}.weight"] = _plain_layout(base, weight)
             if base.bias is not None:
                 merged[f"{name}.bias"] = _full(base.bias.detach())
+        elif isinstance(module, TrainableTokensWrapper):  # the base's rows with the trained ones in them
+            merged[f"{name}.weight"] = _full(module.token_adapter.get_merged_weights([ADAPTER]).detach())
         elif isinstance(module, ModulesToSaveWrapper):
             for key, value in module.modules_to_save[ADAPTER].state_dict().items():
                 merged[f"{name}.{key}"] = _full(value)
@@ -463,6 +525,9 @@ def load_for_inference(path: Path, task):
 
     base = base_of(path)
     config = loading.load_config(path)
+    grown = grown_vocabulary(path, config, base)
+    if grown:
+        config.vocab_size = grown[0]  # the base's rows load as they are; the new ones are the adapter's
     with loading.loading(base):
         model, info = task.auto_class.from_pretrained(str(base), config=config, local_files_only=True,
                                                       ignore_mismatched_sizes=True, output_loading_info=True,
@@ -471,7 +536,32 @@ def load_for_inference(path: Path, task):
     if unfit:
         raise UserError(f"the base model {base} does not fit the adapter in {path}: {unfit}",
                         f"use the base the adapter was trained on, or the merged model {adapter_base.merged_model(path)}")
+    if grown:  # as training grew it; every new row is then replaced by the adapter's trained one
+        model.resize_token_embeddings(grown[1], mean_resizing=False)
     return apply_saved(model, path).merge_and_unload()
+
+
+def grown_vocabulary(path: Path, config, base: Path) -> tuple[int, int] | None:
+    """(the base's vocabulary, the adapter's) when training grew it (a chat template's tokens), else None.
+    The adapter must then hold every new row as trained tokens (what `apply` trains): rows it lacks would
+    be made up at load."""
+    import json
+
+    from effitrain.models import adapter_base, loading
+
+    before, after = getattr(loading.load_config(base), "vocab_size", None), getattr(config, "vocab_size", None)
+    if not isinstance(before, int) or not isinstance(after, int) or after <= before:
+        return None
+    try:
+        rows = json.loads((Path(path) / ADAPTER_MARK).read_text()).get("trainable_token_indices")
+    except (OSError, ValueError, AttributeError):
+        rows = None  # apply_saved says what is wrong with the file
+    lists = rows.values() if isinstance(rows, dict) else [rows] if isinstance(rows, list) else []
+    if not lists or any(not set(range(before, after)) <= set(ids or []) for ids in lists):
+        raise UserError(f"the adapter in {path} has a vocabulary of {after} tokens and its base {base} has {before}, "
+                        "and the adapter does not hold the rows of the tokens between",
+                        f"use the merged model {adapter_base.merged_model(path)}")
+    return before, after
 
 
 def apply_saved(model, path: Path):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -110,13 +110,20 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
                  peft: Peft | None = None, packing: bool = False) -> ModelShapes:
     """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
     model_type:key=value), built on fake tensors. `vocab_size`: the tokenizer's, which `train` gives
-    a text model built from a config. `peft`: with LoRA or QLoRA, the adapted model (built on the
-    meta device: peft moves modules, which fake tensors refuse), only its adapters and head trainable."""
+    a text model built from a config, and to which a causal LM grows (a chat template's tokens). `peft`:
+    with LoRA or QLoRA, the adapted model (built on the meta device: peft moves modules, which fake
+    tensors refuse), only its adapters, head and new tokens' rows trainable."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = model_config(model, task, num_labels, vocab_size)
     tasks.get(task).check_supported(config)
     quantized = None
+    own = getattr(config, "vocab_size", None)
+    grown = vocab_size - own if tasks.get(task).grows_vocabulary and vocab_size and isinstance(own, int) else 0
+    if grown > 0:  # a pretrained model whose tokenizer gained tokens (a chat template's): training resizes it
+        config.vocab_size = vocab_size
+        if adapters.method(peft):
+            peft = replace(peft, new_tokens=grown)  # whose rows the adapters train in full
     if adapters.method(peft):
         built, layers = simulate.adapted_on_meta(task, config, peft, packing=packing)
         quantized = [tuple(layer.weight.shape) for layer in layers.values()]

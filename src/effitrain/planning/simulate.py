@@ -229,6 +229,9 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packin
 
     with torch.device("meta"):
         model = build(task, config)
+    if getattr(peft, "new_tokens", 0):  # the rows a chat template added, marked as tasks/causal_lm.py marks them
+        rows = model.get_input_embeddings().weight.shape[0]
+        adapters.mark_new_tokens(model, {i: f"<added {i}>" for i in range(rows - peft.new_tokens, rows)})
     head = adapters.head_modules(model) if tasks.get(task).has_labels else []
     quantized = []
     if adapters.quantized(peft):

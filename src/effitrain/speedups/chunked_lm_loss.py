@@ -193,15 +193,27 @@ def apply(model: torch.nn.Module) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         return False
-    head.effitrain_forward = head.forward  # the forward it has (oneDNN's, where that applies)
-    setattr(head, PASS_THROUGH, False)
-    head.forward = types.MethodType(_forward, head)  # a bound method: deepcopy rebinds it
+    pass_through(head)
     if head.weight.device.type != "meta" and not _fake(head.weight) and not _logits_are_the_heads(model, head):
         head.forward = head.effitrain_forward
         del head.effitrain_forward
         delattr(head, PASS_THROUGH)
         return False
     return True
+
+
+def pass_through(layer: torch.nn.Module) -> None:
+    """Let `layer` return its input inside `hidden_states_of`; the loss then multiplies by its `weight`
+    (and `bias`, if it has one). `apply` does this to a linear output layer; models/adapters.py to the
+    wrapper peft's trainable tokens put around it."""
+    layer.effitrain_forward = layer.forward  # the forward it has (oneDNN's, where that applies)
+    setattr(layer, PASS_THROUGH, False)
+    layer.forward = types.MethodType(_forward, layer)  # a bound method: deepcopy rebinds it
+
+
+def prepared(layer: torch.nn.Module) -> bool:
+    """Whether `apply` (or `pass_through`) prepared this layer."""
+    return hasattr(layer, PASS_THROUGH)
 
 
 def _forward(head, x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +223,8 @@ def _forward(head, x: torch.Tensor) -> torch.Tensor:
 def output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output layer `apply` prepared, inside whatever wraps the model (DDP, FSDP, peft, compile);
     None when it did not, or when an adapter wraps it (--lora-target-modules lm_head: the adapter's
-    product is added to the logits)."""
+    product is added to the logits). The outermost one prepared: peft's trainable-tokens wrapper, when
+    models/adapters.py prepared it, before the layer it wraps."""
     for name, module in model.named_modules():
         if hasattr(module, PASS_THROUGH):
             wrapped = name.rpartition(".")[2] == "base_layer"  # peft's tuner layers hold the layer they adapt there
@@ -219,8 +232,9 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
     return None
 
 
-def weight_and_bias(head: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The output layer's weight and bias as the loss multiplies them, read after the model's forward.
+def weight_and_bias(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer's weight and bias as the loss multiplies them, read after the model's forward
+    (peft's trainable-tokens wrapper gives its effective weight: the base's rows with the trained ones).
     Under FSDP the root unit (which holds the output layer) stays gathered after its forward
     (engine/sharding.py: reshard_after_forward=False), so these are the gathered parameters, whose
     gradients FSDP reduce-scatters after the backward; one still sharded is gathered here, differentiably."""
@@ -229,7 +243,8 @@ def weight_and_bias(head: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor |
     def whole(tensor):
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-    return whole(head.weight), None if head.bias is None else whole(head.bias)
+    bias = getattr(head, "bias", None)  # peft's trainable-tokens wrapper has none (nor does its product)
+    return whole(head.weight), None if bias is None else whole(bias)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ class Task:
     has_labels: bool = True  # a label column, a classification head sized for it
     supports_packing: bool = False
     chunked_loss: bool = False  # the loss multiplies the output layer itself (speedups/chunked_lm_loss.py)
+    grows_vocabulary: bool = False  # a pretrained model's embeddings grow to its tokenizer's (a chat template's tokens)
     supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     supports_preference: bool = False  # preference pairs: --preference (tasks/preference.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)

@@ -20,6 +20,7 @@ class CausalLM(Task):
     has_labels = False
     supports_packing = True
     chunked_loss = True
+    grows_vocabulary = True  # adapt_model
     supports_chat = True
     supports_preference = True  # tasks/preference.py: this task on chosen/rejected pairs
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
@@ -42,8 +43,11 @@ class CausalLM(Task):
             model.config.pad_token_id = processor.pad_token_id
         rows = model.get_input_embeddings().weight.shape[0]
         if processor is not None and len(processor) > rows:  # a chat template's special tokens were added
+            from effitrain.models import adapters
+
             model.resize_token_embeddings(len(processor))
-            model.effitrain_new_tokens = processor.convert_ids_to_tokens(list(range(rows, len(processor))))
+            added = list(range(rows, len(processor)))
+            adapters.mark_new_tokens(model, dict(zip(added, processor.convert_ids_to_tokens(added))))  # --peft trains them
         if processor is not None and model.can_generate():
             from effitrain.data import answers
 
@@ -56,19 +60,10 @@ class CausalLM(Task):
                 model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     def check_built_model(self, model, encoded, processor, config) -> None:
-        """Adapters over a model whose vocabulary a chat template grew are refused; --packing: two training
-        examples packed and padded give the same logits (tasks/packing_check.py). Run on the plain model: the
-        transforms after it change no computation across positions."""
-        from effitrain.models import adapters
+        """--packing: two training examples packed and padded give the same logits (tasks/packing_check.py).
+        Run on the plain model: the transforms after it change no computation across positions."""
         from effitrain.tasks import packing_check
 
-        added = getattr(model, "effitrain_new_tokens", None)
-        if added and adapters.method(config) is not None:
-            raise UserError(f"--chat-template {config.chat_template} adds {len(added)} token(s) ({', '.join(added)}) that "
-                            f"the tokenizer of {config.model} lacks: their embeddings are new rows, which "
-                            f"--peft {adapters.method(config)} leaves untrained, so the model could never learn to "
-                            "end a turn", "train without --peft, or start from a model whose tokenizer has these "
-                            "tokens (one effitrain trained with this --chat-template)")
         if config.packing:
             packed, padded = self.collators(processor, config)
             packing_check.check(model, packing_check.examples(encoded["train"]), packed, padded)
@@ -105,6 +100,7 @@ class CausalLM(Task):
         from effitrain.data import answers, conversations, templates, text
 
         fmt = conversations.of_data(splits["train"])
+        templates.record_format(processor, fmt in conversations.CONVERSATIONAL)  # for predict --prompt
         if config.chat_template is not None and fmt not in conversations.CONVERSATIONAL:
             raise UserError(f"--chat-template applies to conversations (a `messages` column, or prompt/completion as "
                             f"message lists); --data {config.data} is {fmt} data",
@@ -298,10 +294,13 @@ class CausalLM(Task):
     def prediction_encodings(self, records: list[dict], processor, options) -> list:
         """Each input's token ids: prompts tokenised as training tokenised prompt-completion prompts, all in
         one call; conversations rendered by the saved chat template with its generation prompt (the ids
-        training saw before an answer). A long input keeps its end (what the model continues),
+        training saw before an answer), and so a prompt to a model trained on conversations (the saved
+        tokenizer's record), as one user message. A long input keeps its end (what the model continues),
         options.max_length tokens of it."""
         from effitrain.data import answers, templates
 
+        if templates.trained_on_conversations(processor):
+            records = [{"messages": [{"role": "user", "content": r["prompt"]}]} if "prompt" in r else r for r in records]
         prompts = [r["prompt"] for r in records if "prompt" in r]
         tokenised = iter(processor(prompts)["input_ids"] if prompts else [])
         if len(prompts) < len(records):
