@@ -22,7 +22,7 @@ with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower moment of the machine hits all of them; medians are compared with `full`. Saved for backward:
 the bytes autograd keeps from one forward (distinct storages, through saved_tensors_hooks).
-`--profile` then profiles 3 steps of `full`, `recompute` and `effitrain` and prints milliseconds per
+`--profile` then profiles 3 steps of `full`, `recompute`, `effitrain` and `p0` and prints milliseconds per
 step in each group of operators, and the top operators.
 
     .venv/bin/python benchmarks/lora_step.py [--precision fp32|bf16] [--lora-dropout 0.05] [--profile]
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list (default: all)")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    parser.add_argument("--profile", action="store_true", help="also profile full, recompute and effitrain")
+    parser.add_argument("--profile", action="store_true", help="also profile full, recompute, effitrain and p0")
     parser.add_argument("--dry-run", action="store_true",
                         help="a tiny model (benchmarks/_common.py), batch 2 x 16, 1 round of 1 step, and --profile")
     args = parser.parse_args(argv)
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
         saved = saved_bytes(built[name][0], batch, args.precision)
         print(f"  {name:10s} {median * 1000:8.1f}  {median / reference:8.2f}  {saved / 2**20:8.0f} MiB")
     if args.profile:
-        profiled = [name for name in ("full", "recompute", "effitrain") if name in steps]
+        profiled = [name for name in ("full", "recompute", "effitrain", "p0") if name in steps]
         found = {name: profile(steps[name]) for name in profiled}
         print("profiled (self time, ms per step): " + "  ".join(f"{name} {found[name][2]:.1f}" for name in profiled))
         for group in (*GROUPS, "other"):
