@@ -34,6 +34,8 @@ def run(model, x, precision="fp32"):
         out = model(x)
     out.float().square().sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    if x.grad is not None:  # the input's gradient too
+        grads["input"] = x.grad.clone()
     return out, grads
 
 
@@ -47,7 +49,7 @@ def test_without_dropout_it_is_peft(precision):
     x.grad = None
     got, got_grads = run(fast, x, precision)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 8  # A and B of each adapter
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 9  # A and B of each adapter, the input
     if precision == "fp32":
         for a, b in ((got, want), *((got_grads[name], want_grads[name]) for name in want_grads)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

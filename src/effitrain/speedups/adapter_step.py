@@ -8,7 +8,7 @@ no LoRA variant such as DoRA, nn.Linear underneath), the same function is comput
 
     dropped = x * keep_mask(x, p)            speedups/dropout.py's mask: the fast draw, kept for the backward
     a = dropped @ A^T                        in the compute dtype (autocast's), no cast of x to fp32
-    addmm(base(x), a * scaling, B^T)         the adapter's product and the sum in one call
+    (x W^T + b).addmm_(a * scaling, B^T)     the adapter's product added into the base output in place
 
 Each adapter still draws its own mask (peft's semantics: q, k and v, fed the same input, drop
 different elements). The mask is drawn once and kept (scaled floats: multiplying by booleans measured
@@ -77,16 +77,28 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     dropout = layer.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-    result = layer.base_layer(x)
     dtype = _compute_dtype(x)
-    inputs = x.to(dtype)
+    inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)
     weight_a = lora_a.weight.to(dtype)
     a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout) if p > 0 else F.linear(inputs, weight_a)
-    a = a * layer.scaling[name]
-    # The adapter's product and the sum in one call (addmm: the base output copied, the product added into it).
-    flat = result.reshape(-1, result.shape[-1]).to(dtype)
-    summed = torch.addmm(flat, a.reshape(-1, a.shape[-1]), lora_b.weight.to(dtype).t())
+    a = (a * layer.scaling[name]).reshape(-1, a.shape[-1])
+    weight_b = lora_b.weight.to(dtype).t()
+    base = layer.base_layer
+    if _plain_linear(base):  # the base product computed here, and the adapter's added into it in place
+        flat = inputs.reshape(-1, inputs.shape[-1])
+        out = torch.addmm(base.bias, flat, base.weight.t()) if base.bias is not None else flat.mm(base.weight.t())
+        if out.dtype == dtype:
+            return out.addmm_(a, weight_b).view(*x.shape[:-1], out.shape[-1])
+        return torch.addmm(out.to(dtype), a, weight_b).view(*x.shape[:-1], out.shape[-1]).to(out.dtype)
+    result = layer.base_layer(inputs)  # a base with its own forward (onednn-linear's) or hooks: its output copied
+    summed = torch.addmm(result.reshape(-1, result.shape[-1]).to(dtype), a, weight_b)
     return summed.view(result.shape).to(result.dtype)
+
+
+def _plain_linear(module) -> bool:
+    """nn.Linear's own forward, no hooks: F.linear(x, weight, bias), which this module may compute itself."""
+    return (type(module) is torch.nn.Linear and "forward" not in vars(module) and not module._forward_hooks
+            and not module._forward_pre_hooks)
 
 
 def apply(model, lean: bool = False) -> int:
