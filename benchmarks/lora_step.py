@@ -22,10 +22,12 @@ with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower moment of the machine hits all of them; medians are compared with `full`. Saved for backward:
 the bytes autograd keeps from one forward (distinct storages, through saved_tensors_hooks).
-`--profile` then profiles 3 steps of `full`, `recompute`, `effitrain` and `p0` and prints milliseconds per
+`--keep-freed-memory` makes glibc keep freed memory for reuse (speedups/allocator.py, as `effitrain train`
+does on CPUs), for every variant. `--profile` then profiles 3 steps of `full`, `recompute`, `effitrain` and `p0` and prints milliseconds per
 step in each group of operators, and the top operators.
 
     .venv/bin/python benchmarks/lora_step.py [--precision fp32|bf16] [--lora-dropout 0.05] [--profile]
+        [--keep-freed-memory] [--variants full,effitrain,p0]
     .venv/bin/python benchmarks/lora_step.py --dry-run   # a tiny model, 1 step per variant, and --profile
 """
 
@@ -69,6 +71,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
     parser.add_argument("--profile", action="store_true", help="also profile full, recompute, effitrain and p0")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory for reuse in this process, as `effitrain train` on CPUs")
     parser.add_argument("--dry-run", action="store_true",
                         help="a tiny model (benchmarks/_common.py), batch 2 x 16, 1 round of 1 step, and --profile")
     args = parser.parse_args(argv)
@@ -192,6 +196,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.dry_run:
         _common.dry_run_model()
+    if args.keep_freed_memory:
+        from effitrain.speedups import allocator
+
+        assert allocator.keep_freed_memory()
     from transformers import AutoModelForSequenceClassification
 
     from effitrain.models import loading
@@ -216,7 +224,7 @@ def main(argv=None) -> None:
                 step()
                 times[name].append(time.perf_counter() - start)
     print(f"default model, {args.batch_size} x {args.length} tokens, {args.precision}, lora dropout "
-          f"{args.lora_dropout}, {_common.machine()}, {args.rounds} rounds x {args.steps} steps each, median step time")
+          f"{args.lora_dropout}, {_common.machine()}{', glibc keeping freed memory' if args.keep_freed_memory else ''}, {args.rounds} rounds x {args.steps} steps each, median step time")
     reference = statistics.median(times[args.variants[0]])
     print(f"  {'variant':10s} {'ms/step':>8s}  {'x ' + args.variants[0]:>8s}  saved for backward")
     for name, measured in times.items():
