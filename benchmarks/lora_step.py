@@ -227,7 +227,8 @@ def main(argv=None) -> None:
           f"{args.lora_dropout}, {_common.machine()}{', glibc keeping freed memory' if args.keep_freed_memory else ''}, {args.rounds} rounds x {args.steps} steps each, median step time")
     reference = statistics.median(times[args.variants[0]])
     fastest = min(times[args.variants[0]])  # the least disturbed step: on a busy machine, the steadier ratio
-    print(f"  {'variant':10s} {'ms/step':>8s}  {'x ' + args.variants[0]:>8s}  {'fastest':>8s}  {'x':>6s}  saved for backward")
+    print(f"  {'variant':10s} {'ms/step':>8s}  {'x ' + args.variants[0]:>8s}  {'fastest':>8s}  {'x':>6s}  "
+          "saved for backward")
     for name, measured in times.items():
         median = statistics.median(measured)
         saved = saved_bytes(built[name][0], batch, args.precision)

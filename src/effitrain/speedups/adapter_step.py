@@ -14,7 +14,8 @@ Each adapter still draws its own mask (peft's semantics: q, k and v, fed the sam
 different elements). The mask is drawn once and kept (scaled floats: multiplying by booleans measured
 slower than the draw), never drawn again in the backward. `scaling` moves from the output to the
 r-wide `a` (the same product; bit for bit when scaling is a power of two, as alpha 16 / r 8).
-Anything else (evaluation, other layer types, several adapters) runs peft's own forward."""
+Anything else (evaluation, other layer types, several adapters, GPUs, whose dropout is one fused
+kernel already) runs peft's own forward."""
 
 from __future__ import annotations
 
@@ -80,7 +81,10 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     dtype = _compute_dtype(x)
     inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)
     weight_a = lora_a.weight.to(dtype)
-    a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout) if p > 0 else F.linear(inputs, weight_a)
+    if p > 0:
+        a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout)
+    else:
+        a = F.linear(inputs, weight_a)
     a = (a * layer.scaling[name]).reshape(-1, a.shape[-1])
     weight_b = lora_b.weight.to(dtype).t()
     base = layer.base_layer
