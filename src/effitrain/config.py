@@ -127,7 +127,9 @@ class TrainConfig:
                        fix="pass e.g. {flag} 8")
     lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r", "adapters", positive=True,
                              fix="pass e.g. {flag} 16")
-    lora_dropout: float = _opt(0.05, "dropout on the adapters' inputs", "adapters", within=(0, 1))
+    lora_dropout: float = _opt(0.0, "dropout on the adapters' inputs. 0 by default, as peft's: 0.05 scored no "
+                               "better over 3 seeds on sms-spam and bbc-news, and its masks make a step slower and "
+                               "keep more memory", "adapters", within=(0, 1))
     lora_target_modules: str = _opt(ALL_LINEAR, "the layers that get adapters: all-linear (every linear layer "
                                     "of the body, not the head) or a comma list of module names (e.g. query,value)",
                                     "adapters", check=lambda value: _check_lora_targets(value))

@@ -499,7 +499,7 @@ def test_memory_budget_plans_with_the_runs_adapters(monkeypatch):
     monkeypatch.setattr(plan, "model_shapes", lambda *a, **k: seen.append(a[4] if len(a) > 4 else k.get("peft"))
                         or real(*a, **k))
     config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora",
-                         lora_r=4, lora_target_modules="query,value")
+                         lora_r=4, lora_dropout=0.05, lora_target_modules="query,value")
     pieces, *_ = memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
     assert pieces == 1 and seen == [plan.Peft("lora", 4, 16.0, 0.05, "query,value")]
 

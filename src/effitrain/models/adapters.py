@@ -194,7 +194,6 @@ def apply(model, task, config):
                       target_modules=names, modules_to_save=head or None, task_type=peft_task_type(task),
                       trainable_token_indices=token_rows(model, names))
     adapted = get_peft_model(model, lora)
-    lean_dropout(adapted)
     keep_chunked_loss(adapted)
     return adapted
 
@@ -278,45 +277,6 @@ def keep_4bit_layout(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-
-
-def lean_dropout(model) -> None:
-    """peft gives every adapted layer its own dropout: each keeps a dropped copy of its input (and a
-    mask) for the backward, and q, k and v each keep one of the same input (measured on the default
-    model at 16 x 128: 731 MiB saved for the backward against 545 without adapter dropout). Here the
-    dropout and the adapter's first matmul are recomputed in the backward instead (torch's non-reentrant
-    checkpoint, which restores the RNG: the very same masks, so the same arithmetic to the bit); only
-    the input, which other layers share, is kept."""
-    import functools
-
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    for module in model.modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        for name, dropout in list(module.lora_dropout.items()):
-            if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and name in module.lora_A:
-                module.lora_dropout[name] = torch.nn.Identity()
-                first = module.lora_A[name]
-                first.forward = functools.partial(_dropped_linear, first, dropout.p)
-
-
-def _dropped_linear(linear, p: float, x):
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    if not (linear.training and torch.is_grad_enabled()):
-        return torch.nn.functional.linear(x, linear.weight)  # dropout is the identity out of training
-    return checkpoint(_dropout_then_linear, x, linear.weight, p, use_reentrant=False)
-
-
-def _dropout_then_linear(x, weight, p: float):
-    import torch
-
-    # torch's dropout, as peft's: the lean layer draws peft's very masks (tests/integration/test_peft.py checks it
-    # to the bit), which speedups/dropout's cheaper draw would not.
-    return torch.nn.functional.linear(torch.nn.functional.dropout(x, p, training=True), weight)
 
 
 def is_adapted(model) -> bool:

@@ -19,7 +19,7 @@ import torch
 from effitrain.errors import UserError
 from effitrain.models import adapters, loading
 from effitrain.models.blocks import blocks
-from effitrain.speedups import chunked_lm_loss, dropout, first_token_head, onednn_linear
+from effitrain.speedups import adapter_step, chunked_lm_loss, dropout, first_token_head, onednn_linear
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _compile(model: torch.nn.Module, settings: Settings) -> Applied:
 PIPELINE = (
     Transform("fast-dropout", lambda s: s.speed_ups, _fast_dropout,
               why="on the plain model, before the adapters: its nn.Dropout layers and attention function, not the "
-                  "dropout peft adds (adapters.lean_dropout keeps peft's very masks)"),
+                  "dropout peft adds (speedups/adapter_step.py draws those, with the adapters)"),
     Transform("first-token-head", lambda s: s.speed_ups and not s.packing, _in_place(first_token_head.apply),
               why="before the adapters, which wrap the classifier it recognises by class; not with packing, "
                   "whose rows hold many examples, each read at its own first token"),
@@ -124,6 +124,9 @@ PIPELINE = (
     Transform("adapters", lambda s: s.peft is not None, _adapters,
               why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
                   "the entries above must not touch; before compile, whose graphs must hold them"),
+    Transform("adapter-step", lambda s: s.speed_ups and s.peft is not None, _in_place(adapter_step.apply),
+              why="right after the adapters, whose layers it gives a training forward without wasted passes (their "
+                  "dropout masks drawn as fast-dropout's); before compile, whose graphs must hold it"),
     Transform("compile", lambda s: s.compile, _compile,
               why="last: the compiled graphs must hold every transform before it (checkpointing's recomputation, "
                   "the adapters' layers, the fast dropout); in place, so the parameter names stay the plain model's"),

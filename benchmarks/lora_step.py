@@ -1,0 +1,249 @@
+"""A LoRA training step against a full fine-tuning step, in one process, and where each millisecond goes.
+
+The default model (all-MiniLM-L6-v2) trains on one random batch of `--batch-size` x `--length` tokens
+(all real), one whole step each (forward, loss, backward, fused AdamW over what trains, zero_grad),
+every variant built through models/transforms.py with effitrain's CPU speed-ups, from the same weights,
+with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora-dropout`, 0.05):
+
+  full        full fine-tuning (every weight trains)
+  peft        peft's own lora.Linear forward and nn.Dropout (CPU `bernoulli_` masks; each adapter keeps
+              its dropped copy of the input and its mask for the backward)
+  recompute   effitrain before issue 31: peft's dropout + lora_A recomputed in the backward under a
+              checkpoint (the same torch masks drawn twice; only the shared input kept)
+  fast-mask   peft's forward with speedups/dropout.py's Dropout as each adapter's dropout: the change
+              of the mask's draw alone (drawn once with keep_mask, the scaled mask kept)
+  effitrain   speedups/adapter_step.py (the `adapter-step` transform), what `effitrain train --peft lora` runs: the fast mask drawn
+              once and kept with the dropped input, no cast of the input per adapter, the adapter's
+              product added into the base output by one addmm
+  lean        adapter_step with the dropped input recomputed in the backward from x and the mask (one
+              multiply per adapter) instead of kept: less memory
+  p0          effitrain with --lora-dropout 0: what all adapter dropout costs
+
+Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
+slower moment of the machine hits all of them; medians, and the fastest steps, are compared with `full`. Saved for backward:
+the bytes autograd keeps from one forward (distinct storages, through saved_tensors_hooks).
+`--keep-freed-memory` makes glibc keep freed memory for reuse (speedups/allocator.py, as `effitrain train`
+does on CPUs), for every variant. `--profile` then profiles 3 steps of `full`, `recompute`, `effitrain` and `p0` and prints milliseconds per
+step in each group of operators, and the top operators.
+
+    .venv/bin/python benchmarks/lora_step.py [--precision fp32|bf16] [--lora-dropout 0.05] [--profile]
+        [--keep-freed-memory] [--variants full,effitrain,p0]
+    .venv/bin/python benchmarks/lora_step.py --dry-run   # a tiny model, 1 step per variant, and --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
+
+VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0")
+GROUPS = {
+    "matrix products": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"},
+    "dropout masks": {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_",
+                      "aten::native_dropout", "aten::native_dropout_backward", "_KeepMask", "_DroppedProjection"},
+    "optimizer": {"aten::_fused_adamw_", "Optimizer.step#AdamW.step"},
+    "casts and copies": {"aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous"},
+    "element-wise": {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::gelu", "aten::gelu_backward",
+                     "aten::native_layer_norm", "aten::native_layer_norm_backward", "aten::_softmax",
+                     "aten::_softmax_backward_data", "aten::tanh", "aten::tanh_backward", "aten::sum",
+                     "aten::fill_", "aten::zero_", "aten::masked_fill_", "aten::where", "aten::embedding_dense_backward",
+                     "aten::index_select", "aten::embedding_backward", "aten::div", "aten::threshold_backward"},
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--lora-dropout", type=float, default=0.05)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list (default: all)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
+    parser.add_argument("--profile", action="store_true", help="also profile full, recompute, effitrain and p0")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory for reuse in this process, as `effitrain train` on CPUs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model (benchmarks/_common.py), batch 2 x 16, 1 round of 1 step, and --profile")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.batch_size, args.length, args.steps, args.rounds, args.profile = 2, 16, 1, 1, True
+    args.variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    return args
+
+
+# --- effitrain before issue 31, kept here to measure against -------------------------------------------
+
+
+def recompute_dropout(model) -> None:
+    """adapters.lean_dropout as it was: each adapter's dropout and first matmul under a non-reentrant
+    checkpoint (torch's masks, drawn again in the backward)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name, dropout in list(module.lora_dropout.items()):
+                if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+                    module.lora_dropout[name] = torch.nn.Identity()
+                    first = module.lora_A[name]
+                    first.forward = functools.partial(_checkpointed, first, dropout.p)
+
+
+def _checkpointed(linear, p, x):
+    from torch.utils.checkpoint import checkpoint
+
+    def dropped(x, weight):
+        return torch.nn.functional.linear(torch.nn.functional.dropout(x, p, training=True), weight)
+
+    return checkpoint(dropped, x, linear.weight, use_reentrant=False)
+
+
+def fast_mask_dropout(model) -> None:
+    """Each adapter's nn.Dropout as speedups/dropout.py's Dropout, peft's forward otherwise."""
+    from peft.tuners.lora import LoraLayer
+
+    from effitrain.speedups import dropout
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name, layer in list(module.lora_dropout.items()):
+                if type(layer) is torch.nn.Dropout:
+                    module.lora_dropout[name] = dropout.Dropout(layer.p)
+
+
+# --- the variants ----------------------------------------------------------------------------------------
+
+
+def build(name: str, base, p: float):
+    from effitrain import tasks
+    from effitrain.engine import optim
+    from effitrain.models import adapters, transforms
+    from effitrain.speedups import adapter_step
+
+    task = tasks.get("sequence-classification")
+    peft = None if name == "full" else adapters.Peft("lora", lora_dropout=0.0 if name == "p0" else p)
+    skip = ("adapter-step",) if name in ("peft", "recompute", "fast-mask") else ()
+    model, _ = transforms.apply_all(copy.deepcopy(base), transforms.Settings(task, peft=peft), skip=skip)
+    if name in ("recompute", "fast-mask"):
+        (recompute_dropout if name == "recompute" else fast_mask_dropout)(model)
+    elif name == "lean":
+        adapter_step.apply(model, lean=True)
+    model.train()
+    return model, optim.adamw(model, 1e-4 if name == "full" else 1e-3, 0.01)
+
+
+def make_step(model, optimizer, batch: dict, precision: str):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> None:
+        with autocast:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float(), batch["labels"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def saved_bytes(model, batch: dict, precision: str) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of one forward."""
+    storages, weights = {}, {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:  # the weights are held anyway
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    del logits
+    return sum(storages.values())
+
+
+def group_of(key: str) -> str:
+    return next((group for group, keys in GROUPS.items() if key in keys), "other")
+
+
+def profile(step) -> tuple[dict, list, float]:
+    """ms per step in each group of operators (self time), the top operators, and the profiled ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    groups = {group: 0.0 for group in (*GROUPS, "other")}
+    for e in events:
+        groups[group_of(e.key)] += e.self_cpu_time_total / 3 / 1e3
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+    return groups, [(e.key, e.self_cpu_time_total / 3 / 1e3, e.count // 3) for e in top], sum(groups.values())
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.dry_run:
+        _common.dry_run_model()
+    if args.keep_freed_memory:
+        from effitrain.speedups import allocator
+
+        assert allocator.keep_freed_memory()
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain.models import loading
+
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
+                                                              attn_implementation="sdpa")
+    torch.manual_seed(1)
+    batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
+             "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
+             "labels": torch.randint(0, 2, (args.batch_size,))}
+    built = {name: build(name, base, args.lora_dropout) for name in args.variants}
+    steps = {name: make_step(model, optimizer, batch, args.precision) for name, (model, optimizer) in built.items()}
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    print(f"default model, {args.batch_size} x {args.length} tokens, {args.precision}, lora dropout "
+          f"{args.lora_dropout}, {_common.machine()}{', glibc keeping freed memory' if args.keep_freed_memory else ''}, {args.rounds} rounds x {args.steps} steps each, median step time")
+    reference = statistics.median(times[args.variants[0]])
+    fastest = min(times[args.variants[0]])  # the least disturbed step: on a busy machine, the steadier ratio
+    print(f"  {'variant':10s} {'ms/step':>8s}  {'x ' + args.variants[0]:>8s}  {'fastest':>8s}  {'x':>6s}  "
+          "saved for backward")
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        saved = saved_bytes(built[name][0], batch, args.precision)
+        print(f"  {name:10s} {median * 1000:8.1f}  {median / reference:8.2f}  {min(measured) * 1000:8.1f}  "
+              f"{min(measured) / fastest:6.2f}  {saved / 2**20:8.0f} MiB")
+    if args.profile:
+        profiled = [name for name in ("full", "recompute", "effitrain", "p0") if name in steps]
+        found = {name: profile(steps[name]) for name in profiled}
+        print("profiled (self time, ms per step): " + "  ".join(f"{name} {found[name][2]:.1f}" for name in profiled))
+        for group in (*GROUPS, "other"):
+            print(f"  {group:18s}" + "".join(f" {found[name][0][group]:9.1f}" for name in profiled))
+        for name in profiled:
+            print(f"  top of {name}: " + ", ".join(f"{key.removeprefix('aten::')} {ms:.1f} ({count})"
+                                                  for key, ms, count in found[name][1]))
+
+
+if __name__ == "__main__":
+    main()

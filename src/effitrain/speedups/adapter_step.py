@@ -1,0 +1,127 @@
+"""A LoRA layer's training forward without wasted passes: peft's arithmetic, peft's modules and weights.
+
+peft's `lora.Linear.forward` computes `base(x) + lora_B(lora_A(dropout(x))) * scaling`, with on the
+way a cast of x to the adapter's dtype (under bf16 autocast: an fp32 copy of a bf16 input, cast back
+by the matmul), torch's dropout (its CPU `bernoulli_` draw), and two more passes over the layer's
+output (the scaling, then the sum). Here, for the plain case only (one active adapter, not merged,
+no LoRA variant such as DoRA, nn.Linear underneath), the same function is computed as:
+
+    dropped = x * keep_mask(x, p)            speedups/dropout.py's mask: the fast draw, kept for the backward
+    a = dropped @ A^T                        in the compute dtype (autocast's), no cast of x to fp32
+    (x W^T + b).addmm_(a * scaling, B^T)     the adapter's product added into the base output in place
+
+Each adapter still draws its own mask (peft's semantics: q, k and v, fed the same input, drop
+different elements). The mask is drawn once and kept (scaled floats: multiplying by booleans measured
+slower than the draw), never drawn again in the backward. `scaling` moves from the output to the
+r-wide `a` (the same product; bit for bit when scaling is a power of two, as alpha 16 / r 8).
+Anything else (evaluation, other layer types, several adapters, GPUs, whose dropout is one fused
+kernel already) runs peft's own forward."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from effitrain.speedups.dropout import keep_mask
+
+
+class _DroppedProjection(torch.autograd.Function):
+    """a = (x * mask) @ A^T, with mask = keep_mask(x, p); keeps the mask and the dropped input (or x, with
+    `lean`: the dropped input is then recomputed in the backward, one multiply instead of a copy kept)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float, lean: bool) -> torch.Tensor:
+        mask = keep_mask(x, p)
+        dropped = x * mask
+        ctx.lean = lean
+        ctx.save_for_backward(x if lean else dropped, mask, weight)
+        return F.linear(dropped, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        kept, mask, weight = ctx.saved_tensors
+        dropped = kept * mask if ctx.lean else kept
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.linear(grad, weight.t()).mul_(mask)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(dropped.reshape(-1, dropped.shape[-1]))
+        return grad_x, grad_weight, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the adapter's matmuls run in: autocast's where it is on for x's device, else x's."""
+    kind = x.device.type
+    if x.dtype.is_floating_point and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def plain(layer) -> bool:
+    """The case this forward handles: one active adapter of plain LoRA on an nn.Linear, not merged."""
+    from peft.tuners.lora import Linear
+
+    active = layer.active_adapters
+    return (type(layer) is Linear and isinstance(layer.base_layer, torch.nn.Linear) and len(active) == 1
+            and active[0] in layer.lora_A and active[0] not in layer.lora_variant and not layer.merged
+            and not layer.disable_adapters and not getattr(layer, "fan_in_fan_out", False))
+
+
+def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's lora.Linear.forward, computed as the module docstring says while training the plain case."""
+    if args or kwargs or not (layer.training and torch.is_grad_enabled()) or not plain(layer) \
+            or x.device.type != "cpu":
+        return type(layer).forward(layer, x, *args, **kwargs)
+    name = layer.active_adapters[0]
+    lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+    dropout = layer.lora_dropout[name]
+    p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
+    dtype = _compute_dtype(x)
+    inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)
+    weight_a = lora_a.weight.to(dtype)
+    if p > 0:
+        a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout)
+    else:
+        a = F.linear(inputs, weight_a)
+    a = (a * layer.scaling[name]).reshape(-1, a.shape[-1])
+    weight_b = lora_b.weight.to(dtype).t()
+    base = layer.base_layer
+    if _plain_linear(base):  # the base product computed here, and the adapter's added into it in place
+        flat = inputs.reshape(-1, inputs.shape[-1])
+        out = torch.addmm(base.bias, flat, base.weight.t()) if base.bias is not None else flat.mm(base.weight.t())
+        if out.dtype == dtype:
+            return out.addmm_(a, weight_b).view(*x.shape[:-1], out.shape[-1])
+        return torch.addmm(out.to(dtype), a, weight_b).view(*x.shape[:-1], out.shape[-1]).to(out.dtype)
+    result = layer.base_layer(inputs)  # a base with its own forward (onednn-linear's) or hooks: its output copied
+    summed = torch.addmm(result.reshape(-1, result.shape[-1]).to(dtype), a, weight_b)
+    return summed.view(result.shape).to(result.dtype)
+
+
+def _plain_linear(module) -> bool:
+    """nn.Linear's own forward, no hooks: F.linear(x, weight, bias), which this module may compute itself."""
+    return (type(module) is torch.nn.Linear and "forward" not in vars(module) and not module._forward_hooks
+            and not module._forward_pre_hooks)
+
+
+def apply(model, lean: bool = False) -> int:
+    """Every peft lora.Linear of `model` trains through `forward` (peft's own forward where it does not
+    apply), and every adapter's nn.Dropout draws speedups/dropout.py's mask (the layers `forward` does
+    not handle: QLoRA's 4-bit ones, GPT-2's Conv1D). Returns the number of layers changed."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    from effitrain.speedups import dropout
+
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for name, layer in list(module.lora_dropout.items()):
+            if type(layer) is torch.nn.Dropout:
+                module.lora_dropout[name] = dropout.Dropout(layer.p).train(layer.training)
+        if type(module) is Linear:
+            module.lean_adapter_dropout = lean
+            module.forward = types.MethodType(forward, module)
+        changed += 1
+    return changed

@@ -1,0 +1,150 @@
+"""speedups/adapter_step.py: peft's LoRA function computed without wasted passes, on tiny modules."""
+
+import pytest
+import torch
+from effitrain.speedups import adapter_step, dropout
+
+
+class Attention(torch.nn.Module):
+    """Three projections of one input (as q, k and v), then a fourth of their sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.output = torch.nn.Linear(64, 48)
+
+    def forward(self, x):
+        return self.output(self.query(x) + self.key(x) * self.value(x))
+
+
+def adapted(p: float, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(Attention(), LoraConfig(r=4, lora_alpha=8, lora_dropout=p,
+                                                   target_modules=["query", "key", "value", "output"]))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: made non-zero so that every product is tested
+            torch.nn.init.normal_(parameter, std=0.1)
+    return model.train()
+
+
+def run(model, x, precision="fp32"):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        out = model(x)
+    out.float().square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    if x.grad is not None:  # the input's gradient too
+        grads["input"] = x.grad.clone()
+    return out, grads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_without_dropout_it_is_peft(precision):
+    """Dropout 0: the output and every adapter's gradient are peft's (its forward on the same weights)."""
+    x = torch.randn(3, 10, 64, requires_grad=True)
+    reference, fast = adapted(0.0), adapted(0.0)
+    assert adapter_step.apply(fast) == 4
+    want, want_grads = run(reference, x, precision)
+    x.grad = None
+    got, got_grads = run(fast, x, precision)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 9  # A and B of each adapter, the input
+    if precision == "fp32":
+        for a, b in ((got, want), *((got_grads[name], want_grads[name]) for name in want_grads)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    else:  # bf16 sums round differently in another order: compared as a whole, each tensor within 1%
+        for a, b in ((got, want), *((got_grads[name], want_grads[name]) for name in want_grads)):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
+def test_with_dropout_it_is_peft_over_the_same_masks():
+    """Dropout 0.3: the same function and gradients as peft's forward whose dropout draws the same masks
+    (speedups/dropout.py's, from the same generator state, in the same order); masks drawn once."""
+    x = torch.randn(3, 10, 64)
+    reference, fast = adapted(0.3), adapted(0.3)
+    for module in reference.modules():  # peft's forward, its dropout drawing effitrain's masks
+        for name, layer in getattr(module, "lora_dropout", {}).items():
+            module.lora_dropout[name] = dropout.Dropout(layer.p)
+    adapter_step.apply(fast)
+    torch.manual_seed(5)
+    want, want_grads = run(reference, x.clone().requires_grad_())
+    torch.manual_seed(5)
+    drawn = []
+    original = adapter_step.keep_mask
+    adapter_step.keep_mask = lambda x, p: drawn.append(x.shape) or original(x, p)
+    try:
+        got, got_grads = run(fast, x.clone().requires_grad_())
+    finally:
+        adapter_step.keep_mask = original
+    assert len(drawn) == 4  # one mask per adapter, none drawn again in the backward
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def masks_of(model, x):
+    """The mask each adapter drew in one training forward, in call order."""
+    masks = []
+    original = adapter_step.keep_mask
+
+    def recording(x, p):
+        masks.append(original(x, p))
+        return masks[-1]
+
+    adapter_step.keep_mask = recording
+    try:
+        run(model, x)
+    finally:
+        adapter_step.keep_mask = original
+    return masks
+
+
+def test_the_masks_keep_1_minus_p_scaled_and_are_independent_between_adapters():
+    """As torch's dropout: each element kept with probability 1 - p and scaled by 1 / (1 - p); q, k and v,
+    fed the same input, draw independent masks (their agreement is that of independent draws)."""
+    p = 0.25
+    model, x = adapted_model(p), torch.randn(8, 256, 64)
+    masks = masks_of(model, x)
+    query, key, value = masks[:3]
+    for mask in masks:
+        assert mask.unique().tolist() == [0.0, pytest.approx(1 / (1 - p))]
+        assert (mask > 0).float().mean().item() == pytest.approx(1 - p, abs=0.01)  # 131k draws: sd 0.0012
+    agreement = p * p + (1 - p) * (1 - p)  # two independent draws agree this often
+    for a, b in ((query, key), (query, value), (key, value)):
+        assert ((a > 0) == (b > 0)).float().mean().item() == pytest.approx(agreement, abs=0.01)
+    assert not torch.equal(masks_of(model, x)[0], query)  # a new draw every step
+
+
+def adapted_model(p):
+    model = adapted(p)
+    adapter_step.apply(model)
+    return model
+
+
+def test_out_of_training_it_is_peft_exactly():
+    """Evaluation and no-grad forwards run peft's own forward: the very same logits."""
+    x = torch.randn(2, 5, 64)
+    reference, fast = adapted(0.3).eval(), adapted(0.3).eval()
+    adapter_step.apply(fast)
+    with torch.no_grad():
+        assert torch.equal(fast(x), reference(x))
+    assert torch.equal(fast(x), reference(x))
+
+
+def test_it_keeps_no_more_for_the_backward_than_peft():
+    """The mask and the dropped input per adapter, as peft's dropout keeps them; nothing more."""
+    def saved_bytes(model):
+        storages = {}
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(torch.randn(4, 32, 64, requires_grad=True))
+        return sum(storages.values())
+
+    assert saved_bytes(adapted_model(0.1)) <= saved_bytes(adapted(0.1))
