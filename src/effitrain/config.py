@@ -34,10 +34,14 @@ LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules") 
 ALL_LINEAR = "all-linear"
 TRACKERS = ("tensorboard", "trackio", "mlflow")  # --report-to: local, file-based stores only
 LOSS_ON = ("completion", "all")  # --loss-on: the answers only, or every token
+PREFERENCES = ("dpo", "orpo")  # --preference: the objectives on chosen/rejected pairs
+REFERENCES = ("precompute", "copy", "adapters")  # --reference: where DPO's reference log-probs come from
+DPO_LOSSES = ("sigmoid", "ipo")  # --dpo-loss: TRL's loss_type names
+PREFERENCE_SETTINGS = ("beta", "reference", "dpo_loss", "dpo_label_smoothing")  # what no --preference leaves alone
 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
-SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters",
+SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters", "preference",
             "distributed", "evaluation", "checkpoints", "logging")
 
 
@@ -127,6 +131,23 @@ class TrainConfig:
     lora_target_modules: str = _opt(ALL_LINEAR, "the layers that get adapters: all-linear (every linear layer "
                                     "of the body, not the head) or a comma list of module names (e.g. query,value)",
                                     "adapters", check=lambda value: _check_lora_targets(value))
+    preference: str | None = _opt(None, "--task causal-lm on preference pairs (`prompt`, `chosen`, `rejected`, or "
+                                  "`chosen` and `rejected` conversations): dpo (direct preference optimisation "
+                                  "against a reference model) or orpo (odds-ratio preference optimisation: the "
+                                  "chosen answer's loss plus an odds-ratio term, no reference)", "preference",
+                                  choices=PREFERENCES)
+    beta: float = _opt(0.1, "dpo: the temperature of the implicit reward (beta x log-ratio to the reference); "
+                       "orpo: the weight of the odds-ratio term (TRL's beta, the paper's lambda)", "preference",
+                       positive=True, fix="pass e.g. {flag} 0.1")
+    reference: str | None = _opt(None, "dpo's reference log-probs: precompute (one pass over the data before "
+                                 "training, kept with the run: nothing more on the device), copy (a frozen copy "
+                                 "of the starting model) or adapters (with --peft: the same model with its adapters "
+                                 "switched off); default adapters with --peft, else precompute", "preference",
+                                 choices=REFERENCES)
+    dpo_loss: str = _opt("sigmoid", "dpo's loss on the margin: sigmoid (the DPO paper's) or ipo (squared distance "
+                         "of the log-ratio margin to 1 / (2 beta), IPO's)", "preference", choices=DPO_LOSSES)
+    dpo_label_smoothing: float = _opt(0.0, "dpo sigmoid loss: the assumed share of pairs whose preference is "
+                                      "flipped (conservative DPO)", "preference", within=(0, 0.5))
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
@@ -383,7 +404,10 @@ DEFAULT_LR = {"none": 1e-4, "lora": 1e-3, "qlora": 1e-3}
 def resolved(config: TrainConfig) -> TrainConfig:
     """Defaults that depend on other settings, filled in (config.yaml records the values used)."""
     if config.lr is None:
-        return dataclasses.replace(config, lr=DEFAULT_LR.get(config.peft, 1e-4))
+        config = dataclasses.replace(config, lr=DEFAULT_LR.get(config.peft, 1e-4))
+    if config.preference == "dpo" and config.reference is None:
+        # The cheapest exact reference: adapters switched off cost nothing; else one pass before training.
+        config = dataclasses.replace(config, reference="adapters" if config.peft != "none" else "precompute")
     return config
 
 
@@ -545,9 +569,33 @@ def validate(config: TrainConfig) -> None:
         raise UserError("--early-stopping-threshold applies to early stopping, which is off",
                         "pass --early-stopping-patience too, or drop the threshold")
     _check_peft(config)
+    _check_preference(config)
     _check_optimizer(config)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
+
+
+def _check_preference(config: TrainConfig) -> None:
+    """--preference's own flags: only with it; a reference only for dpo, adapters only with adapters."""
+    if config.preference is None:
+        defaults = TrainConfig()
+        changed = [name for name in PREFERENCE_SETTINGS if getattr(config, name) != getattr(defaults, name)]
+        if changed:
+            raise UserError(f"{flag(changed[0])} applies to preference tuning, and --preference is not set",
+                            f"pass --preference dpo (or orpo), or drop {flag(changed[0])}")
+        return
+    if config.preference != "dpo":
+        changed = [name for name in ("reference", "dpo_loss", "dpo_label_smoothing")
+                   if getattr(config, name) != getattr(TrainConfig, name)]
+        if changed:
+            raise UserError(f"{flag(changed[0])} applies to --preference dpo; {config.preference} has no reference "
+                            "model and its own loss", f"drop {flag(changed[0])}, or pass --preference dpo")
+    if config.reference == "adapters" and config.peft == "none":
+        raise UserError("--reference adapters is the model with its adapters switched off, and --peft is none",
+                        "pass --peft lora (or qlora), or --reference precompute (or copy)")
+    if config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
+        raise UserError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {config.dpo_loss}",
+                        "drop --dpo-label-smoothing, or pass --dpo-loss sigmoid")
 
 
 def _check_peft(config: TrainConfig) -> None:

@@ -42,7 +42,7 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
         from effitrain import tasks
         from effitrain.engine.run import run
 
-        tasks.get(config.task).check_config(config)  # the task's own rules (it imports torch)
+        tasks.for_config(config).check_config(config)  # the task's own rules (it imports torch)
         result = run(config, run_dir, command, callbacks)
     except BaseException as err:
         if run_dir is not None:  # a diverged run keeps what it wrote (log, checkpoints, best/): not a mistake to undo

@@ -57,7 +57,10 @@ def packing_collator():
 
 
 def lengths(dataset) -> list[int] | None:
-    """Example lengths for length grouping: tokens, or audio samples; None where all are one size."""
+    """Example lengths for length grouping: tokens, or audio samples (a preference pair: its longer
+    answer's sequence); None where all are one size."""
+    if "chosen_input_ids" in dataset.column_names:
+        return [max(len(a), len(b)) for a, b in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])]
     for column in ("input_ids", "input_values"):
         if column in dataset.column_names and dataset.features[column].__class__.__name__ in ("List",
                                                                                                "Sequence",

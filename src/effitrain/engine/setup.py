@@ -123,7 +123,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     from accelerate.utils import set_seed
 
     libraries.quiet_libraries(config.debug)
-    task = tasks.get(config.task)
+    task = tasks.for_config(config)
     # Fail on the cheap checks before loading anything heavy.
     source = loading.resolve_source(config.model, config.allow_pickle)
     source.allow_partial = config.allow_partial_load
@@ -299,6 +299,8 @@ def loaders(task, config: TrainConfig, data: Data, world: int, grad_accum: int):
 def prepare(config: TrainConfig, task, strategy: strategies.Strategy, plan: RunPlan, data: Data, model,
             sizes: list[int], out_dir: Path, log) -> Run:
     accelerator, world = strategy.accelerator, strategy.accelerator.num_processes
+    # The starting model, before any wrapping: what the task makes of it (a preference reference).
+    data.encoded = task.before_training(model, data.encoded, data.processor, config, out_dir, accelerator.autocast)
     train_dl, eval_dls, stand_in = loaders(task, config, data, world, plan.grad_accum)
     assert len(train_dl) == math.ceil(len(data.encoded["train"]) / config.batch_size)
     total_steps = config.max_steps or config.epochs * len(sizes)

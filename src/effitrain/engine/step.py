@@ -5,7 +5,11 @@ The loss of a step is the sum of per-item losses over all micro-batches of all p
 the number of items in all of them, so the step is the same whatever W, the micro-batch and the
 accumulation are (a mean of per-micro-batch means is not, when micro-batches hold different numbers
 of items). A process that lacks a micro-batch at the end of an epoch runs a zero-weight stand-in,
-so that every process runs the same passes and DDP's collectives match."""
+so that every process runs the same passes and DDP's collectives match.
+
+A task whose loss has several terms, each a mean over its own items (ORPO: the chosen answers' tokens
+and the pairs), gives loss_sum and item_count as vectors, one entry per term: each term is divided by its
+own count over the step, and the step's loss is their sum (logged as a mean over the window's steps)."""
 
 from __future__ import annotations
 
@@ -85,11 +89,13 @@ class StepRunner:
                 last = i == len(pieces) - 1 and not self.agree
                 with contextlib.nullcontext() if last else self._no_sync():
                     if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
-                        self.accelerator.backward(self.task.loss_sum(self.model, self.stand_in) * 0.0)
+                        self.accelerator.backward((self.task.loss_sum(self.model, self.stand_in) * 0.0).sum())
                         continue
                     loss = self.task.loss_sum(self.model, piece)
-                    self.accelerator.backward(loss * scale / step_items)
-                self._count(piece, loss, window, totals)
+                    self.accelerator.backward((loss * scale / step_items).sum())
+                self._count(piece, loss, window, totals, step_items)
+            if step_items.dim():  # several terms: the window counts steps, 1 over the processes of one
+                window[1] += 1.0 / scale
         except Exception as err:
             if self.retry and memory_fit.is_out_of_memory(err):
                 return True
@@ -100,8 +106,10 @@ class StepRunner:
         """Gradients not reduced on this piece (accumulated for the step's last one)."""
         return self.strategy.no_sync(self.model)
 
-    def _count(self, piece, loss, window, totals) -> None:
+    def _count(self, piece, loss, window, totals, step_items) -> None:
         count = self.task.item_count(piece).double()
+        if count.dim():  # several terms: this piece's share of the step's loss (the step is counted once)
+            loss, count = (loss.detach().double() / step_items.double()).sum(), count.new_tensor(0.0)
         tokens = self.task.token_count(piece)
         window += torch.stack([loss.detach().double(), count])
         totals += torch.stack([self.task.example_count(piece).double(),

@@ -264,6 +264,17 @@ def is_adapted(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def switched_off(model):
+    """peft's disable_adapter context of the PeftModel inside whatever wraps it (DDP, FSDP): inside, the
+    model computes as its base did before training (preference tuning's reference, with no second copy)."""
+    inner = model
+    while not is_adapted(inner) and hasattr(inner, "module"):
+        inner = inner.module
+    if not is_adapted(inner):
+        raise ValueError("the model has no adapters to switch off")
+    return inner.disable_adapter()
+
+
 def counts(model) -> dict[str, int]:
     """Trainable and total parameters (4-bit weights counted as the values they hold, as peft does)."""
     if is_adapted(model):

@@ -96,6 +96,70 @@ def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                      rows_per_chunk or chunk_rows(weight.shape[0]), torch.is_grad_enabled())
 
 
+class _LinearTokenLogProbs(torch.autograd.Function):
+    """Each row's log-probability of its target under log_softmax(hidden @ weight^T + bias), a chunk at a
+    time. Unlike the summed loss, each row's incoming gradient differs (a preference loss weighs its
+    sequences apart), so the backward makes each chunk's logits again: one more product than the summed
+    loss, and still at most one chunk's logits alive."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype, rows_per_chunk):
+        out = hidden.new_empty(targets.shape, dtype=torch.float32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            matrix, offset = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for start in range(0, hidden.shape[0], rows_per_chunk):
+                logits = F.linear(hidden[start:start + rows_per_chunk].to(dtype), matrix, offset).float()
+                target = targets[start:start + rows_per_chunk]
+                out[start:start + rows_per_chunk] = -F.cross_entropy(logits, target, reduction="none")
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.dtype, ctx.rows_per_chunk = dtype, rows_per_chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        dtype, step = ctx.dtype, ctx.rows_per_chunk
+        wants = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden, dtype=dtype) if wants[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            matrix, offset = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for start in range(0, hidden.shape[0], step):
+                rows = hidden[start:start + step].to(dtype)
+                target = targets[start:start + step]
+                # d log p(target) / d logits = one-hot - softmax, times each row's incoming gradient
+                gradient = -torch.softmax(F.linear(rows, matrix, offset).float(), dim=-1)
+                gradient[torch.arange(len(target), device=target.device), target] += 1
+                gradient *= grad_out[start:start + step, None].float()
+                if grad_bias is not None:
+                    grad_bias += gradient.sum(0)
+                gradient = gradient.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:start + step] = gradient @ matrix
+                if grad_weight is not None:
+                    grad_weight += (gradient.t() @ rows).float()
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip((grad_hidden, grad_weight, grad_bias),
+                                                                      (hidden, weight, bias))]
+        return (*grads, None, None, None)
+
+
+def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    ignore_index: int = -100, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """Each position's log-probability of its target (0 where the target is `ignore_index`), shaped as
+    `targets`, fp32, differentiable in hidden, weight and bias: a sequence's log-probability is its sum.
+    Only the positions that count are multiplied."""
+    flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    out = flat.new_zeros(wanted.shape, dtype=torch.float32)
+    if _fake(targets):  # the planner's fake tensors: every position counts
+        where = torch.arange(wanted.shape[0], device=wanted.device)
+    else:
+        where = (wanted != ignore_index).nonzero().squeeze(1)
+    picked = _LinearTokenLogProbs.apply(flat[where], weight, bias, wanted[where], compute_dtype(hidden),
+                                        rows_per_chunk or chunk_rows(weight.shape[0]))
+    return out.index_put((where,), picked).view(targets.shape)
+
+
 @torch.no_grad()
 def per_position(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                  ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:

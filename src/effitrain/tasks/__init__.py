@@ -32,6 +32,20 @@ def get(name: str):
     return _INSTANCES[name]
 
 
+def for_config(config):
+    """The task object of a run's settings: the registered one, or with --preference the same task on
+    preference pairs (a new object each time: it holds the run's reference model)."""
+    import importlib
+
+    task = get(config.task)
+    if getattr(config, "preference", None) is None:
+        return task
+    if not task.supports_preference:
+        task.check_config(config)  # refuses --preference with the task's name
+    preference = importlib.import_module("effitrain.tasks.preference")
+    return preference.Preference(task.name, preference.Objective.of(config))
+
+
 def for_model_config(model_config, where: str, expected: str | None = None):
     """The task a saved model was made for: the one whose Auto class maps the config to the class its
     config.json `architectures` names (BertForSequenceClassification, ViTForImageClassification,

@@ -21,6 +21,7 @@ class Task:
     supports_packing: bool = False
     chunked_loss: bool = False  # the loss multiplies the output layer itself (speedups/chunked_lm_loss.py)
     supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
+    supports_preference: bool = False  # preference pairs: --preference (tasks/preference.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
     def __init__(self, name: str):
@@ -41,6 +42,8 @@ class Task:
         if config.packing and not self.supports_packing:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")
+        if getattr(config, "preference", None) is not None and not self.supports_preference:
+            raise UserError(f"--preference applies to --task causal-lm, not {self.name}", "drop --preference")
         if not self.supports_chat:
             from effitrain.config import TrainConfig
 
@@ -49,6 +52,12 @@ class Task:
                             if getattr(config, name) != getattr(TrainConfig, name)), None)
             if changed:
                 raise UserError(f"{changed} applies to --task causal-lm, not {self.name}", f"drop {changed}")
+
+    def before_training(self, model, encoded, processor, config, out_dir, autocast=None):
+        """What the task makes from the starting model before training (preference tuning: its reference);
+        returns the preprocessed splits, with what it added. `autocast`: the run's autocast context (what
+        the prepared model's forward runs under). Nothing by default."""
+        return encoded
 
     def supports(self, model_config) -> bool:
         return type(model_config) in self.auto_class._model_mapping

@@ -21,6 +21,7 @@ class CausalLM(Task):
     supports_packing = True
     chunked_loss = True
     supports_chat = True
+    supports_preference = True  # tasks/preference.py: this task on chosen/rejected pairs
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy", "exact_match", "end_of_turn_share")
     GENERATION_METRICS = ("exact_match", "end_of_turn_share")  # prompt-completion and chat data only
@@ -88,8 +89,15 @@ class CausalLM(Task):
         from effitrain.data import conversations, sources
 
         self.check_lengths(config)
-        return sources.load(config, lambda names, where: conversations.columns(names, config.text_column, where),
-                            bad_rows=conversations.bad_rows)
+        def columns(names, where):
+            from effitrain.data import preferences
+
+            if preferences.is_preference(names):
+                raise UserError(f"{where} holds preference pairs (`chosen`/`rejected` columns)",
+                                "pass --preference dpo (or orpo) to train on them")
+            return conversations.columns(names, config.text_column, where)
+
+        return sources.load(config, columns, bad_rows=conversations.bad_rows)
 
     def preprocess(self, splits, processor, config, base_dir):
         """Text: every token; prompt-completion and conversations: ids and labels on the answers (answers.py),

@@ -1,0 +1,128 @@
+"""DPO's reference log-probs (the starting model's, summed over each answer), from one of three places
+that give the same numbers: `precompute` (one pass over every split before training, stored as a column
+of the data and in the run folder, so that a resumed run reads them back), `copy` (a frozen copy of the
+starting model, run beside the policy), `adapters` (with --peft: the policy itself with its adapters
+switched off, which is the starting model; no second copy). The reference always runs in evaluation mode
+(no dropout) and without gradients, as TRL's does, and under the run's autocast (bf16 on most CPUs here):
+the policy's precision, so that the three agree and the first step's policy equals its reference."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+
+from effitrain.outputs.run_folder import REFERENCE_LOGPS as FILE  # in the run folder: {split: [pairs, 2] float64}
+COLUMN = "reference_logps"
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """No dropout and no gradients inside; the model's mode restored after."""
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(training)
+
+
+class Reference:
+    """Where the reference log-probs come from. `answer_logps(model, batch)` is the task's: each pair's
+    answers' summed log-probs, [pairs, 2]."""
+
+    autocast = contextlib.nullcontext  # the run's (accelerator.autocast), set by prepare
+
+    def prepare(self, model, encoded, collate, batch_size: int, out_dir: Path | None, answer_logps):
+        """Before training, with the starting model: the splits (with their column, for precompute)."""
+        return encoded
+
+    def logps(self, model, batch, answer_logps) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Precomputed(Reference):
+    def prepare(self, model, encoded, collate, batch_size, out_dir, answer_logps):
+        from datasets import DatasetDict
+
+        stored = _read(out_dir, {name: len(split) for name, split in encoded.items()})
+        if stored is None:
+            with self.autocast():
+                stored = {name: compute(model, split, collate, batch_size, answer_logps)
+                          for name, split in encoded.items()}
+            _write(out_dir, stored)
+        return DatasetDict({name: split.remove_columns([c for c in (COLUMN,) if c in split.column_names])
+                            .add_column(COLUMN, stored[name].tolist()) for name, split in encoded.items()})
+
+    def logps(self, model, batch, answer_logps):
+        return batch[COLUMN].float()
+
+
+class FrozenCopy(Reference):
+    model = None
+
+    def prepare(self, model, encoded, collate, batch_size, out_dir, answer_logps):
+        self.model = copy.deepcopy(model).eval()
+        self.model.requires_grad_(False)
+        return encoded
+
+    def logps(self, model, batch, answer_logps):
+        with evaluating(self.model), self.autocast():
+            return answer_logps(self.model, batch)
+
+
+class AdaptersOff(Reference):
+    def logps(self, model, batch, answer_logps):
+        from effitrain.models import adapters
+
+        with evaluating(model), adapters.switched_off(model), self.autocast():
+            return answer_logps(model, batch)
+
+
+MODES = {"precompute": Precomputed, "copy": FrozenCopy, "adapters": AdaptersOff}
+
+
+def compute(model, split, collate, batch_size: int, answer_logps) -> torch.Tensor:
+    """The starting model's [pairs, 2] log-probs over a split, in its order, in evaluation mode (adapters, if
+    any, switched off: they start as zero updates, and so every mode computes the same model)."""
+    from effitrain.models import adapters
+
+    device = next(model.parameters()).device
+    out = []
+    off = adapters.switched_off(model) if adapters.is_adapted(model) else contextlib.nullcontext()
+    with evaluating(model), off:
+        for start in range(0, len(split), batch_size):
+            batch = collate([split[i] for i in range(start, min(start + batch_size, len(split)))])
+            batch = {key: value.to(device) for key, value in batch.items()}
+            out.append(answer_logps(model, batch).double().cpu())
+    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def _read(out_dir: Path | None, sizes: dict[str, int]) -> dict | None:
+    """The log-probs an earlier start of this run stored, when they fit the splits (a resume)."""
+    if out_dir is None or not (Path(out_dir) / FILE).is_file():
+        return None
+    from safetensors.torch import load_file
+
+    stored = load_file(str(Path(out_dir) / FILE))
+    if {name: len(values) for name, values in stored.items()} != sizes:
+        return None
+    return stored
+
+
+def _write(out_dir: Path | None, stored: dict) -> None:
+    """Written whole (a temporary file renamed) by the main process; the others computed the same."""
+    import os
+
+    from accelerate import PartialState
+    from safetensors.torch import save_file
+
+    if out_dir is None or not PartialState().is_main_process:
+        return
+    path = Path(out_dir) / FILE
+    partial = path.with_name(FILE + ".tmp")
+    save_file({name: values.contiguous() for name, values in stored.items()}, str(partial))
+    os.replace(partial, path)

@@ -1,0 +1,215 @@
+"""Preference tuning (issue 30): DPO and ORPO losses against a hand computation from the model's
+log-probs, the three reference modes against each other, 2 processes x 4 x accumulation 2 against one
+batch of 16, a killed and resumed run against one never stopped, and the data formats."""
+
+import json
+import signal
+import time
+
+import effitrain
+import pytest
+import torch
+import torch.nn.functional as F
+from effitrain.data import preferences
+from effitrain.speedups import chunked_lm_loss
+from effitrain.tasks import preference
+from test_distributed import torchrun
+from test_resume import finished, train
+
+from conftest import as_flags, read_jsonl, read_weights
+
+TINY_LLAMA = ("llama:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2,"
+              "intermediate_size=64,max_position_embeddings=256")
+
+
+def write_pairs(folder, count: int = 48) -> str:
+    """Prompt/chosen/rejected strings whose answers differ in length, so that micro-batches hold different
+    numbers of tokens (ORPO's NLL is a mean over them)."""
+    path = folder / "pairs.jsonl"
+    rows = [{"prompt": f"Is {n} even? " * (1 + n % 3), "chosen": " ".join([["yes", "no"][n % 2]] * (1 + n % 4)),
+             "rejected": " ".join([["no", "yes"][n % 2]] * (1 + n % 2))} for n in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64))
+    assert chunked_lm_loss.apply(model)
+    return model.eval()
+
+
+def pair_batch(pairs: int = 3, width: int = 12) -> dict:
+    """[pairs, 2, width] ids; each sequence a prompt then an answer of its own length, then padding."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 50, (pairs, 2, width), generator=generator)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for p in range(pairs):
+        for side in range(2):
+            prompt, end = 3 + p, 6 + p + 2 * side + (p % 2)
+            mask[p, side, :end] = 1
+            labels[p, side, prompt:end] = ids[p, side, prompt:end]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+            "reference_logps": -torch.rand(pairs, 2, generator=generator, dtype=torch.float64) * 20}
+
+
+def hand_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the whole logits: each position's log-prob of the next token, [pairs, 2, width - 1], and the
+    answer and real-token masks of the targets."""
+    ids, mask = batch["input_ids"].flatten(0, 1), batch["attention_mask"].flatten(0, 1)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].view(*batch["input_ids"].shape[:2], -1)
+    return logps, batch["labels"][..., 1:] != -100, batch["attention_mask"][..., 1:].bool()
+
+
+@pytest.mark.parametrize("loss, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
+def test_dpo_loss_equals_a_hand_computation(loss, smoothing):
+    model, batch = tiny_llama(), pair_batch()
+    task = preference.Preference("causal-lm", preference.Objective("dpo", 0.3, "precompute", loss, smoothing))
+    logps, answers, _ = hand_logps(model, batch)
+    policy = (logps * answers).sum(-1)
+    ratios = policy - batch["reference_logps"].float()
+    if loss == "ipo":
+        per_token = ratios / answers.sum(-1)
+        wanted = ((per_token[:, 0] - per_token[:, 1] - 1 / 0.6) ** 2).sum()
+    else:
+        x = 0.3 * (ratios[:, 0] - ratios[:, 1])
+        wanted = (-(1 - smoothing) * F.logsigmoid(x) - smoothing * F.logsigmoid(-x)).sum()
+    got = task.loss_sum(model, batch)
+    torch.testing.assert_close(got, wanted, rtol=1e-6, atol=1e-6)
+    assert int(task.item_count(batch)) == 3
+    # The gradient through the chunked per-token log-probs is the whole logits' gradient.
+    got_grads = torch.autograd.grad(got, list(model.parameters()))
+    wanted_grads = torch.autograd.grad(wanted, list(model.parameters()))
+    for a, b in zip(got_grads, wanted_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_orpo_loss_equals_a_hand_computation():
+    """TRL's ORPO: the chosen sequences' NLL over all their real tokens (a token mean) minus beta x the pair
+    mean of log sigmoid(log odds) of the answers' mean log-probs; two terms, two counts."""
+    model, batch = tiny_llama(), pair_batch()
+    task = preference.Preference("causal-lm", preference.Objective("orpo", 0.25))
+    logps, answers, real = hand_logps(model, batch)
+    nll = -(logps[:, 0] * real[:, 0]).sum()
+    mean = (logps * answers).sum(-1) / answers.sum(-1)
+    log_odds = (mean[:, 0] - mean[:, 1]) - (torch.log1p(-mean[:, 0].exp()) - torch.log1p(-mean[:, 1].exp()))
+    got = task.loss_sum(model, batch)
+    torch.testing.assert_close(got, torch.stack([nll, -0.25 * F.logsigmoid(log_odds).sum()]), rtol=1e-6, atol=1e-6)
+    assert task.item_count(batch).tolist() == [int(real[:, 0].sum()), 3]
+    step_loss = (got / task.item_count(batch)).sum()  # one micro-batch: TRL's loss
+    torch.testing.assert_close(step_loss, nll / real[:, 0].sum() - 0.25 * F.logsigmoid(log_odds).mean(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def run_losses(folder) -> list[float]:
+    return [r["loss"] for r in read_jsonl(folder / "log.jsonl") if "split" not in r and "loss" in r]
+
+
+@pytest.mark.parametrize("peft, modes", [("lora", ("adapters", "precompute", "copy")), ("none", ("precompute", "copy"))])
+def test_reference_modes_give_the_same_losses(tmp_path, peft, modes):
+    """The reference log-probs precomputed, from a frozen copy, and from the adapters switched off: the same
+    losses at every step and the same validation metrics (fp32)."""
+    common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path), preference="dpo", batch_size=4,
+                  max_steps=4, lr=1e-2, log_every=1, max_length=64, precision="fp32", peft=peft, eval_batch_size=5)
+    results = {}
+    for mode in modes:
+        effitrain.train({**common, "reference": mode, "output_dir": str(tmp_path / mode)})
+        results[mode] = (run_losses(tmp_path / mode), json.loads((tmp_path / mode / "metrics.json").read_text()))
+    first, (losses, metrics) = modes[0], results[modes[0]]
+    assert losses[0] == pytest.approx(0.6931472, abs=1e-6)  # the policy starts as its reference
+    assert len(set(losses)) > 1  # it trained
+    for mode in modes[1:]:
+        assert results[mode][0] == pytest.approx(losses, abs=1e-5), mode
+        for key in preference.Preference.METRICS:
+            assert results[mode][1]["validation"][key] == pytest.approx(metrics["validation"][key], abs=1e-5), mode
+    assert (tmp_path / "precompute" / "reference_logps.safetensors").is_file()
+    assert not (tmp_path / first / "reference_logps.safetensors").is_file() or first == "precompute"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dpo", "orpo"])
+def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, kind):
+    """2 processes x 4 pairs x accumulation 2 against 1 x 16 (and 1 x 4 x 4): the same weights and losses;
+    36 pairs, so the last step of each epoch is short and one process runs a zero-weight stand-in."""
+    common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path, 60), preference=kind,
+                  max_train_samples=36, max_eval_samples=10, epochs=2, lr=1e-2, warmup_ratio=0.0, log_every=1,
+                  max_length=64, precision="fp32", eval_batch_size=4)
+    result = torchrun(2, "train", *as_flags(common), "--batch-size", 4, "--grad-accum", 2,
+                      "--output-dir", tmp_path / "ddp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    effitrain.train({**common, "batch_size": 4, "grad_accum": 4, "output_dir": str(tmp_path / "accum")})
+    effitrain.train({**common, "batch_size": 16, "output_dir": str(tmp_path / "single")})
+    single = read_weights(tmp_path / "single")
+    for other in ("ddp", "accum"):
+        weights = read_weights(tmp_path / other)
+        for name in single:
+            torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-5)
+        assert run_losses(tmp_path / other) == pytest.approx(run_losses(tmp_path / "single"), rel=1e-5)
+        metrics = json.loads((tmp_path / other / "metrics.json").read_text())["validation"]
+        wanted = json.loads((tmp_path / "single" / "metrics.json").read_text())["validation"]
+        assert metrics["samples"] == wanted["samples"] == 10
+        assert metrics["loss"] == pytest.approx(wanted["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_killed_after_step_5_and_resumed_equals_uninterrupted(tmp_path, cli_here):
+    """DPO with the precomputed reference and LoRA dropout (the RNG restored too): the resumed run reads the
+    reference log-probs back from the run folder and ends with the very weights of the run never stopped."""
+    common = ["--model", TINY_LLAMA, "--task", "causal-lm", "--data", write_pairs(tmp_path), "--preference", "dpo",
+              "--reference", "precompute", "--peft", "lora", "--batch-size", 4, "--max-steps", 10,
+              "--max-length", 64, "--log-every", 1, "--save-every", 5, "--precision", "fp32", "--seed", 3]
+    straight = cli_here("train", *common, "--output-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    job = train(*common, "--output-dir", out)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step-5" / "trainer_state.json").is_file():
+        assert job.poll() is None and time.time() < deadline, finished(job)
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    stored = (out / "reference_logps.safetensors").stat().st_mtime_ns
+    resumed = cli_here("train", *common, "--output-dir", out, "--resume", "auto")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert (out / "reference_logps.safetensors").stat().st_mtime_ns == stored  # read back, not recomputed
+    wanted, got = read_weights(tmp_path / "straight"), read_weights(out)
+    assert all(torch.equal(wanted[name], got[name]) for name in wanted)
+
+
+# -- data formats -------------------------------------------------------------------------------------
+def test_formats_are_told_apart_and_the_implicit_prompt_is_the_shared_start():
+    from datasets import Dataset
+
+    strings = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    messages = Dataset.from_list([{"prompt": [{"role": "user", "content": "p"}],
+                                   "chosen": [{"role": "assistant", "content": "a"}],
+                                   "rejected": [{"role": "assistant", "content": "b"}]}])
+    user = {"role": "user", "content": "p"}
+    conversations = Dataset.from_list([{"chosen": [user, {"role": "assistant", "content": "a"}],
+                                        "rejected": [user, {"role": "assistant", "content": "b"}]}])
+    assert preferences.of_data(strings) == preferences.STRINGS
+    assert preferences.of_data(messages) == preferences.MESSAGES
+    assert preferences.of_data(conversations) == preferences.CONVERSATIONS
+    chosen, rejected, _ = preferences.as_sft(conversations[0], preferences.CONVERSATIONS)
+    assert chosen["prompt"] == rejected["prompt"] == [user]
+    assert chosen["completion"] == [{"role": "assistant", "content": "a"}]
+
+
+def test_pairs_are_encoded_as_sft_encodes_prompt_completion(tokenizer):
+    """Each side's ids and labels are answers.encode's for the prompt with that answer."""
+    from effitrain.data import answers, conversations
+
+    row = {"prompt": "Is it spam?", "chosen": "spam", "rejected": "ham, not spam"}
+    pair = preferences.encode(tokenizer, row, preferences.STRINGS, 64)
+    for side in ("chosen", "rejected"):
+        sft = answers.encode(tokenizer, {"prompt": row["prompt"], "completion": row[side]},
+                             conversations.PROMPT_COMPLETION)
+        assert pair[f"{side}_input_ids"] == sft.input_ids and pair[f"{side}_labels"] == sft.labels
+    batch = preferences.collator(tokenizer.pad_token_id)([pair, pair])
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 2, len(pair["rejected_input_ids"]))
+    assert batch["labels"][0, 0, len(pair["chosen_input_ids"]):].eq(-100).all()
