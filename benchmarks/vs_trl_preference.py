@@ -4,8 +4,8 @@ Both sides train the same Llama-shaped model (4 layers, hidden 256, random weigh
 once to a temporary folder) with the same byte-level BPE tokenizer as benchmarks/vs_trl.py, on the same
 pairs: the first STEPS x BATCH rows of effitrain's training split of the built-in `sms-spam-preference`
 (conversational, an explicit prompt: the user's message and question; chosen the right label as the
-assistant's turn, rejected the wrong one), in the same order (effitrain's own training sampler, given
-to TRL as its sampler), with the same beta, micro-batch, seed, lr, weight decay, warm-up, max grad norm,
+assistant's turn, rejected the wrong one), in the same order (effitrain's own length-grouped training
+sampler, given to TRL as its sampler: less padding for both), with the same beta, micro-batch, seed, lr, weight decay, warm-up, max grad norm,
 fused AdamW and precision, dropout off (TRL's default for both trainers).
 
 The template is ChatML with {% generation %} blocks around each answer and its <|im_end|>, the newline
@@ -116,24 +116,25 @@ def make_model(folder: Path, vocab: int, seed: int, tiny: bool) -> dict:
     return shape
 
 
-def pairs_used(args):
-    """The pairs both sides train on: the first steps x batch rows of effitrain's training split (its
-    seeded split of the built-in data: the held-out rows are sms-spam-chat's), and EVAL_SAMPLES of the
-    validation and test splits."""
+def effitrain_data(args):
+    """effitrain's preference task with this benchmark's settings: its splits of the built-in data (the
+    pairs both sides train on: the first steps x batch rows of its training split; EVAL_SAMPLES of
+    validation and test) and the order its training sampler draws the first epoch in (length-grouped,
+    seeded as effitrain seeds it), given to TRL's trainers so that both sides see the same batches."""
+    from transformers import AutoTokenizer
+
+    from effitrain import tasks
     from effitrain.config import TrainConfig
-    from effitrain.data import sources
-
-    config = TrainConfig(task="causal-lm", data=DATA, seed=args.seed, max_length=MAX_LENGTH,
-                         max_train_samples=args.steps * args.batch_size, max_eval_samples=EVAL_SAMPLES)
-    return sources.load(config, {name: name for name in ("prompt", "chosen", "rejected")}).splits
-
-
-def effitrain_order(args, count: int) -> list[int]:
-    """The order effitrain's training sampler draws the first epoch's pairs in (seeded as effitrain seeds
-    it), given to TRL's trainers so that both sides see the same batches."""
     from effitrain.data import text
 
-    return list(text.train_sampler(list(range(count)), args.batch_size, False, args.seed))
+    config = TrainConfig(model=str(args.model_dir), task="causal-lm", data=DATA, preference="orpo", seed=args.seed,
+                         max_length=MAX_LENGTH, max_train_samples=args.steps * args.batch_size,
+                         max_eval_samples=EVAL_SAMPLES)
+    task = tasks.for_config(config)
+    splits = task.load_data(config).splits
+    encoded = task.preprocess(splits, AutoTokenizer.from_pretrained(str(args.model_dir)), config, None)
+    order = list(text.train_sampler(encoded["train"], args.batch_size, config.group_by_length, args.seed))
+    return splits, order
 
 
 # --- what both sides record -------------------------------------------------------------------------
@@ -171,12 +172,13 @@ def trl_orpo_examples(batch: dict) -> list[tuple]:
 
 
 def effitrain_examples(batch: dict) -> list[tuple]:
-    """effitrain's preference batch: chosen rows then rejected rows (labels -100 off the answers)."""
-    ids, labels = batch["input_ids"], batch["labels"]
-    keep = batch["attention_mask"] if "attention_mask" in batch else (ids == ids)
-    half = ids.shape[0] // 2
-    rows, masks = unpadded(ids, keep), unpadded(labels != IGNORE, keep)
-    return pair_examples(rows[:half], masks[:half], rows[half:], masks[half:])
+    """effitrain's preference batch: [pairs, 2, width] tensors (chosen at [:, 0], rejected at [:, 1]),
+    labels -100 off the answers."""
+    sides = []
+    for side in (0, 1):
+        keep = batch["attention_mask"][:, side]
+        sides += [unpadded(batch["input_ids"][:, side], keep), unpadded(batch["labels"][:, side] != IGNORE, keep)]
+    return pair_examples(*sides)
 
 
 def real_tokens(batch: dict) -> int:
@@ -268,8 +270,7 @@ def run_trl(args, side: str) -> dict:
     log = StepLog(trl_orpo_examples if orpo else trl_dpo_examples)
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
-    splits = pairs_used(args)
-    order = effitrain_order(args, len(splits["train"]))
+    splits, order = effitrain_data(args)
     model = AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=torch.float32)
     out_dir = tempfile.mkdtemp(prefix="vs_trl_preference_trl_")
     # The validation and test pairs effitrain evaluates, as one set: ORPOTrainer takes no dict of sets.
@@ -368,27 +369,16 @@ def run_effitrain(args, side: str) -> dict:
               "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO, "max_grad_norm": MAX_GRAD_NORM,
               "seed": args.seed, "max_length": MAX_LENGTH, "max_train_samples": args.steps * args.batch_size,
               "max_eval_samples": EVAL_SAMPLES, "eval_batch_size": EVAL_BATCH, "log_every": 1,
-              "precision": args.precision, "group_by_length": False, **effitrain_settings(args, side)}
+              "precision": args.precision, **effitrain_settings(args, side)}
     try:
         metrics = effitrain.train(config, callbacks=[observer])
         saved_at = time.time()
-        log.first_metrics = first_logged(out_dir / "log.jsonl")
     finally:
         shutil.rmtree(out_dir.parent, ignore_errors=True)
     return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
             "saved_at": saved_at, "held_out_loss": (metrics.get("validation") or {}).get("loss"),
             "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
             **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **vs_trl.versions()}}
-
-
-def first_logged(path: Path) -> dict:
-    """The preference metrics of the first training step's line of log.jsonl."""
-    keys = ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy", "nll", "log_odds_ratio")
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("step") == 1 and any(key in record for key in keys):
-            return {key: record[key] for key in keys if key in record}
-    return {}
 
 
 # --- the parent ---------------------------------------------------------------------------------------
