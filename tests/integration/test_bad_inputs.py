@@ -54,6 +54,7 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_output_cases(root, tiny_model_dir)
     write_report_cases(root)
     write_chat_cases(root)
+    write_preference_cases(root)
     write_mismatched_media(root)
     return root
 
@@ -98,6 +99,37 @@ def write_chat_cases(root):
     LlamaForCausalLM(LlamaConfig(vocab_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                                  num_key_value_heads=1, intermediate_size=8)).save_pretrained(root / "nopad")
     write_chat_models(root, jsonl)
+
+
+def write_preference_cases(root):
+    """Preference pairs (issue 30) with a mistake each."""
+    import json
+
+    def jsonl(name, rows):
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def turn(role, content):
+        return [{"role": role, "content": content}]
+
+    good = [{"prompt": f"Is {n} even?", "chosen": ["yes", "no"][n % 2], "rejected": ["no", "yes"][n % 2]}
+            for n in range(12)]
+    chat = [{"prompt": turn("user", f"Is {n} even?"), "chosen": turn("assistant", "yes"),
+             "rejected": turn("assistant", "no")} for n in range(12)]
+    jsonl("pairs.jsonl", good)
+    jsonl("pairs_same.jsonl", good[:3] + [{**good[3], "rejected": good[3]["chosen"]}] + good[4:])
+    jsonl("pairs_empty.jsonl", good[:2] + [{**good[2], "chosen": " "}] + good[3:])
+    jsonl("pairs_norej.jsonl", [{"prompt": row["prompt"], "chosen": row["chosen"]} for row in good])
+    jsonl("pairs_noprompt.jsonl", [{"chosen": row["chosen"], "rejected": row["rejected"]} for row in good])
+    jsonl("pairs_completion.jsonl", [{**row, "completion": row["chosen"]} for row in good])
+    jsonl("pairs_mixed.jsonl", [{**row, "chosen": turn("assistant", "yes")} for row in good])
+    jsonl("pairs_long.jsonl", [{**row, "prompt": "word " * 40} for row in good])
+    jsonl("pairs_chat.jsonl", chat)
+    jsonl("pairs_role.jsonl", chat[:4] + [{**chat[4], "rejected": turn("robot", "no")}] + chat[5:])
+    jsonl("pairs_user_answer.jsonl", chat[:1] + [{**chat[1], "chosen": turn("assistant", "yes") + turn("user", "ok")}]
+          + chat[2:])
+    jsonl("pairs_number.jsonl", good[:3] + [{**good[3], "chosen": 5}] + good[4:])
+    jsonl("pairs_apart.jsonl", [{"chosen": turn("user", f"a {n}") + turn("assistant", "yes"),
+                                 "rejected": turn("user", f"b {n}") + turn("assistant", "no")} for n in range(12)])
 
 
 def write_chat_models(root, jsonl):
@@ -631,6 +663,56 @@ CASES = [
      "--metric-for-best exact_match scores generated answers"),
     (["train", "--max-new-tokens", "8"], "--max-new-tokens applies to --task causal-lm, not sequence-classification"),
     (["train", *LLAMA, "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    # preference tuning (issue 30)
+    (["train", *LLAMA, "--data", "pairs_same.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "row 4 has the same chosen and rejected answer"),
+    (["train", *LLAMA, "--data", "pairs_empty.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "row 3 has no value in column `chosen`"),
+    (["train", *LLAMA, "--data", "pairs_norej.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "has a `chosen` column but no `rejected` column"),
+    (["train", *LLAMA, "--data", "pairs_noprompt.jsonl", "--preference", "orpo", "--output-dir", "new"],
+     "without a `prompt` column must be conversations"),
+    (["train", *LLAMA, "--data", "pairs_completion.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "mixes data formats: it has `chosen`/`rejected` and `completion` columns"),
+    (["train", *LLAMA, "--data", "pairs_mixed.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "mixes data formats: its columns hold text or messages"),
+    (["train", *LLAMA, "--data", "pairs_number.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "column `chosen` holds neither text nor lists of {role, content} messages"),
+    (["train", *LLAMA, "--data", "pairs_long.jsonl", "--preference", "dpo", "--max-length", "24", "--output-dir",
+      "new"], "keep no token of the chosen or the rejected answer within --max-length 24"),
+    (["train", *LLAMA, "--data", "pairs_role.jsonl", "--preference", "dpo", "--chat-template", "chatml",
+      "--output-dir", "new"], "row 5 (rejected) message 2 has the unknown role `robot`"),
+    (["train", *LLAMA, "--data", "pairs_user_answer.jsonl", "--preference", "dpo", "--chat-template", "chatml",
+      "--output-dir", "new"], "row 2 (chosen) has a completion with a turn that is not the assistant's"),
+    (["train", *LLAMA, "--data", "pairs_apart.jsonl", "--preference", "dpo", "--chat-template", "chatml",
+      "--output-dir", "new"], "row 1 its chosen and rejected conversations share no leading message"),
+    (["train", *LLAMA, "--data", "pairs.jsonl", "--preference", "dpo", "--chat-template", "chatml", "--output-dir",
+      "new"], "--chat-template applies to conversations, and --data pairs.jsonl holds its pairs as text"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--preference", "dpo", "--output-dir", "new"],
+     "has no `chosen`/`rejected` columns"),
+    (["train", *LLAMA, "--data", "pairs.jsonl", "--output-dir", "new"], "holds preference pairs"),
+    (["train", "--preference", "dpo"], "--preference applies to --task causal-lm, not sequence-classification"),
+    pytest.param(["train", "--preference", "kto"], "--preference", marks=FRESH),
+    (["train", *LLAMA, "--beta", "0.2"], "--beta applies to preference tuning, and --preference is not set"),
+    (["train", *LLAMA, "--preference", "dpo", "--beta", "0"], "--beta must be > 0"),
+    (["train", *LLAMA, "--preference", "dpo", "--beta", "nan"], "--beta must be a finite number"),
+    (["train", *LLAMA, "--preference", "orpo", "--reference", "copy"], "--reference applies to --preference dpo"),
+    (["train", *LLAMA, "--preference", "dpo", "--reference", "adapters"],
+     "--reference adapters is the model with its adapters switched off, and --peft is none"),
+    (["train", *LLAMA, "--preference", "dpo", "--dpo-label-smoothing", "0.5"], "--dpo-label-smoothing must be in"),
+    (["train", *LLAMA, "--preference", "dpo", "--dpo-loss", "ipo", "--dpo-label-smoothing", "0.1"],
+     "--dpo-label-smoothing applies to --dpo-loss sigmoid"),
+    (["train", *LLAMA, "--data", "pairs.jsonl", "--preference", "dpo", "--packing"],
+     "--packing does not apply to --preference"),
+    (["train", *LLAMA, "--data", "pairs.jsonl", "--preference", "orpo", "--loss-on", "all"],
+     "--loss-on does not apply to --preference"),
+    (["train", *LLAMA, "--data", "pairs.jsonl", "--preference", "dpo", "--metric-for-best", "token_accuracy",
+      "--output-dir", "new"], "--metric-for-best `token_accuracy` is not a metric of causal-lm"),
+    (["plan", "--task", "sequence-classification", "--preference", "dpo"],
+     "--preference applies to --task causal-lm, not sequence-classification"),
+    (["plan", "--task", "causal-lm", "--preference", "orpo", "--reference", "copy"],
+     "--reference applies to --preference dpo"),
+    (["evaluate", "--model", "prev/model", "--reference-model", "prev/model"], "--reference-model is DPO's reference"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

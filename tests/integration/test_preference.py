@@ -114,8 +114,8 @@ def run_losses(folder) -> list[float]:
 def test_reference_modes_give_the_same_losses(tmp_path, peft, modes):
     """The reference log-probs precomputed, from a frozen copy, and from the adapters switched off: the same
     losses at every step and the same validation metrics (fp32)."""
-    common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path), preference="dpo", batch_size=4,
-                  max_steps=4, lr=1e-2, log_every=1, max_length=64, precision="fp32", peft=peft, eval_batch_size=5)
+    common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path, 32), preference="dpo", batch_size=4,
+                  max_steps=3, lr=1e-2, log_every=1, max_length=64, precision="fp32", peft=peft, eval_batch_size=5)
     results = {}
     for mode in modes:
         effitrain.train({**common, "reference": mode, "output_dir": str(tmp_path / mode)})
@@ -132,13 +132,16 @@ def test_reference_modes_give_the_same_losses(tmp_path, peft, modes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dpo", "orpo"])
-def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, kind):
+@pytest.mark.parametrize("kind, adapters", [("dpo", False), ("orpo", False), ("dpo", True)])
+def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, kind, adapters):
     """2 processes x 4 pairs x accumulation 2 against 1 x 16 (and 1 x 4 x 4): the same weights and losses;
-    36 pairs, so the last step of each epoch is short and one process runs a zero-weight stand-in."""
+    36 pairs, so the last step of each epoch is short and one process runs a zero-weight stand-in. With
+    LoRA the reference is the DDP-wrapped model with its adapters switched off."""
     common = dict(model=TINY_LLAMA, task="causal-lm", data=write_pairs(tmp_path, 60), preference=kind,
                   max_train_samples=36, max_eval_samples=10, epochs=2, lr=1e-2, warmup_ratio=0.0, log_every=1,
                   max_length=64, precision="fp32", eval_batch_size=4)
+    if adapters:
+        common.update(peft="lora", lora_dropout=0.0)  # dropout masks would differ with the layout
     result = torchrun(2, "train", *as_flags(common), "--batch-size", 4, "--grad-accum", 2,
                       "--output-dir", tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -152,7 +155,7 @@ def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, kind):
         assert run_losses(tmp_path / other) == pytest.approx(run_losses(tmp_path / "single"), rel=1e-5)
         metrics = json.loads((tmp_path / other / "metrics.json").read_text())["validation"]
         wanted = json.loads((tmp_path / "single" / "metrics.json").read_text())["validation"]
-        assert metrics["samples"] == wanted["samples"] == 10
+        assert metrics["samples"] == wanted["samples"] == 6  # gathered without duplicates
         assert metrics["loss"] == pytest.approx(wanted["loss"], rel=1e-5)
 
 
@@ -213,3 +216,62 @@ def test_pairs_are_encoded_as_sft_encodes_prompt_completion(tokenizer):
     batch = preferences.collator(tokenizer.pad_token_id)([pair, pair])
     assert batch["input_ids"].shape == batch["labels"].shape == (2, 2, len(pair["rejected_input_ids"]))
     assert batch["labels"][0, 0, len(pair["chosen_input_ids"]):].eq(-100).all()
+
+
+def test_the_planner_counts_two_rows_per_pair_and_what_the_reference_holds():
+    """A micro-batch of 4 pairs is planned as SFT's micro-batch of 8 sequences; --reference copy holds the
+    weights again, precompute and adapters nothing more."""
+    from effitrain.planning import planner as plan
+
+    shapes = plan.model_shapes("causal-lm", TINY_LLAMA + ",vocab_size=500")
+    setting = {"precision": "fp32", "optimizer": "adamw", "checkpointing": False, "accumulation": 1}
+    sft = plan.Planner(shapes, 32).estimate(plan.Setting(micro_batch=8, **setting))
+    for reference, extra in (("precompute", 0), ("copy", shapes.weight_bytes + shapes.buffer_bytes)):
+        dpo = plan.Planner(plan.for_preference(shapes, "dpo", reference), 32).estimate(
+            plan.Setting(micro_batch=4, **setting))
+        assert dpo.activations == sft.activations and dpo.weights == sft.weights + extra
+
+
+def test_evaluate_with_the_starting_model_as_reference_gives_trains_test_metrics(tmp_path, tokenizer, cli_here):
+    """`evaluate --preference dpo --reference-model START` on the run's model/ gives metrics.json's test
+    metrics (the reference precomputed the same way); the model as its own reference gives rewards 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, intermediate_size=32)).save_pretrained(tmp_path / "start")
+    tokenizer.save_pretrained(tmp_path / "start")
+    data = write_pairs(tmp_path)
+    effitrain.train({"model": str(tmp_path / "start"), "task": "causal-lm", "data": data, "preference": "dpo",
+                     "batch_size": 8, "max_steps": 3, "lr": 1e-2, "precision": "fp32", "max_length": 64,
+                     "output_dir": str(tmp_path / "run")})
+    wanted = json.loads((tmp_path / "run" / "metrics.json").read_text())["test"]
+    common = ["evaluate", "--model", tmp_path / "run" / "model", "--data", data, "--preference", "dpo", "--precision",
+              "fp32", "--max-length", 64]
+    result = cli_here(*common, "--reference-model", tmp_path / "start")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout)
+    for key in preference.Preference.METRICS:
+        assert got[key] == pytest.approx(wanted[key], abs=1e-5), key
+    itself = json.loads(cli_here(*common, "--reference-model", tmp_path / "run" / "model").stdout)
+    assert itself["reward_margin"] == 0 and itself["loss"] == pytest.approx(0.6931472)
+
+
+def test_conversations_with_a_shared_prompt_encode_as_explicit_message_pairs(tokenizer):
+    """The implicit prompt (the conversations' common start) gives the ids and labels of the same pair with
+    an explicit `prompt`; the labels are the assistant's answer and its end of turn."""
+    import copy
+
+    from effitrain.data import templates
+
+    chat = copy.deepcopy(tokenizer)
+    templates.install(chat, "chatml")
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is 3 even?"}]
+    answers = {side: [{"role": "assistant", "content": text}] for side, text in (("chosen", "no"), ("rejected", "yes"))}
+    explicit = preferences.encode(chat, {"prompt": prompt, **answers}, preferences.MESSAGES, 96)
+    implicit = preferences.encode(chat, {side: prompt + turns for side, turns in answers.items()},
+                                  preferences.CONVERSATIONS, 96)
+    assert explicit == implicit
+    end = chat.convert_tokens_to_ids("<|im_end|>")
+    assert [label for label in explicit["chosen_labels"] if label != -100] == \
+        chat("no", add_special_tokens=False)["input_ids"] + [end]

@@ -14,15 +14,17 @@ from effitrain.models import saved
 # The TrainConfig keys that say which data, how it is split and prepared, and how it is evaluated.
 DATA_KEYS = ("data", "validation_file", "test_file", "text_column", "text_pair_column", "label_column",
              "image_column", "audio_column", "skip_bad_rows", "validation_split", "test_split", "seed",
-             "max_length", "max_duration", "max_eval_samples", "eval_batch_size", "max_new_tokens", "precision")
+             "max_length", "max_duration", "max_eval_samples", "eval_batch_size", "max_new_tokens", "precision",
+             "preference", "beta", "dpo_loss", "dpo_label_smoothing")
 SPLITS = ("test", "validation", "train")
 
 
 def evaluate(model_dir: str, values: dict | None = None, split: str = "test", allow_pickle: bool = False,
-             task: str | None = None) -> dict:
+             task: str | None = None, reference_model: str | None = None) -> dict:
     """The task's metrics on `split`, gathered over all processes (the same on each). `values`: the
     DATA_KEYS given (the others take train's defaults); text is cut at the saved tokenizer's
-    model_max_length unless `max_length` is given. `task`, when given, must be the model's own."""
+    model_max_length unless `max_length` is given. `task`, when given, must be the model's own.
+    `reference_model`: --preference dpo's reference, a model folder (else none: the policy's own margins)."""
     expected_task = task
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
@@ -46,6 +48,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     if task.is_text and "max_length" not in values:
         values["max_length"] = saved.text_max_length(processor, model_config)
     config = cfg.build(None, {**values, "model": str(path), "task": task.name})  # train's defaults
+    task = _preference_task(task, config, reference_model)
     mixed_precision, _ = precision.choose(config.precision)
     accelerator = make_accelerator(mixed_precision=mixed_precision)
     set_seed(config.seed)
@@ -61,6 +64,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
         encoded = task.preprocess(DatasetDict(train=data), processor, config, loaded.base_dir)["train"]
     from effitrain.data import text
 
+    encoded = _with_reference(task, encoded, processor, config, reference_model, allow_pickle, accelerator.device)
     loader = DataLoader(encoded, batch_size=config.eval_batch_size, sampler=text.eval_order(encoded),
                         collate_fn=task.collators(processor, config)[1])
     model = accelerator.prepare_model(saved.build(path, task, processor), evaluation_mode=True)
@@ -72,6 +76,34 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
         raise UserError(f"model {path} gives non-finite outputs (loss {metrics['loss']}) on --data {config.data}: "
                         "its weights are broken", "evaluate a model whose training ended without an error")
     return metrics
+
+
+def _preference_task(task, config, reference_model: str | None):
+    """--preference: the causal-lm task on pairs, its DPO reference a --reference-model's log-probs
+    (precomputed in one pass) or none."""
+    if reference_model is not None and config.preference != "dpo":
+        raise UserError("--reference-model is DPO's reference", "pass --preference dpo too, or drop --reference-model")
+    if config.preference is None:
+        return task
+    from effitrain import tasks
+    from effitrain.tasks import preference
+
+    tasks.for_config(config)  # --preference on a model of another task: refused with its name
+    mode = "precompute" if reference_model is not None else "none"
+    return preference.Preference(task.name, preference.Objective(config.preference, config.beta, mode,
+                                                                 config.dpo_loss, config.dpo_label_smoothing))
+
+
+def _with_reference(task, encoded, processor, config, reference_model: str | None, allow_pickle: bool, device):
+    """The reference model's log-probs of the split as its column (--reference-model), computed with the
+    code training's precomputed reference uses."""
+    if reference_model is None:
+        return encoded
+    from datasets import DatasetDict
+
+    path, _ = saved.locate(reference_model, allow_pickle, task.name)
+    model = saved.build(path, task, processor).to(device)
+    return task.before_training(model, DatasetDict(train=encoded), processor, config, None)["train"]
 
 
 def _model_labels(data, names: list[str], where: str):
@@ -103,6 +135,10 @@ def add_parser(commands) -> None:
                                                                           "unless it is the model's (default: the "
                                                                           "model's, from its config.json)")
     evaluate.add_argument("--output", help="also write the metrics to this JSON file")
+    evaluate.add_argument("--reference-model", default=None,
+                          help="--preference dpo: the reference model (e.g. the model the run started from) whose "
+                               "log-probs the rewards are measured against (default: none; the rewards are beta x "
+                               "the model's own log-probs)")
     cfg.add_flags(evaluate, ["allow_pickle"], defaults=True)
     evaluate.add_argument("--debug", action="store_true")
     cfg.add_flags(evaluate, [f for f in cfg.fields() if f.name in DATA_KEYS],
@@ -116,7 +152,7 @@ def main(args) -> int:
     output = check_output_file(args.output)
     libraries.quiet_libraries(args.debug)
     values = {key: getattr(args, key) for key in DATA_KEYS if hasattr(args, key)}
-    metrics = evaluate(args.model, values, args.split, args.allow_pickle, args.task)
+    metrics = evaluate(args.model, values, args.split, args.allow_pickle, args.task, args.reference_model)
     if int(os.environ.get("RANK", "0")) == 0:  # every process has the gathered metrics; one prints them
         print(files.json_text(metrics))
         if output is not None:

@@ -13,6 +13,7 @@ from effitrain.errors import UserError
 SHARED_MODEL = ("model", "task")
 SHARED_STRATEGY = ("strategy", "zero_stage")
 SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
+SHARED_PREFERENCE = ("preference", "reference")
 
 
 def add_parser(commands) -> None:
@@ -41,6 +42,8 @@ def add_parser(commands) -> None:
     cfg.add_flags(plan, SHARED_PEFT, defaults=True,
                   default_notes={"peft": " (default: none; planned as train applies them: only the adapters "
                                          "and the head have gradients and optimizer states)"})
+    cfg.add_flags(plan, SHARED_PREFERENCE, defaults=True,
+                  default_notes={"preference": " (planned as two sequences per pair: --batch-size counts pairs)"})
     plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
     plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
     plan.add_argument("--debug", action="store_true")
@@ -70,6 +73,7 @@ def main(args) -> int:
     # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
     # which is what a text model built from a config gets there.
     shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))
+    shapes = plan.for_preference(shapes, args.preference, _plan_reference(args))
     planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"],
                                    args.optim or ["adamw", "adamw-8bit", "adafactor", "sgd"],
@@ -108,3 +112,15 @@ def _plan_peft(args: argparse.Namespace):
                              zero_stage=args.zero_stage)
     cfg.validate(config)
     return plan.Peft.of(config)
+
+
+def _plan_reference(args: argparse.Namespace) -> str | None:
+    """`plan --preference/--reference`, checked and defaulted as `train` does them (the reference it holds)."""
+    from effitrain import tasks
+
+    config = cfg.TrainConfig(task=args.task, peft=args.peft, preference=args.preference, reference=args.reference)
+    cfg.validate(config)
+    config = cfg.resolved(config)
+    if config.preference is not None:
+        tasks.for_config(config)  # --preference on a task that has no such form: refused with its name
+    return config.reference

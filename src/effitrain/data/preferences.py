@@ -47,12 +47,16 @@ def of_data(data) -> str:
 def check_types(data, where: str) -> None:
     """Every column strings, or every column message lists: one format per file."""
     kinds = {name: _kind(data.features[name]) for name in data.column_names}
+    other = next((name for name, kind in kinds.items() if kind is None), None)
+    if other is not None:
+        raise UserError(f"{where}: column `{other}` holds neither text nor lists of {{role, content}} messages",
+                        f"give every row's `{other}` as text, or as a list of messages")
     if "prompt" not in kinds and any(kind != "messages" for kind in kinds.values()):
         raise UserError(f"{where}: `chosen` and `rejected` without a `prompt` column must be conversations "
                         "(lists of {role, content} messages) that share their prompt",
                         "add a `prompt` column, or give `chosen` and `rejected` as whole conversations")
-    if None in kinds.values() or len(set(kinds.values())) > 1:
-        shown = ", ".join(f"`{name}` {kind or 'neither'}" for name, kind in kinds.items())
+    if len(set(kinds.values())) > 1:
+        shown = ", ".join(f"`{name}` {kind}" for name, kind in kinds.items())
         raise UserError(f"{where} mixes data formats: its columns hold text or messages ({shown})",
                         "give `prompt`, `chosen` and `rejected` all as text, or all as lists of {role, content} "
                         "messages")

@@ -101,6 +101,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     vocab = len(processor) if task.is_text else None
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
                                config.packing)
+    shapes = plan.for_preference(shapes, config.preference, config.reference)
     planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)

@@ -74,8 +74,12 @@ class StepRunner:
         return torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
 
     def _step_items(self, group) -> torch.Tensor:
-        items = sum((self.task.item_count(batch) for batch in group if batch is not None),
-                    torch.zeros((), dtype=torch.long, device=self.accelerator.device))
+        # Zero items of the shape every process reduces (a vector for several terms), even on a process
+        # that has no micro-batch in this step: shapes that differ would hang the all-reduce.
+        shaped = [batch for batch in group if batch is not None] or [self.stand_in]
+        zero = torch.zeros_like(self.task.item_count(shaped[0])) if shaped[0] is not None else \
+            torch.zeros((), dtype=torch.long, device=self.accelerator.device)
+        items = sum((self.task.item_count(batch) for batch in group if batch is not None), zero)
         return self.accelerator.reduce(items, "sum") if self.synced else items
 
     def _forward_backward(self, group, step_items, window, totals) -> bool:

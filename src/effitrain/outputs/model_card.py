@@ -91,7 +91,8 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     ) if on]
     return [
         f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else ""),
-        f"- task: {config['task']}",
+        f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
+                                       else ""),
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
         f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
@@ -110,6 +111,14 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"- seed {config['seed']}",
     ]
+
+
+def preference_said(config: dict) -> str:
+    """--preference and its settings in words (docs/preference.md)."""
+    said = f"{config['preference']} beta {config['beta']}"
+    if config.get("reference"):
+        said += f" ({config.get('dpo_loss', 'sigmoid')} loss, reference {config['reference']})"
+    return said
 
 
 def adapter_note(config: dict, result: dict) -> str:

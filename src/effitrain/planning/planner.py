@@ -87,6 +87,8 @@ class ModelShapes:
     block_matrices: list[tuple[int, ...]] | None = None  # trainable 2-D weights inside the blocks (muon's)
     packing: bool = False  # --packing: the model a packed run trains (simulate.settings)
     root_params: int = 0  # outside the transformer blocks (embeddings, head): fsdp's root unit (models/blocks.py)
+    rows_per_example: int = 1  # --preference: a pair is two sequences (chosen and rejected) in one forward
+    reference_bytes: int = 0  # --reference copy: a frozen copy of the weights on every device
 
     @property
     def weight_bytes(self) -> int:
@@ -132,6 +134,17 @@ def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | N
                        block_matrices=[tuple(p.shape) for b in blocks.blocks(built) for p in b.parameters()
                                        if p.requires_grad and p.ndim == 2],
                        packing=packing, root_params=sum(p.numel() for p in built.parameters() if id(p) not in in_blocks))
+
+
+def for_preference(shapes: ModelShapes, preference: str | None, reference: str | None) -> ModelShapes:
+    """--preference: two rows per pair; what the reference holds on the device: --reference copy the weights
+    again (and their buffers), precompute and adapters nothing (a column of the data; the same weights)."""
+    if preference is None:
+        return shapes
+    from dataclasses import replace
+
+    held = shapes.weight_bytes + shapes.buffer_bytes if reference == "copy" else 0
+    return replace(shapes, rows_per_example=2, reference_bytes=held)
 
 
 def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
@@ -244,7 +257,8 @@ class Planner:
             from torch._subclasses import fake_tensor
 
             try:
-                self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, micro_batch,
+                rows = micro_batch * self.shapes.rows_per_example
+                self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, rows,
                                                         self.seq_len, precision, checkpointing, self.shapes.peft,
                                                         self.shapes.packing)
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
@@ -261,6 +275,7 @@ class Planner:
         """(weights, gradients, optimizer states) per device: arithmetic only, no simulation."""
         fsdp, zero = self._fsdp, self._zero
         weights = self._shard(self.shapes.weight_bytes, fsdp or zero >= 3) + self.shapes.buffer_bytes
+        weights += self.shapes.reference_bytes  # a frozen copy is whole on every device, never sharded
         gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
         states = self._shard(optimizer_state_bytes(optimizer, self._trainable_shapes, self.shapes.block_matrices or ()),
                              fsdp or zero >= 1)

@@ -57,7 +57,8 @@ class Preference(CausalLM):
     def __init__(self, name: str, objective: Objective):
         super().__init__(name)
         self.objective = objective
-        self.reference = references.MODES[objective.reference]() if objective.kind == "dpo" else None
+        # A config not yet resolved (config.resolved fills it in) gets train's default without adapters.
+        self.reference = references.MODES[objective.reference or "precompute"]() if objective.kind == "dpo" else None
 
     def __repr__(self) -> str:
         return f"<task {self.name} --preference {self.objective.kind}>"
@@ -196,9 +197,10 @@ class Preference(CausalLM):
         if self.objective.kind == "orpo":
             nll, logps, counts = self.orpo_parts(model, batch)
             return torch.stack([nll.sum(), -self.objective.beta * F.logsigmoid(self.log_odds(logps, counts)).sum()])
+        # The reference first: its forward's activations are freed before the policy's are kept for the backward.
+        reference = self.reference.logps(model, batch, self.answer_logps)
         policy = self.answer_logps(model, batch)
-        return self.dpo_losses(policy, self.reference.logps(model, batch, self.answer_logps),
-                               self.answer_mask(batch).sum(-1)).sum()
+        return self.dpo_losses(policy, reference, self.answer_mask(batch).sum(-1)).sum()
 
     def dpo_losses(self, policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each pair's DPO loss from the [pairs, 2] log-probs of the policy and the reference."""

@@ -82,7 +82,15 @@ class AdaptersOff(Reference):
             return answer_logps(model, batch)
 
 
-MODES = {"precompute": Precomputed, "copy": FrozenCopy, "adapters": AdaptersOff}
+class Absent(Reference):
+    """`effitrain evaluate` without --reference-model: no reference (log-probs 0), so the rewards are beta x
+    the policy's own log-probs and preference accuracy the share of pairs whose chosen answer it finds likelier."""
+
+    def logps(self, model, batch, answer_logps):
+        return torch.zeros(batch["input_ids"].shape[:2], device=batch["input_ids"].device)
+
+
+MODES = {"precompute": Precomputed, "copy": FrozenCopy, "adapters": AdaptersOff, "none": Absent}
 
 
 def compute(model, split, collate, batch_size: int, answer_logps) -> torch.Tensor:
