@@ -26,7 +26,7 @@ planner's prediction (bar: within 15%), as benchmarks/memory_plan.py --runs does
 
     .venv/bin/python benchmarks/preference_accuracy.py            # the accuracy runs (~15 minutes on 2 busy cores)
     .venv/bin/python benchmarks/preference_accuracy.py --memory   # the 4 memory runs
-    .venv/bin/python benchmarks/preference_accuracy.py --dry-run  # both, tiny (the memory part: the LoRA pair)
+    .venv/bin/python benchmarks/preference_accuracy.py --dry-run  # both, tiny: DPO from the SFT model; DPO + LoRA
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ def accuracy(args) -> int:
         sft_metrics, seconds = train(sft, folder / "sft")
         print(f"  {seconds:.0f} s; test exact match {sft_metrics['test'].get('exact_match', float('nan')):.3f}",
               flush=True)
-        for start_name, start in (("SFT model", {"model": str(folder / "sft" / "model")}),
-                                  ("base model (no SFT)", {"model": base, "chat_template": "chatml"})):
+        starts = [("SFT model", {"model": str(folder / "sft" / "model")}),
+                  ("base model (no SFT)", {"model": base, "chat_template": "chatml"})]
+        for start_name, start in starts[:1] if args.dry_run else starts:  # a dry run: from the SFT model
             settings = {**dpo, **start}
             run_dir = folder / ("dpo-from-sft" if start_name.startswith("SFT") else "dpo-from-base")
             print(f"DPO from the {start_name}: {json.dumps(settings)}", flush=True)
@@ -199,7 +200,7 @@ def memory(args) -> int:
         length = 32 if args.dry_run else MEMORY_LENGTH
         sft, pairs = memory_data(Path(tmp), length, 64)
         data, measured = {"sft": sft, "pairs": pairs}, {}
-        for run in MEMORY_RUNS[:2] if args.dry_run else MEMORY_RUNS:  # a dry run: the LoRA pair
+        for run in MEMORY_RUNS[1:2] if args.dry_run else MEMORY_RUNS:  # a dry run: DPO with LoRA alone
             settings = memory_settings(run, data, str(Path(tmp) / run[0]), args.dry_run)
             print(f"running {run[0]} in a fresh process ...", flush=True)
             out = _common.child_json([sys.executable, __file__, "--memory-child", json.dumps(settings)],
@@ -214,7 +215,7 @@ def memory(args) -> int:
     print()
     missed = []
     for (ours, base), bar in MEMORY_BARS.items():
-        if ours not in measured:
+        if ours not in measured or base not in measured:
             continue
         for what, key in (("peak RSS", "peak"), ("training peak", "measured")):
             ratio = measured[ours][key] / measured[base][key]
