@@ -87,6 +87,26 @@ def test_builtins(name, size, labels):
     assert len(splits["train"].features["label"].names) == labels
 
 
+def test_sms_spam_preference_pairs_the_right_answer_with_the_wrong_one_and_holds_out_sms_spam_chat_rows():
+    """Each pair is sms-spam-chat's conversation: its user turn the prompt, its answer chosen, the other
+    label rejected; the seeded split holds out the same messages, so SFT on sms-spam-chat then preference
+    tuning on this set never trains on a held-out row."""
+    from effitrain.data import builtins
+
+    chat = sources.load(TrainConfig(task="causal-lm", data="sms-spam-chat"), {"messages": "messages"}).splits
+    columns = {name: name for name in ("prompt", "chosen", "rejected")}
+    pairs = sources.load(TrainConfig(task="causal-lm", data="sms-spam-preference"), columns).splits
+    assert sum(len(s) for s in pairs.values()) == 4862
+    wrong = {"spam": "ham", "ham": "spam"}
+    for name in ("train", "validation", "test"):  # row for row: the same messages in the same splits
+        conversations = chat[name]["messages"]
+        assert pairs[name]["prompt"] == [[user] for user, _ in conversations]
+        assert pairs[name]["chosen"] == [[answer] for _, answer in conversations]
+        assert pairs[name]["rejected"] == [[{"role": "assistant", "content": wrong[answer["content"]]}]
+                                           for _, answer in conversations]
+    assert pairs["train"][0]["prompt"][0]["content"].endswith(builtins.SPAM_QUESTION)
+
+
 def test_fashion_mnist_keeps_its_official_test_set():
     splits = load("fashion-mnist", task="image-classification").splits
     assert len(splits["test"]) == 10000 and len(splits["train"]) + len(splits["validation"]) == 60000

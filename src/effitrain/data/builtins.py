@@ -1,6 +1,6 @@
 """Data sets that ship inside packages, so that effitrain runs offline. Each returns a Dataset with
-the canonical columns (`text` or `image`, and `label`; sms-spam-chat's `messages`), plus the official test
-split where there is one."""
+the canonical columns (`text` or `image`, and `label`; sms-spam-chat's `messages`; sms-spam-preference's
+`prompt`, `chosen`, `rejected`), plus the official test split where there is one."""
 
 from __future__ import annotations
 
@@ -48,6 +48,25 @@ def sms_spam_chat():
     conversations = [[{"role": "user", "content": f"{text}\n\n{SPAM_QUESTION}"},
                       {"role": "assistant", "content": label}] for text, label in zip(data["text"], data["label"])]
     return {"all": Dataset.from_dict({"messages": conversations})}
+
+
+def sms_spam_preference():
+    """sms-spam as preference pairs in TRL's conversational format with an explicit prompt: `prompt` the
+    user's turn of sms-spam-chat, `chosen` the right answer as the assistant's turn, `rejected` the wrong
+    one. Its rows are sms-spam-chat's in the same order and neither has a label column, so the seeded
+    split holds out the same messages: an SFT run on sms-spam-chat never trains on this set's held-out rows."""
+    from datasets import Dataset
+
+    data = sms_spam()["all"]
+    wrong = {"spam": "ham", "ham": "spam"}
+
+    def turn(role, content):
+        return [{"role": role, "content": content}]
+
+    return {"all": Dataset.from_dict({
+        "prompt": [turn("user", f"{text}\n\n{SPAM_QUESTION}") for text in data["text"]],
+        "chosen": [turn("assistant", label) for label in data["label"]],
+        "rejected": [turn("assistant", wrong[label]) for label in data["label"]]})}
 
 
 def bbc_news():
@@ -103,7 +122,8 @@ def digits():
 
 
 # The Hub data sets the built-ins are copies of (model cards name them); digits is scikit-learn's own.
-HUB_IDS = {"sms-spam": "ucirvine/sms_spam", "sms-spam-chat": "ucirvine/sms_spam", "bbc-news": "SetFit/bbc-news",
+HUB_IDS = {"sms-spam": "ucirvine/sms_spam", "sms-spam-chat": "ucirvine/sms_spam",
+           "sms-spam-preference": "ucirvine/sms_spam", "bbc-news": "SetFit/bbc-news",
            "fashion-mnist": "zalando-datasets/fashion_mnist"}
-BUILTINS = {"sms-spam": sms_spam, "sms-spam-chat": sms_spam_chat, "bbc-news": bbc_news, "fashion-mnist": fashion_mnist,
-            "digits": digits}
+BUILTINS = {"sms-spam": sms_spam, "sms-spam-chat": sms_spam_chat, "sms-spam-preference": sms_spam_preference,
+            "bbc-news": bbc_news, "fashion-mnist": fashion_mnist, "digits": digits}
