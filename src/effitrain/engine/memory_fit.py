@@ -67,7 +67,8 @@ def budget_bytes(config: TrainConfig, device: torch.device) -> int:
 
 
 def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-             num_labels: int, processor, fixed: tuple[str, bool] | None = None) -> tuple[int, str, bool, str, dict]:
+             num_labels: int, processor, fixed: tuple[str, bool] | None = None,
+             encoded=None) -> tuple[int, str, bool, str, dict]:
     """Choose the pieces per micro-batch and, if needed, checkpointing and the optimizer; `fixed`:
     the (optimizer, checkpointing) a resumed run's checkpoint was trained with, kept. `mixed_precision`
     as the run chose it (accelerate's no | bf16 | fp16). Returns (pieces, optimizer, checkpointing,
@@ -76,11 +77,13 @@ def plan_run(config: TrainConfig, device: torch.device, world: int, accumulation
     # Planning draws random numbers (fake weight initialisation, the bf16 speed probe): the run's
     # initial head and dropout must not depend on whether it planned.
     with torch.random.fork_rng(devices=[]):
-        return _plan_run(config, device, world, accumulation, mixed_precision, num_labels, processor, fixed)
+        return _plan_run(config, device, world, accumulation, mixed_precision, num_labels, processor, fixed,
+                         encoded)
 
 
 def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulation: int, mixed_precision: str,
-              num_labels: int, processor, fixed: tuple[str, bool] | None) -> tuple[int, str, bool, str, dict]:
+              num_labels: int, processor, fixed: tuple[str, bool] | None,
+              encoded=None) -> tuple[int, str, bool, str, dict]:
     import torch.distributed as dist
 
     from effitrain import tasks
@@ -102,6 +105,10 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
                                config.packing)
     shapes = plan.for_preference(shapes, config.preference, config.reference)
+    if encoded is not None:  # answer-only data: the chunked head multiplies the answers' positions only
+        from dataclasses import replace
+
+        shapes = replace(shapes, loss_positions=task.loss_positions(encoded["train"]))
     planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
                            config.zero_stage)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)

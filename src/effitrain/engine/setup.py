@@ -222,7 +222,7 @@ def resolve_plan(config: TrainConfig, accelerator, mixed_precision: str, reason:
     fixed = (earlier["optim"], earlier["gradient_checkpointing"]) if earlier else None
     plan.pieces, plan.optim, plan.gradient_checkpointing, plan.note, plan.memory = memory_fit.plan_run(
         config, accelerator.device, world, plan.grad_accum, mixed_precision, len(data.label_names or []),
-        data.processor, fixed=fixed)
+        data.processor, fixed=fixed, encoded=data.encoded)
     return plan
 
 

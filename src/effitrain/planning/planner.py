@@ -89,6 +89,7 @@ class ModelShapes:
     root_params: int = 0  # outside the transformer blocks (embeddings, head): fsdp's root unit (models/blocks.py)
     rows_per_example: int = 1  # --preference: a pair is two sequences (chosen and rejected) in one forward
     reference_bytes: int = 0  # --reference copy: a frozen copy of the weights on every device
+    loss_positions: int | None = None  # answer-only causal-LM data: the most positions with a loss in a row
 
     @property
     def weight_bytes(self) -> int:
@@ -267,7 +268,7 @@ class Planner:
                 rows = micro_batch * self.shapes.rows_per_example
                 self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, rows,
                                                         self.seq_len, precision, checkpointing, self.shapes.peft,
-                                                        self.shapes.packing)
+                                                        self.shapes.packing, self.shapes.loss_positions)
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                     fake_tensor.UnsupportedOperatorException) as err:
                 raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "

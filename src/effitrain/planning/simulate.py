@@ -171,10 +171,18 @@ def settings(task: str, checkpointing: bool, peft=None, packing: bool = False) -
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
-               peft=None, packing: bool = False) -> Phases:
+               peft=None, packing: bool = False, loss_positions: int | None = None) -> Phases:
     """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
     `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None; `packing`: the model a
-    packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing)."""
+    packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing);
+    `loss_positions`: a causal LM's positions with a loss per row (answer-only data), None: all."""
+    from effitrain.speedups import chunked_lm_loss
+
+    with chunked_lm_loss.planned_positions(loss_positions):
+        return _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing)
+
+
+def _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing) -> Phases:
     depth = depth_of(config)
     model = {"peft": peft, "packing": packing}
     if depth is not None and depth > 3:

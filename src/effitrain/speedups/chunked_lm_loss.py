@@ -83,15 +83,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+_PLANNED_PER_ROW: list[int | None] = [None]  # the planner's positions with a loss per row (planned_positions)
+
+
+@contextlib.contextmanager
+def planned_positions(per_row: int | None):
+    """While the planner simulates a step on fake tensors (which have no labels to select by): each row has
+    at most `per_row` positions with a loss (answer-only data: the longest answer of the training data),
+    None: every position (text). The chunked head multiplies only those, as training does."""
+    _PLANNED_PER_ROW[0], before = per_row, _PLANNED_PER_ROW[0]
+    try:
+        yield
+    finally:
+        _PLANNED_PER_ROW[0] = before
+
+
+def _planned_count(targets: torch.Tensor) -> int:
+    """How many of a fake `targets`' positions the planner counts (see planned_positions)."""
+    per_row, total = _PLANNED_PER_ROW[0], targets.numel()
+    rows = total // max(targets.shape[-1], 1) if targets.dim() > 1 else 1
+    return total if per_row is None else min(total, per_row * rows)
+
+
 def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              targets: torch.Tensor, ignore_index: int = -100, rows_per_chunk: int | None = None) -> torch.Tensor:
     """The summed cross-entropy of `hidden @ weight^T + bias` against `targets` over the rows whose target
     is not `ignore_index`: those rows are dropped before the product. `hidden` is [..., H], `targets`
     the matching [...]. Returns an fp32 scalar, differentiable in hidden, weight and bias."""
     rows, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if not _fake(targets):  # the planner's fake tensors have no values to select by: every position counts
+    if not _fake(targets):
         keep = wanted != ignore_index
         rows, wanted = rows[keep], wanted[keep]
+    else:  # the planner's fake tensors have no values to select by: as many as planned_positions says,
+        # gathered as the mask gathers them (a copy of the rows)
+        where = torch.arange(_planned_count(targets), device=wanted.device)
+        rows, wanted = rows[where], wanted[where]
     return _LinearCrossEntropy.apply(rows, weight, bias, wanted, compute_dtype(hidden),
                                      rows_per_chunk or chunk_rows(weight.shape[0]), torch.is_grad_enabled())
 
@@ -151,8 +177,8 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     Only the positions that count are multiplied."""
     flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     out = flat.new_zeros(wanted.shape, dtype=torch.float32)
-    if _fake(targets):  # the planner's fake tensors: every position counts
-        where = torch.arange(wanted.shape[0], device=wanted.device)
+    if _fake(targets):  # the planner's fake tensors: as many positions as planned_positions says
+        where = torch.arange(_planned_count(targets), device=wanted.device)
     else:
         where = (wanted != ignore_index).nonzero().squeeze(1)
     picked = _LinearTokenLogProbs.apply(flat[where], weight, bias, wanted[where], compute_dtype(hidden),

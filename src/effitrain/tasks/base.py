@@ -180,6 +180,11 @@ class Task:
         """The fewest samples (audio) an input must hold for this model; 0: no minimum."""
         return 0
 
+    def loss_positions(self, train) -> int | None:
+        """The most positions with a loss in one row of the encoded training split, for the planner; None:
+        every position (what the planner assumes without data)."""
+        return None
+
     def sequence_length(self, config, processor) -> int:
         """The longest input a micro-batch can hold (the planner's sequence length)."""
         return config.max_length

@@ -174,6 +174,13 @@ class CausalLM(Task):
         logits = model(**self.inputs(batch), use_cache=False).logits  # no cache: packed masks need cache=None
         return logits[:, :-1].float(), batch["labels"][:, 1:]
 
+    def loss_positions(self, train) -> int | None:
+        """Answer-only data (labels of its own): the most labelled positions of a row; text: every position."""
+        columns = [name for name in train.column_names if name.endswith("labels")]  # a pair's chosen_/rejected_
+        if not columns:
+            return None
+        return max((sum(1 for label in row if label != -100) for name in columns for row in train[name]), default=0)
+
     def item_count(self, batch) -> torch.Tensor:
         return (batch["labels"][:, 1:] != -100).sum()
 
