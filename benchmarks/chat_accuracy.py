@@ -12,7 +12,7 @@ saved base on the chat data with `--chat-template chatml`, whose two tokens the 
 trained in full (peft's trainable tokens, models/adapters.py), the rest of the base stays frozen.
 
     .venv/bin/python benchmarks/chat_accuracy.py              # about 8 minutes on 2 idle Xeon cores
-    .venv/bin/python benchmarks/chat_accuracy.py --lora       # base then LoRA: about 30 min on 2 busy cores
+    .venv/bin/python benchmarks/chat_accuracy.py --lora       # base then LoRA: about 2.5 minutes on 2 cores
     .venv/bin/python benchmarks/chat_accuracy.py --dry-run    # 2 steps, 8 examples per split: seconds
 """
 
@@ -33,7 +33,10 @@ SETTINGS = {"model": MODEL, "task": "causal-lm", "data": "sms-spam-chat", "chat_
             "max_length": 256, "batch_size": 32, "max_steps": 100, "lr": 2e-3, "precision": "bf16"}
 BARS = {"exact_match": 0.95, "end_of_turn_share": 0.99}
 # --lora: the base's language modelling, then the adapters over it (all-linear, the new tokens' rows in full).
-BASE = {"model": MODEL, "task": "causal-lm", "max_length": 256, "batch_size": 32, "max_steps": 150, "lr": 2e-3,
+# The base needs 3.7 epochs (450 steps): after 150 or 300 it never preferred `spam` at the answer position and
+# LoRA over it stayed at the majority's 0.860 (over 150: at any LoRA lr, length or rank tried); after 450 the
+# base's own answer is right 0.98 and LoRA's 0.988.
+BASE = {"model": MODEL, "task": "causal-lm", "max_length": 256, "batch_size": 32, "max_steps": 450, "lr": 2e-3,
         "precision": "bf16"}
 LORA = {"task": "causal-lm", "data": "sms-spam-chat", "chat_template": "chatml", "max_length": 256, "batch_size": 32,
         "max_steps": 120, "lr": 2e-3, "precision": "bf16", "peft": "lora", "lora_r": 16, "lora_alpha": 32,
