@@ -87,9 +87,16 @@ def bad_rows(data, where: str, skip: bool) -> list[int]:
     fmt = of_data(data)
     if fmt not in CONVERSATIONAL:
         return []
+    return rows_with_problems(data.select_columns(list(data.column_names)).to_list(),
+                              lambda row: _problem(row, fmt), where, skip)
+
+
+def rows_with_problems(rows: list[dict], problem_of, where: str, skip: bool) -> list[int]:
+    """The indices of the rows `problem_of` finds a (problem, fix) in; without `skip`, the first refused
+    with its row number."""
     bad = []
-    for index, row in enumerate(data.select_columns(list(data.column_names)).to_list()):
-        problem = _problem(row, fmt)
+    for index, row in enumerate(rows):
+        problem = problem_of(row)
         if problem is not None:
             if not skip:
                 raise UserError(f"{where}: row {index + 1} {problem[0]}", f"{problem[1]}, or pass --skip-bad-rows "

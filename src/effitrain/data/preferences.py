@@ -96,15 +96,7 @@ def bad_rows(data, where: str, skip: bool) -> list[int]:
     --skip-bad-rows, all of their indices returned to be left out."""
     check_types(data, where)
     fmt = of_data(data)
-    bad = []
-    for index, row in enumerate(data.to_list()):
-        problem = problem_of(row, fmt)
-        if problem is not None:
-            if not skip:
-                raise UserError(f"{where}: row {index + 1} {problem[0]}", f"{problem[1]}, or pass --skip-bad-rows "
-                                "to leave such rows out")
-            bad.append(index)
-    return bad
+    return conversations.rows_with_problems(data.to_list(), lambda row: problem_of(row, fmt), where, skip)
 
 
 def problem_of(row: dict, fmt: str) -> tuple[str, str] | None:

@@ -125,16 +125,25 @@ class CausalLM(Task):
             encoded.update(answers.encode_splits(others, processor, fmt, "completion", config.max_length))
         return encoded
 
-    def drop_untrainable(self, encoded, config):
-        """Examples whose every answer token lies beyond --max-length (possible only with labels on answers)."""
+    # What drop_untrainable says of a row that lost its answer to --max-length.
+    UNTRAINABLE = "example(s) of --data {data} keep no answer token"
+
+    def trainable_flags(self, split) -> list[bool] | None:
+        """Per row: whether an answer token is left within --max-length; None: text data (no answers)."""
         from effitrain.data import answers
 
-        if "labels" not in encoded["train"].column_names:
+        if "labels" not in split.column_names:
+            return None
+        return [answers.has_answer(labels) for labels in split["labels"]]
+
+    def drop_untrainable(self, encoded, config):
+        """Examples whose every answer token lies beyond --max-length (possible only with labels on answers)."""
+        keep = {name: self.trainable_flags(split) for name, split in encoded.items()}
+        if keep["train"] is None:
             return encoded, 0
-        keep = {name: [answers.has_answer(labels) for labels in split["labels"]] for name, split in encoded.items()}
         empty = sum(len(flags) - sum(flags) for flags in keep.values())
         if empty and not config.skip_bad_rows:
-            raise UserError(f"{empty} example(s) of --data {config.data} keep no answer token within --max-length "
+            raise UserError(f"{empty} {self.UNTRAINABLE.format(data=config.data)} within --max-length "
                             f"{config.max_length} (the prompt fills it)",
                             "raise --max-length, or pass --skip-bad-rows to leave them out")
         if empty:

@@ -101,20 +101,13 @@ class Preference(CausalLM):
             templates.require(processor, config.model)
         return preferences.encode_splits(splits, processor, config.max_length)
 
-    def drop_untrainable(self, encoded, config):
+    UNTRAINABLE = "pair(s) of --data {data} keep no token of the chosen or the rejected answer"
+
+    def trainable_flags(self, split) -> list[bool]:
+        """Per pair: whether both answers keep a token within --max-length."""
         from effitrain.data import preferences
 
-        keep = {name: [preferences.has_answers(row) for row in split.select_columns(
-            ["chosen_labels", "rejected_labels"])] for name, split in encoded.items()}
-        empty = sum(len(flags) - sum(flags) for flags in keep.values())
-        if empty and not config.skip_bad_rows:
-            raise UserError(f"{empty} pair(s) of --data {config.data} keep no token of the chosen or the rejected "
-                            f"answer within --max-length {config.max_length} (the prompt fills it)",
-                            "raise --max-length, or pass --skip-bad-rows to leave them out")
-        if empty:
-            encoded = type(encoded)({name: split.select([i for i, ok in enumerate(keep[name]) if ok])
-                                     for name, split in encoded.items()})
-        return encoded, empty
+        return [preferences.has_answers(row) for row in split.select_columns(["chosen_labels", "rejected_labels"])]
 
     def data_description(self, splits, config) -> str:
         from effitrain.data import preferences
