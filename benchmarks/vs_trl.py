@@ -188,6 +188,10 @@ class StepLog:
             self.cpu_start = cpu_snapshot()
         self.tokens.append(real_tokens(batch))
 
+    def step_loss(self, loss: float) -> None:
+        if self.first_loss is None:
+            self.first_loss = loss
+
     def figures(self, steps: int) -> dict:
         seconds = self.ends[-1] - self.ends[0]
         tokens = sum(self.tokens[1:steps])
@@ -271,7 +275,8 @@ def run_trl(args, side: str) -> dict:
 
 
 class Observer:
-    """effitrain's callbacks (engine/callbacks.py): each step's batch and end, the first step's loss."""
+    """effitrain's callbacks (engine/callbacks.py): each step's batch, end and loss, for a StepLog (this
+    script's, or vs_trl_preference.py's)."""
 
     def __init__(self, log: StepLog):
         self.log = log
@@ -284,9 +289,8 @@ class Observer:
 
     def on_step_end(self, state, result):
         self.log.ends.append(time.perf_counter())
-        if self.log.first_loss is None:
-            loss_sum, items = (float(x) for x in result.window[:2])
-            self.log.first_loss = loss_sum / items
+        loss_sum, items = (float(x) for x in result.window[:2])
+        self.log.step_loss(loss_sum / items)
 
     def on_train_end(self, state):
         self.rss, self.cpu_end = rss_peak_bytes(), cpu_snapshot()

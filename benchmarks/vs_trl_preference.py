@@ -216,6 +216,9 @@ class StepLog:
             self.digests.append(digest(self.examples(batch)))
         self.tokens.append(real_tokens(batch))
 
+    def step_loss(self, loss: float) -> None:
+        self.losses.append(loss)
+
     def figures(self, steps: int) -> dict:
         seconds = self.ends[-1] - self.ends[0]
         tokens = sum(self.tokens[1:steps])
@@ -289,7 +292,7 @@ def run_trl(args, side: str) -> dict:
             if model.training:
                 if not log.losses:
                     log.first_metrics = first_metrics(self, orpo)
-                log.losses.append(float(loss.detach()))
+                log.step_loss(float(loss.detach()))
                 log.batch(inputs)
             return loss
 
@@ -329,27 +332,6 @@ def first_metrics(trainer, orpo: bool) -> dict:
 # --- effitrain ----------------------------------------------------------------------------------------
 
 
-class Observer:
-    """effitrain's callbacks (engine/callbacks.py): each step's batch and end, the first step's loss."""
-
-    def __init__(self, log: StepLog):
-        self.log = log
-        self.rss = self.cpu_end = None
-
-    def on_step_begin(self, state, group):
-        for batch in group:
-            if batch is not None:
-                self.log.batch(batch)
-
-    def on_step_end(self, state, result):
-        self.log.ends.append(time.perf_counter())
-        loss_sum, items = (float(x) for x in result.window[:2])
-        self.log.losses.append(loss_sum / items)
-
-    def on_train_end(self, state):
-        self.rss, self.cpu_end = rss_peak_bytes(), cpu_snapshot()
-
-
 def effitrain_settings(args, side: str) -> dict:
     preference = "orpo" if side.endswith("orpo") else "dpo"
     settings = {"preference": preference, "beta": BETA}
@@ -362,7 +344,7 @@ def run_effitrain(args, side: str) -> dict:
     import effitrain
 
     log = StepLog(effitrain_examples)
-    observer = Observer(log)
+    observer = vs_trl.Observer(log)
     out_dir = Path(tempfile.mkdtemp(prefix="vs_trl_preference_effitrain_")) / "run"
     config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm", "data": DATA,
               "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "lr": LR,
