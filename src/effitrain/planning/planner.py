@@ -45,9 +45,11 @@ CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
 # measured here (no GPU was lent to this project yet).
 CUDA_OVERHEAD = {"context": 600 * MiB, "fragmentation": 0.05}
 
-# Relative speed of an optimizer step vs fused AdamW, measured by `effitrain bench` on this project's
-# CPU (20 steps of the default model); on GPUs all are fused kernels and taken as equal.
-OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8bit": 0.59, "adam-8bit": 0.59},
+# Relative speed of a training step with each optimizer vs fused AdamW on CPUs: `effitrain bench` (20 steps
+# of the default model, epyc2c) for adafactor and 8-bit; benchmarks/optimizers.py (60 steps of the default
+# job, one run each, idle xeon2c, 2026-12-05) for the package optimizers. On GPUs: taken as equal.
+OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8bit": 0.59, "adam-8bit": 0.59,
+                           "galore-adamw": 0.68, "apollo-adamw": 0.78, "muon": 0.53, "schedule-free-adamw": 0.69},
                    "cuda": {}}
 # Share of a training step's time spent in matmuls (what half precision speeds up): effitrain bench
 # measured bf16 steps 1.66x faster where bf16 matmuls are 3.5x faster on this CPU, i.e. about 0.6.
