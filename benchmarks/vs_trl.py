@@ -329,10 +329,12 @@ def versions() -> dict:
 # --- the parent ---------------------------------------------------------------------------------------
 
 
-def run_child(side: str, precision: str, args, tmp: Path) -> dict:
+def run_child(side: str, precision: str, args, tmp: Path, script: Path = Path(__file__)) -> dict:
+    """One side's run: `script --only side` in a fresh process (vs_trl_preference.py runs its own), with an
+    empty datasets cache; its result file read back."""
     result = tmp / f"{side}-{precision}.json"
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=tmp))  # each run tokenises from scratch
-    command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--precision", precision,
+    command = [sys.executable, str(script.resolve()), "--only", side, "--precision", precision,
                "--model-dir", str(args.model_dir), "--result", str(result), "--steps", str(args.steps),
                "--batch-size", str(args.batch_size), "--seed", str(args.seed)] + (["--dry-run"] if args.dry_run else [])
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -49,7 +49,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -366,25 +365,6 @@ def run_effitrain(args, side: str) -> dict:
 # --- the parent ---------------------------------------------------------------------------------------
 
 
-def run_child(side: str, args, tmp: Path) -> dict:
-    result = tmp / f"{side}.json"
-    cache = Path(tempfile.mkdtemp(prefix="cache-", dir=tmp))  # each run tokenises from scratch
-    command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--precision", args.precision,
-               "--model-dir", str(args.model_dir), "--result", str(result), "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seed", str(args.seed)] + (["--dry-run"] if args.dry_run else [])
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"running {side} {args.precision} ({args.steps} steps) in a fresh process ...", flush=True)
-    start, started_at = time.perf_counter(), time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    shutil.rmtree(cache, ignore_errors=True)
-    if done.returncode != 0 or not result.is_file():
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        raise SystemExit(f"the {side} run failed (exit code {done.returncode})")
-    run = json.loads(result.read_text())
-    return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
-
-
 def summary(results: dict) -> tuple[list[tuple], dict]:
     rows, medians = [], {}
     for side, runs in results.items():
@@ -441,7 +421,8 @@ def compare(args) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl_preference_") as tmp:
         args.model_dir = Path(tmp) / "model"
         shape = make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, tiny=args.dry_run)
-        results = _common.take_turns(args.sides, args.runs, lambda side: run_child(side, args, Path(tmp)))
+        results = _common.take_turns(args.sides, args.runs, lambda side: vs_trl.run_child(
+            side, args.precision, args, Path(tmp), Path(__file__)))
     one = next(iter(results.values()))[0]
     trl_version = next((r[0]["versions"]["trl"] for r in results.values() if "trl" in r[0]["versions"]), "-")
     print(f"\nLlama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
