@@ -48,6 +48,7 @@ ROWS = [
     ("fit", GPT2, LM, 16, 256, "fp32", "adamw", False, "none", "single"),
     ("fit", GPT2, LM, 8, 256, "bf16", "adamw", False, "none", "single"),
     ("fit", LLAMA, LM, 8, 256, "fp32", "adamw", False, "none", "single"),
+    ("fit", LLAMA, LM, 8, 256, "fp32", "adamw", False, "lora", "single"),
     ("fit", GPT2, LM, 8, 256, "fp32", "adamw", False, "none", "fsdp"),
     ("held-out", DEFAULT, CLS, 32, 128, "bf16", "adamw", False, "none", "single"),
     ("held-out", DEFAULT, CLS, 16, 256, "fp32", "adamw", True, "none", "single"),

@@ -106,8 +106,35 @@ def test_orpo_loss_equals_a_hand_computation():
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["dpo", "orpo"])
+def test_the_step_logs_the_rewards_and_accuracy_evaluation_computes(kind):
+    """The sums loss_sum records for the step's log line (rewards of each answer, margin, pairs ranked right,
+    ORPO's log-odds term; then the pairs) are those the evaluation's metrics make of the same batch."""
+    model, batch = tiny_llama(), pair_batch(pairs=5)
+    task = preference.Preference("causal-lm", preference.Objective(kind, 0.3, "precompute"))
+    batch["reference_logps"][1] = task.answer_logps(model, {k: v[1:2] for k, v in batch.items()})[0].double()
+    batch["reference_logps"][1, 0] -= 1.0  # a pair ranked right, the others wrong or right by chance
+    task.loss_sum(model, batch)
+    sums = task.take_train_sums()
+    assert task.take_train_sums() is None  # taken once
+    names = task.train_metric_names()
+    assert len(sums) == len(names) + 1 and sums[-1] == 5
+    with torch.no_grad():
+        wanted = task.metrics(task.eval_outputs(model, batch), None)
+    got = dict(zip(names, (sums[:-1] / sums[-1]).tolist()))
+    assert set(got) == set(wanted) - {"loss", "nll", "samples"}
+    assert got == pytest.approx({name: wanted[name] for name in got}, abs=1e-6)
+    assert 0 < got["preference_accuracy"] < 1
+
+
 def run_losses(folder) -> list[float]:
     return [r["loss"] for r in read_jsonl(folder / "log.jsonl") if "split" not in r and "loss" in r]
+
+
+def run_step_metrics(folder) -> list[list[float]]:
+    """The preference numbers of every logged step."""
+    return [[r[name] for name in preference.Preference.METRICS[1:]]
+            for r in read_jsonl(folder / "log.jsonl") if "split" not in r and "loss" in r]
 
 
 @pytest.mark.parametrize("peft, modes", [("lora", ("adapters", "precompute", "copy")), ("none", ("precompute", "copy"))])
@@ -123,8 +150,12 @@ def test_reference_modes_give_the_same_losses(tmp_path, peft, modes):
     first, (losses, metrics) = modes[0], results[modes[0]]
     assert losses[0] == pytest.approx(0.6931472, abs=1e-6)  # the policy starts as its reference
     assert len(set(losses)) > 1  # it trained
+    steps = run_step_metrics(tmp_path / first)
+    assert steps[0] == pytest.approx([0.0, 0.0, 0.0, 0.0], abs=1e-6)  # rewards are 0 where policy = reference
     for mode in modes[1:]:
         assert results[mode][0] == pytest.approx(losses, abs=1e-5), mode
+        assert [v for step in run_step_metrics(tmp_path / mode) for v in step] == \
+            pytest.approx([v for step in steps for v in step], abs=1e-5), mode
         for key in preference.Preference.METRICS:
             assert results[mode][1]["validation"][key] == pytest.approx(metrics["validation"][key], abs=1e-5), mode
     assert (tmp_path / "precompute" / "reference_logps.safetensors").is_file()
@@ -155,6 +186,9 @@ def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, kind, adap
         for name in single:
             torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-5)
         assert run_losses(tmp_path / other) == pytest.approx(run_losses(tmp_path / "single"), rel=1e-5)
+        # The step's rewards and accuracy: sums over every pair of the step, whatever the layout.
+        assert [v for step in run_step_metrics(tmp_path / other) for v in step] == \
+            pytest.approx([v for step in run_step_metrics(tmp_path / "single") for v in step], rel=1e-5, abs=1e-6)
         metrics = json.loads((tmp_path / other / "metrics.json").read_text())["validation"]
         wanted = json.loads((tmp_path / "single" / "metrics.json").read_text())["validation"]
         assert metrics["samples"] == wanted["samples"] == 6  # gathered without duplicates

@@ -91,7 +91,12 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     from effitrain.models import adapters
     from effitrain.planning import planner as plan
 
-    # Before the baseline, what the run's adapters and optimizer import: libraries are not training memory.
+    task = tasks.get(config.task)
+    vocab = len(processor) if task.is_text else None
+    # Before the baseline, what the run's model, adapters and optimizer import: libraries are not training
+    # memory. The model's transformers module alone brings 100-200 MiB (its losses import scipy; torchao,
+    # torch.distributed.checkpoint, dynamo), which peft's import had brought to LoRA runs' baseline only.
+    task.import_model_code(plan.model_config(config.model, config.task, max(num_labels, 1), vocab))
     adapters.import_libraries(config)
     optim.import_libraries(fixed[0] if fixed else config.optim)
     in_use = in_use_bytes(device)
@@ -100,8 +105,6 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
         smallest = torch.tensor([budget], dtype=torch.float64, device=device)
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         budget = int(smallest.item())
-    task = tasks.get(config.task)
-    vocab = len(processor) if task.is_text else None
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
                                config.packing)
     shapes = plan.for_preference(shapes, config.preference, config.reference)

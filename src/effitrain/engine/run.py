@@ -16,7 +16,7 @@ from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
 from effitrain.engine.setup import Run, setup
 from effitrain.engine.state import TrainState, process_age_seconds
-from effitrain.engine.step import StepRunner
+from effitrain.engine.step import StepRunner, window_size
 from effitrain.errors import Diverged
 from effitrain.outputs import model_card
 from effitrain.outputs.console import Console
@@ -34,7 +34,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
     with contextlib.ExitStack() as cleanup:  # closed also when a step raises
         with collections_paused(cleanup):
             job = setup(config, cleanup, run_dir)
-        state = TrainState(job.accelerator.device, started=wall_start)
+        state = TrainState(job.accelerator.device, started=wall_start, window_size=window_size(job.task))
         checkpointer = Checkpointer(job.strategy, job.out_dir, config.save_every, config.keep_last, job.total_steps,
                                     (job.model, job.optimizer))
         if job.resume_from is not None:
@@ -281,13 +281,15 @@ def check_trained(job: Run, state: TrainState) -> None:
 
 def log_window(job: Run, state: TrainState, result) -> None:
     reduce = job.reduce if job.world > 1 else None
-    loss_total, item_total = state.take_window(reduce)
+    loss_total, item_total, *sums = state.take_window(reduce)
     examples, tokens, seconds = state.take_throughput(reduce)
     grad_norm = None if result.grad_norm is None or not result.finite else float(result.grad_norm)
     loss = loss_total / item_total if item_total else None  # None: every step of the window was skipped
     per_second = examples / seconds if seconds > 0 else None
     memory = peak_memory_bytes(job.accelerator.device)  # process 0's peak so far
-    log_record(job, state, loss=loss, lr=job.scheduler.get_last_lr()[0],
+    # The task's own (preference: rewards, accuracy), means over the window's items as the loss is.
+    own = {name: total / sums[-1] if sums[-1] else None for name, total in zip(job.task.train_metric_names(), sums)}
+    log_record(job, state, loss=loss, **own, lr=job.scheduler.get_last_lr()[0],
                grad_norm=grad_norm, elapsed_seconds=round(state.train_seconds, 3),
                samples_per_second=per_second,
                tokens_per_second=tokens / seconds if job.task.is_text and seconds > 0 else None,

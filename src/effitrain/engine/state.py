@@ -27,7 +27,7 @@ class TrainState:
     best_step: int | None = None
     evals_without_improvement: int = 0
     validation: dict = field(default_factory=dict)  # the latest validation metrics
-    window: torch.Tensor = None  # loss sum, items since the last log line (this process)
+    window: torch.Tensor = None  # loss sum, items (then the task's sums) since the last log line (this process)
     totals: torch.Tensor = None  # examples, tokens (this process)
     started: float = field(default_factory=time.perf_counter)  # this invocation's start (perf_counter)
     earlier_wall_seconds: float = 0.0  # what the invocations before a resume ran, up to its checkpoint
@@ -37,13 +37,15 @@ class TrainState:
     logged_seconds: float = 0.0
     # Wall seconds outside the training steps, by phase (see `timed`), over the invocations.
     phase_seconds: dict = field(default_factory=dict)
+    # The window's length: 2, or more where the task logs sums of its own (engine/step.window_size).
+    window_size: int = 2
 
     SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
                "evals_without_improvement", "validation", "phase_seconds")
 
     def __post_init__(self):
         if self.window is None:
-            self.window = torch.zeros(2, dtype=torch.float64, device=self.device)
+            self.window = torch.zeros(self.window_size, dtype=torch.float64, device=self.device)
         if self.totals is None:
             self.totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.logged_totals is None:
@@ -61,7 +63,9 @@ class TrainState:
             if name in state:  # checkpoints from before evaluation-during-training lack the best fields
                 setattr(self, name, state[name])
         self.earlier_wall_seconds = state.get("wall_seconds", state["train_seconds"])
-        self.window = torch.tensor(state["window"], dtype=torch.float64, device=self.device) / world
+        saved = torch.tensor(state["window"], dtype=torch.float64, device=self.device) / world
+        self.window = torch.zeros(self.window_size, dtype=torch.float64, device=self.device)
+        self.window[:len(saved)] = saved[:self.window_size]  # a checkpoint from before the task's sums: none yet
         self.totals = torch.tensor(state["totals"], dtype=torch.float64, device=self.device) / world
 
     def wall_seconds(self) -> float:
@@ -95,11 +99,12 @@ class TrainState:
         split["other"] = max(0.0, total - sum(split.values()))
         return {**{phase: round(seconds, 3) for phase, seconds in split.items()}, "total": round(total, 3)}
 
-    def take_window(self, reduce=None) -> tuple[float, float]:
-        """(loss sum, items) since the last call, over all processes; the window starts again."""
-        loss_total, item_total = (reduce(self.window) if reduce else self.window).tolist()
+    def take_window(self, reduce=None) -> list[float]:
+        """[loss sum, items, then the task's sums and their count] since the last call, over all processes;
+        the window starts again."""
+        window = (reduce(self.window) if reduce else self.window).tolist()
         self.window.zero_()
-        return loss_total, item_total
+        return window
 
     def take_throughput(self, reduce=None) -> tuple[float, float, float]:
         """(examples, tokens, training seconds) since the last call, over all processes (a collective

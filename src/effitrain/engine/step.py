@@ -26,8 +26,14 @@ from effitrain.engine.strategies import Single, Strategy
 class StepResult:
     finite: bool  # False: the step was skipped (non-finite loss or gradient)
     grad_norm: torch.Tensor | None
-    window: torch.Tensor  # this process's loss sum and items of the step
+    window: torch.Tensor  # this process's loss sum and items of the step, then the task's train sums (if any)
     totals: torch.Tensor  # this process's examples and tokens of the step
+
+
+def window_size(task) -> int:
+    """The loss sum and its items, then the task's train sums and their count (engine/state.py keeps them)."""
+    names = task.train_metric_names()
+    return 2 + (len(names) + 1 if names else 0)
 
 
 class StepRunner:
@@ -57,7 +63,7 @@ class StepRunner:
         has none); the optimizer and scheduler step unless the step is skipped."""
         step_items = self._step_items(group)
         while True:  # once, or again with smaller pieces after an out-of-memory error
-            window, totals = self._zeros(), self._zeros()
+            window, totals = self._zeros(window_size(self.task)), self._zeros()
             out_of_memory = self._forward_backward(group, step_items, window, totals)
             if self.agree:
                 out_of_memory = self._agree_and_sync(out_of_memory)
@@ -70,8 +76,8 @@ class StepRunner:
         finite, grad_norm = self._clip_and_step()
         return StepResult(finite, grad_norm, window, totals)
 
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+    def _zeros(self, size: int = 2) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.float64, device=self.accelerator.device)
 
     def _step_items(self, group) -> torch.Tensor:
         # Zero items of the shape every process reduces (a vector for several terms), even on a process
@@ -94,6 +100,7 @@ class StepRunner:
                 with contextlib.nullcontext() if last else self._no_sync():
                     if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
                         self.accelerator.backward((self.task.loss_sum(self.model, self.stand_in) * 0.0).sum())
+                        self.task.take_train_sums()  # the stand-in's are not the run's
                         continue
                     loss = self.task.loss_sum(self.model, piece)
                     self.accelerator.backward((loss * scale / step_items).sum())
@@ -115,7 +122,10 @@ class StepRunner:
         if count.dim():  # several terms: this piece's share of the step's loss (the step is counted once)
             loss, count = (loss.detach().double() / step_items.double()).sum(), count.new_tensor(0.0)
         tokens = self.task.token_count(piece)
-        window += torch.stack([loss.detach().double(), count])
+        window[:2] += torch.stack([loss.detach().double(), count])
+        sums = self.task.take_train_sums()
+        if sums is not None:
+            window[2:] += sums.to(window.device)
         totals += torch.stack([self.task.example_count(piece).double(),
                                count.new_tensor(0.0) if tokens is None else tokens.double()])
 

@@ -7,6 +7,9 @@ callback of the loop (its bar moves on at the end of each step)."""
 from __future__ import annotations
 
 MiB = 2**20
+# What every logged step's record holds (engine/run.log_window); a task's own numbers come besides.
+STEP_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "elapsed_seconds", "samples_per_second",
+             "tokens_per_second", "peak_memory_bytes")
 
 
 def short(values: dict) -> str:
@@ -37,8 +40,11 @@ class Console:
         # The live view: tqdm shows step, rate and ETA; these follow them.
         self.bar.set_postfix_str(f"loss {shown}, " + (f"{per_second:.1f} samples/s, " if per_second else "")
                                  + f"peak {record['peak_memory_bytes'] / MiB:.0f} MiB", refresh=False)
+        # The task's own numbers (preference: rewards, accuracy) follow the loss, in the record's order.
+        own = {k: v for k, v in record.items() if k not in STEP_KEYS and v is not None}
         self.say(f"step {record['step']}/{self.total_steps} epoch {record['epoch']:.2f} loss {shown} "
-                 f"lr {record['lr']:.2e} grad_norm " + ("-" if grad_norm is None else f"{grad_norm:.3f}"))
+                 + (short(own) + " " if own else "")
+                 + f"lr {record['lr']:.2e} grad_norm " + ("-" if grad_norm is None else f"{grad_norm:.3f}"))
 
     def say(self, message: str) -> None:
         """A line above the bar (events the log records in its own words, or not at all)."""

@@ -60,6 +60,12 @@ class Task:
         the prepared model's forward runs under). Nothing by default."""
         return encoded
 
+    def import_model_code(self, model_config) -> None:
+        """Import the module of the class this task builds for `model_config` (transformers imports it
+        lazily, on first use); nothing if the task has none for it (check_supported says so later)."""
+        if self.supports(model_config):
+            self.auto_class._model_mapping[type(model_config)]
+
     def supports(self, model_config) -> bool:
         return type(model_config) in self.auto_class._model_mapping
 
@@ -226,6 +232,21 @@ class Task:
         """Sum (not mean) of the per-item losses of a micro-batch; labels are kept out of the model so
         that no model-side reduction decides the normalisation."""
         raise NotImplementedError
+
+    # What a task's training loss computes on the way and the step's log line shows beside the loss
+    # (preference tuning: the rewards and the pairs ranked right): loss_sum records, per micro-batch, one
+    # sum per name and last the count they are divided by; the step sums them over its micro-batches and
+    # processes, as it does the loss.
+    def train_metric_names(self) -> tuple[str, ...]:
+        return ()
+
+    def record_train_sums(self, sums: torch.Tensor) -> None:
+        self._train_sums = sums.detach().double()
+
+    def take_train_sums(self) -> torch.Tensor | None:
+        """The sums the latest loss_sum recorded (len(train_metric_names()) + 1 of them), and forgets them."""
+        sums, self._train_sums = getattr(self, "_train_sums", None), None
+        return sums
 
     # -- evaluation --------------------------------------------------------------------------------
     def eval_setting(self, processor, config, split):

@@ -189,11 +189,27 @@ class Preference(CausalLM):
     def loss_sum(self, model, batch) -> torch.Tensor:
         if self.objective.kind == "orpo":
             nll, logps, counts = self.orpo_parts(model, batch)
-            return torch.stack([nll.sum(), -self.objective.beta * F.logsigmoid(self.log_odds(logps, counts)).sum()])
+            ratio = F.logsigmoid(self.log_odds(logps, counts))
+            self.record_rewards(self.objective.beta * logps.detach() / counts.clamp(min=1), ratio.detach().sum())
+            return torch.stack([nll.sum(), -self.objective.beta * ratio.sum()])
         # The reference first: its forward's activations are freed before the policy's are kept for the backward.
         reference = self.reference.logps(model, batch, self.answer_logps)
         policy = self.answer_logps(model, batch)
+        self.record_rewards(self.objective.beta * (policy.detach() - reference.to(policy.dtype)))
         return self.dpo_losses(policy, reference, self.answer_mask(batch).sum(-1)).sum()
+
+    def train_metric_names(self) -> tuple[str, ...]:
+        return (*self.METRICS[1:], *(("log_odds_ratio",) if self.objective.kind == "orpo" else ()))
+
+    def record_rewards(self, rewards: torch.Tensor, log_odds_ratio: torch.Tensor | None = None) -> None:
+        """The step's log line's sums over this micro-batch's pairs (`rewards`: [pairs, 2]), as `metrics`
+        computes them at evaluations, and the pairs."""
+        rewards = rewards.double()
+        margin = rewards[:, 0] - rewards[:, 1]
+        sums = [rewards[:, 0].sum(), rewards[:, 1].sum(), margin.sum(), (margin > 0).double().sum()]
+        if log_odds_ratio is not None:
+            sums.append(log_odds_ratio.double())
+        self.record_train_sums(torch.stack([*sums, rewards.new_tensor(float(len(rewards)))]))
 
     def dpo_losses(self, policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each pair's DPO loss from the [pairs, 2] log-probs of the policy and the reference."""
