@@ -19,6 +19,15 @@ hits every side; the parent prints the medians and their ratios.
 
     .venv/bin/python benchmarks/vs_trainer.py [--steps 60] [--runs 3] [--precision fp32 bf16] [--json PATH]
     .venv/bin/python benchmarks/vs_trainer.py --dry-run   # trainer-best and effitrain, a tiny model, 2 steps of 4
+    .venv/bin/python benchmarks/vs_trainer.py --peft lora  # effitrain + LoRA against the Trainer + peft
+
+With `--peft lora` or `--peft qlora` both sides train LoRA adapters of the same LoraConfig (effitrain's
+own, built by the same code for the Trainer's model: rank 8, alpha 16, `--lora-dropout` (0 by default,
+effitrain's and peft's default), every linear layer of the body, the classifier trained in full through
+`modules_to_save`) at lr 1e-3 (LoRA's usual 10x); QLoRA loads the base in 4-bit nf4 with double
+quantisation (effitrain's BitsAndBytesConfig, computing in the run's precision) on both sides; the
+Trainer side calls peft's get_peft_model itself, as its documentation shows, without
+prepare_model_for_kbit_training (which would switch gradient checkpointing on: effitrain does not).
 
 What is timed: samples/s of the training loop: the Trainer's `trainer.train()` wall clock (and its
 own `train_runtime` / `train_samples_per_second`); effitrain's `train_seconds` (the loop only).
@@ -74,6 +83,7 @@ DATA = "sms-spam"
 VALIDATION_SPLIT = TEST_SPLIT = 0.1
 SIDES = ("trainer", "trainer-best", "effitrain")
 EVAL_BATCH = 128
+LORA_LR = 1e-3  # adapters' usual lr, 10x full fine-tuning's (effitrain's own default with --peft)
 
 
 def parse_args(argv=None):
@@ -86,6 +96,9 @@ def parse_args(argv=None):
     parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--trainer-defaults", action="store_true",
                         help="also run the Trainer with its documented defaults (random order, unfused AdamW)")
+    parser.add_argument("--peft", choices=("none", "lora", "qlora"), default="none",
+                        help="train LoRA (or QLoRA) adapters on both sides (default: full fine-tuning)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="both sides' LoRA dropout (default 0)")
     parser.add_argument("--only", choices=SIDES, default=None,
                         help="run only this side, in this process (what the parent starts each subprocess with)")
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where --only writes
@@ -95,6 +108,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1 or args.runs < 1:
         parser.error("--batch-size, --steps and --runs must be at least 1")
+    args.lr = LR if args.peft == "none" else LORA_LR
+    if args.dry_run and args.peft == "qlora":  # bitsandbytes' CPU kernels: widths in multiples of 64
+        parser.error("--dry-run's tiny model is 32 wide, and 4-bit layers on a CPU need widths in multiples of 64: "
+                     "run --peft qlora without --dry-run")
     if args.dry_run:
         args.steps, args.batch_size, args.runs, args.precision, args.trainer_defaults, args.json = (
             2, 4, 1, ["fp32"], False, None)
@@ -163,7 +180,7 @@ def run_trainer(args, best: bool) -> dict:
     libraries.quiet_libraries(False)  # no load reports / progress bars from datasets and transformers
     tokenizer, (train, validation, test), model = trainer_inputs(args)
     dtype = str(next(model.parameters()).dtype)
-    head_checksum = float(model.classifier.weight.detach().double().sum()) if hasattr(model, "classifier") else None
+    head_checksum = head_sum(model)
     collator = CountingCollator(DataCollatorWithPadding(tokenizer))
     out_dir = tempfile.mkdtemp(prefix="vs_trainer_hf_")
     training_args = trainer_arguments(args, best, out_dir)
@@ -201,10 +218,41 @@ def trainer_inputs(args):
 
     encoded = tuple(splits[name].map(encode, batched=True)  # `text` stays: the Trainer drops it
                     for name in ("train", "validation", "test"))
+    quantized = {}
+    if args.peft == "qlora":  # effitrain's BitsAndBytesConfig, the classifier kept in full precision
+        from effitrain.models import adapters
+
+        quantized = {"quantization_config": adapters.quantization_config(args.precision, ["classifier"]),
+                     "device_map": {"": "cpu"}}
     model = AutoModelForSequenceClassification.from_pretrained(
         str(model_path), num_labels=len(labels), id2label=dict(enumerate(labels)),
-        label2id={label: i for i, label in enumerate(labels)}, local_files_only=True)
+        label2id={label: i for i, label in enumerate(labels)}, local_files_only=True, **quantized)
+    if args.peft != "none":
+        model = with_adapters(model, args.lora_dropout)
     return tokenizer, encoded, model
+
+
+def with_adapters(model, dropout: float):
+    """peft's get_peft_model with effitrain's LoraConfig for this model: the same target modules (every
+    linear layer of the body), rank, alpha and dropout, the classifier trained in full."""
+    from peft import LoraConfig, get_peft_model
+
+    from effitrain.config import ALL_LINEAR, TrainConfig
+    from effitrain.models import adapters
+
+    defaults, head = TrainConfig(), adapters.head_modules(model)
+    lora = LoraConfig(r=defaults.lora_r, lora_alpha=defaults.lora_alpha, lora_dropout=dropout,
+                      target_modules=adapters.targets(model, ALL_LINEAR, head), modules_to_save=head,
+                      task_type="SEQ_CLS")
+    return get_peft_model(model, lora)
+
+
+def head_sum(model) -> float | None:
+    """The classifier's initial weights summed (peft keeps a trained copy of it: the original's)."""
+    classifier = getattr(model, "classifier", None)
+    classifier = getattr(classifier, "original_module", classifier)  # peft's modules_to_save wrapper
+    weight = getattr(classifier, "weight", None)
+    return float(weight.detach().double().sum()) if weight is not None else None
 
 
 def trainer_arguments(args, best: bool, out_dir: str):
@@ -227,7 +275,7 @@ def trainer_arguments(args, best: bool, out_dir: str):
         output_dir=out_dir,
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
-        learning_rate=LR,
+        learning_rate=args.lr,
         weight_decay=WEIGHT_DECAY,
         **warmup,
         max_grad_norm=MAX_GRAD_NORM,
@@ -426,8 +474,7 @@ class Observer:
     def on_train_begin(self, job):
         model = job.accelerator.unwrap_model(job.model)
         self.observed["dtype"] = str(next(model.parameters()).dtype)
-        if hasattr(model, "classifier"):
-            self.observed["head_checksum"] = float(model.classifier.weight.detach().double().sum())
+        self.observed["head_checksum"] = head_sum(model)
         collate = getattr(job.train_dl, "collate_fn", None)
         self.observed["pad_to_multiple_of"] = getattr(collate, "pad_to_multiple_of", None)
 
@@ -455,11 +502,13 @@ def effitrain_config(args, out_dir: Path) -> dict:
 
     config = {
         "output_dir": str(out_dir), "data": DATA, "max_steps": args.steps, "batch_size": args.batch_size,
-        "grad_accum": 1, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
+        "grad_accum": 1, "lr": args.lr, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
         "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed, "max_length": MAX_LENGTH,
         "validation_split": VALIDATION_SPLIT, "test_split": TEST_SPLIT, "log_every": args.steps,
         "eval_batch_size": EVAL_BATCH,
     }
+    if args.peft != "none":
+        config.update(peft=args.peft, lora_dropout=args.lora_dropout)
     known = {f.name for f in config_fields()}
     config.update({k: v for k, v in {"precision": args.precision, "optim": "adamw", "gradient_checkpointing": False,
                                      "beta1": 0.9, "beta2": 0.999}.items() if k in known})
@@ -519,7 +568,7 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
     result = tmp / f"{side}-{precision}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--result", str(result),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
-               "--precision", precision]
+               "--precision", precision, "--peft", args.peft, "--lora-dropout", str(args.lora_dropout)]
     print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
     start, started_at = time.perf_counter(), time.time()
     done = subprocess.run(command, capture_output=True, text=True)
@@ -648,8 +697,9 @@ def compare(args) -> None:
                                    lambda side_precision: run_child(*side_precision, args, Path(tmp)))
     results: dict = {(side, p): turns[(side, p)] for side in sides for p in args.precision}
     first = results[(sides[-1], args.precision[0])][0]
-    print(f"\nall-MiniLM-L6-v2 on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
-          f"lr {LR}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
+    adapted = "" if args.peft == "none" else f" + {args.peft} (r 8, alpha 16, dropout {args.lora_dropout:g}, all-linear)"
+    print(f"\nall-MiniLM-L6-v2{adapted} on {DATA}: {args.steps} optimizer steps of {args.batch_size}, seed {args.seed}, "
+          f"lr {args.lr}, weight decay {WEIGHT_DECAY}, warm-up ratio {WARMUP_RATIO}, max grad norm {MAX_GRAD_NORM}, "
           f"max_length {MAX_LENGTH}; then validation + test (batch {EVAL_BATCH}) and the model saved; "
           f"{args.runs} run(s) each, medians; {first['machine']}; torch {first['versions']['torch']}, "
           f"transformers {first['versions']['transformers']}, effitrain {first['versions']['effitrain']}\n")
