@@ -186,9 +186,12 @@ def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, kind, adap
         for name in single:
             torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-5)
         assert run_losses(tmp_path / other) == pytest.approx(run_losses(tmp_path / "single"), rel=1e-5)
-        # The step's rewards and accuracy: sums over every pair of the step, whatever the layout.
-        assert [v for step in run_step_metrics(tmp_path / other) for v in step] == \
-            pytest.approx([v for step in run_step_metrics(tmp_path / "single") for v in step], rel=1e-5, abs=1e-6)
+        # The step's rewards and accuracy: sums over every pair of the step, whatever the layout. At the first
+        # step the policy is its reference: every pair ties, and float noise (the reference's batches differ
+        # with the processes) ranks a few either way, so its accuracy is not compared.
+        got, wanted = run_step_metrics(tmp_path / other), run_step_metrics(tmp_path / "single")
+        got[0][3] = wanted[0][3] = 0.0
+        assert [v for step in got for v in step] == pytest.approx([v for step in wanted for v in step], rel=1e-5, abs=1e-6)
         metrics = json.loads((tmp_path / other / "metrics.json").read_text())["validation"]
         wanted = json.loads((tmp_path / "single" / "metrics.json").read_text())["validation"]
         assert metrics["samples"] == wanted["samples"] == 6  # gathered without duplicates

@@ -51,7 +51,7 @@ class Precomputed(Reference):
         stored = _read(out_dir, {name: len(split) for name, split in encoded.items()})
         if stored is None:
             with self.autocast():
-                stored = {name: compute(model, split, collate, batch_size, answer_logps)
+                stored = {name: compute_shared(model, split, collate, batch_size, answer_logps)
                           for name, split in encoded.items()}
             _write(out_dir, stored)
         return DatasetDict({name: split.remove_columns([c for c in (COLUMN,) if c in split.column_names])
@@ -109,6 +109,23 @@ def compute(model, split, collate, batch_size: int, answer_logps) -> torch.Tenso
     return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
 
 
+def compute_shared(model, split, collate, batch_size: int, answer_logps) -> torch.Tensor:
+    """`compute` over a split with the work shared by the processes: each takes every W-th pair (rank,
+    rank + W, ...), and all of them end with every pair's log-probs, in the split's order."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute(model, split, collate, batch_size, answer_logps)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = compute(model, split.select(range(rank, len(split), world)), collate, batch_size, answer_logps)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)  # small: 2 float64 a pair
+    whole = torch.zeros(len(split), 2, dtype=torch.float64)
+    for r, part in enumerate(parts):
+        whole[r::world] = part
+    return whole
+
+
 def _read(out_dir: Path | None, sizes: dict[str, int]) -> dict | None:
     """The log-probs an earlier start of this run stored, when they fit the splits (a resume)."""
     if out_dir is None or not (Path(out_dir) / FILE).is_file():
@@ -122,7 +139,7 @@ def _read(out_dir: Path | None, sizes: dict[str, int]) -> dict | None:
 
 
 def _write(out_dir: Path | None, stored: dict) -> None:
-    """Written whole (a temporary file renamed) by the main process; the others computed the same."""
+    """Written whole (a temporary file renamed) by the main process; every process holds the same."""
     import os
 
     from accelerate import PartialState
