@@ -40,8 +40,12 @@ def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", action="append", choices=sorted(LABELS), help="repeatable (default: both)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1 "
+                        "(to share the seeds among processes: --rows merges their --json files)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--optim", action="append", choices=OPTIMIZERS, help="repeatable (default: all)")
+    parser.add_argument("--rows", nargs="+", type=Path, metavar="JSON",
+                        help="summarise the runs of these --json files (merged) instead of training")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--dry-run", action="store_true")
@@ -97,6 +101,30 @@ HEADER = ["data", "optimizer", "state MiB", "state / plan", "state vs AdamW", "s
           "test acc mean (min-max)", "acc - AdamW", "AdamW spread"]
 
 
+def measure(datas, optims, seeds, steps: int, dry_run: bool) -> dict:
+    """{data: {optimizer: [one result per seed]}}, each run a fresh process."""
+    raw = {}
+    with tempfile.TemporaryDirectory(prefix="bench-optimizers-") as folder:
+        for data in datas:
+            runs = {optim: [] for optim in optims}
+            for seed in seeds:  # the optimizers take turns within a seed: a busy minute hits them alike
+                for optim in optims:
+                    runs[optim].append(train(Path(folder), data, optim, seed, steps, dry_run))
+                    print(f"{data} seed {seed} {optim}: {runs[optim][-1]}", flush=True)
+            raw[data] = runs
+    return raw
+
+
+def merged(paths: list[Path]) -> dict:
+    """The runs of several --json files (other seeds of the same runs) as one."""
+    raw: dict = {}
+    for path in paths:
+        for data, runs in json.loads(path.read_text()).items():
+            for optim, results in runs.items():
+                raw.setdefault(data, {}).setdefault(optim, []).extend(results)
+    return raw
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:  # `effitrain ...` in this process (a dry run's model applied by _common)
@@ -105,25 +133,15 @@ def main(argv=None) -> int:
         return cli(argv[1:])
     args = parse(argv)
     datas, optims = args.data or list(LABELS), args.optim or list(OPTIMIZERS)
-    seeds, steps = range(args.seeds), args.steps
+    seeds, steps = range(args.first_seed, args.first_seed + args.seeds), args.steps
     if args.dry_run:
         _common.dry_run_model()
         datas, optims, seeds, steps = ["sms-spam"], ["adamw", "muon"], range(1), 2
         _common.skipped("bbc-news, the other optimizers and seeds, and the files (--markdown, --json)")
-    rows, raw = [], {}
-    with tempfile.TemporaryDirectory(prefix="bench-optimizers-") as folder:
-        for data in datas:
-            runs = {optim: [] for optim in optims}
-            for seed in seeds:  # the optimizers take turns within a seed: a busy minute hits them alike
-                for optim in optims:
-                    runs[optim].append(train(Path(folder), data, optim, seed, steps, args.dry_run))
-                    print(f"{data} seed {seed} {optim}: {runs[optim][-1]}", flush=True)
-            if args.dry_run:
-                continue
-            raw[data] = runs
-            rows += summarise(data, runs)
+    raw = merged(args.rows) if args.rows else measure(datas, optims, seeds, steps, args.dry_run)
     if args.dry_run:
         return 0
+    rows = [row for data, runs in raw.items() for row in summarise(data, runs)]
     _common.print_columns(tuple(HEADER), [tuple(r) for r in rows])
     text = (f"# Optimizers: state bytes, step time, test accuracy\n\n{_common.machine(torch_version=True)}; "
             f"{steps} steps, seeds {list(seeds)}, `{' '.join(['benchmarks/optimizers.py', *argv])}`\n\n"
