@@ -506,7 +506,7 @@ def test_memory_budget_plans_with_the_runs_adapters(monkeypatch):
 
 
 def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
-    """The plan's baseline (in_use_bytes) is taken after what the run's adapters and optimizer import (peft;
+    """The plan's baseline (in_use_bytes) is taken after what the run's model, adapters and optimizer import (peft;
     transformers' Adafactor, which imports peft and bitsandbytes): a library is not training memory, and the
     peak measured above the baseline is what the planner predicts. Plain AdamW without adapters imports nothing."""
     import subprocess
@@ -516,16 +516,27 @@ def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
     from effitrain.engine import optim
     from effitrain.models import adapters
 
+    from effitrain.tasks.base import Task
+
     events = []
     for module, name in ((adapters, "adapters"), (optim, "optimizer")):
         real = module.import_libraries
         monkeypatch.setattr(module, "import_libraries", lambda settings, real=real, name=name:
                             events.append((name, getattr(settings, "peft", settings))) or real(settings))
+    real_model_code = Task.import_model_code
+    monkeypatch.setattr(Task, "import_model_code", lambda self, config: events.append(("model", config.model_type))
+                        or real_model_code(self, config))
     monkeypatch.setattr(memory_fit, "in_use_bytes", lambda device: events.append("baseline") or 1)
     config = TrainConfig(model=SMALL_BERT, memory_budget="2GiB", batch_size=8, max_length=64, peft="lora",
                          optim="adafactor")
     memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
-    assert events == [("adapters", "lora"), ("optimizer", "adafactor"), "baseline"]
+    # The model's transformers module too (with transformers' losses it imports scipy, torchao, ...: 100-200 MiB)
+    assert events == [("model", "bert"), ("adapters", "lora"), ("optimizer", "adafactor"), "baseline"]
+    fresh = ("import sys; from effitrain import tasks; from transformers import LlamaConfig; "
+             "tasks.get('causal-lm').import_model_code(LlamaConfig()); "
+             "print('transformers.models.llama.modeling_llama' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]
     fresh = ("import sys; from effitrain.engine import optim; from effitrain.models import adapters; "
              "adapters.import_libraries(adapters.Peft()); optim.import_libraries('adamw'); "
              "before = [m in sys.modules for m in ('peft', 'transformers.optimization')]; "
