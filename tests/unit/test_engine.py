@@ -264,6 +264,16 @@ def test_train_state_round_trips_and_scales_the_sums_per_process():
     assert (restored.step, restored.best_value, restored.best_step, restored.evals_without_improvement) == (7, 0.5, 4, 1)
     assert restored.window.tolist() == [6.0, 3.0] and restored.totals.tolist() == [10.0, 100.0]
     assert restored.take_window() == [6.0, 3.0] and restored.window.tolist() == [0.0, 0.0]
+    # A task that logs sums of its own (preference: 4 sums and their count) resumed from a checkpoint
+    # written before it did: the loss window is taken back, the task's sums start at 0.
+    longer = TrainState(window_size=7)
+    longer.load_state_dict(saved, world=2)
+    assert longer.window.tolist() == [6.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    longer.window += torch.arange(7.0)
+    assert TrainState(window_size=7).state_dict()["window"] == [0.0] * 7
+    again = TrainState(window_size=7)
+    again.load_state_dict(longer.state_dict(), world=1)
+    assert again.take_window() == longer.window.tolist()
 
 
 class FakeTask:
