@@ -34,10 +34,10 @@ CHROMEDRIVER := /usr/bin/chromedriver
 $(CHROMEDRIVER):
 	apt-get update -qq && apt-get install -y -qq chromium chromium-driver
 
-# One pytest worker per core, each with one torch thread: the suite is CPU-bound and much of it is
-# single-threaded (process start-ups), so this uses both cores of a 2-core machine (xeon2c, 2026-12-05:
-# 10:35 and 15:15 in two runs against 24:31 one test at a time).
+# One pytest worker per logical CPU (xdist's `auto` counts physical cores), each with one torch thread:
+# the suite is CPU-bound and much of it single-threaded (process start-ups), so this keeps both cores of
+# a 2-core machine busy (xeon2c, 2026-12-05: 10:35 and 15:15 in two runs, 24:31 one test at a time).
 test: $(VENV)/.installed-dev $(FASHION_MNIST) $(CHROMEDRIVER)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n logical
 
 .PHONY: demo test
