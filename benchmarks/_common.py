@@ -217,6 +217,16 @@ def _tiny_model() -> Path:
     return folder
 
 
+def profiled_events(step: Callable[[], None], steps: int = 3) -> list:
+    """torch.profiler's per-operator averages (self CPU time over all `steps`) of `steps` calls of `step`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+
+
 def skipped(what: str) -> None:
     """One line saying what a dry run leaves out."""
     print(f"dry run: skipped {what}", flush=True)

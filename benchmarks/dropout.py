@@ -110,12 +110,7 @@ def make_step(model, optimizer, batch: dict, precision: str):
 
 def shares(step) -> tuple[dict, float]:
     """Share of self CPU time per operator group over 3 profiled steps, and the profiled time per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
-            step()
-    events = prof.key_averages()
+    events = _common.profiled_events(step, 3)
     total = sum(e.self_cpu_time_total for e in events)
     groups = {"matrix products": 0.0, "dropout masks": 0.0, "other": 0.0}
     for e in events:

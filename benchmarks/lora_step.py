@@ -179,12 +179,7 @@ def group_of(key: str) -> str:
 
 def profile(step) -> tuple[dict, list, float]:
     """ms per step in each group of operators (self time), the top operators, and the profiled ms per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
-            step()
-    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    events = _common.profiled_events(step, 3)
     groups = {group: 0.0 for group in (*GROUPS, "other")}
     for e in events:
         groups[group_of(e.key)] += e.self_cpu_time_total / 3 / 1e3
