@@ -17,7 +17,9 @@ with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora
               product added into the base output by one addmm
   lean        adapter_step with the dropped input recomputed in the backward from x and the mask (one
               multiply per adapter) instead of kept: less memory
-  p0          effitrain with --lora-dropout 0: what all adapter dropout costs
+  p0          effitrain with --lora-dropout 0 (the default): what all adapter dropout costs
+  p0-nodes    p0 with the base's and the adapter's products as separate autograd nodes (before the
+              frozen base and its adapter became one node, speedups/adapter_step._AdaptedLinear)
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower moment of the machine hits all of them; medians, and the fastest steps, are compared with `full`. Saved for backward:
@@ -46,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
 import _common  # noqa: E402
 
-VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0")
+VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0", "p0-nodes")
 GROUPS = {
     "matrix products": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"},
     "dropout masks": {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_",
@@ -66,6 +68,10 @@ def parse_args(argv=None):
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--job-batches", type=int, default=0, metavar="N",
+                        help="instead of one random batch: the default job's first N training batches (sms-spam, "
+                             "batch 16, length grouping, seed 42), each variant stepping through all N per turn, "
+                             "with the job's loss and gradient clipping at 1.0")
     parser.add_argument("--lora-dropout", type=float, default=0.05)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list (default: all)")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
@@ -78,6 +84,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.length, args.steps, args.rounds, args.profile = 2, 16, 1, 1, True
+        args.job_batches = min(args.job_batches, 2)
     args.variants = [v for v in VARIANTS if v in args.variants.split(",")]
     return args
 
@@ -131,15 +138,58 @@ def build(name: str, base, p: float):
     from effitrain.speedups import adapter_step
 
     task = tasks.get("sequence-classification")
-    peft = None if name == "full" else adapters.Peft("lora", lora_dropout=0.0 if name == "p0" else p)
+    peft = None if name == "full" else adapters.Peft("lora", lora_dropout=0.0 if name.startswith("p0") else p)
     skip = ("adapter-step",) if name in ("peft", "recompute", "fast-mask") else ()
     model, _ = transforms.apply_all(copy.deepcopy(base), transforms.Settings(task, peft=peft), skip=skip)
     if name in ("recompute", "fast-mask"):
         (recompute_dropout if name == "recompute" else fast_mask_dropout)(model)
     elif name == "lean":
         adapter_step.apply(model, lean=True)
+    elif name == "p0-nodes":
+        adapter_step.apply(model, one_node=False)
     model.train()
     return model, optim.adamw(model, 1e-4 if name == "full" else 1e-3, 0.01)
+
+
+def job_batches(count: int, batch_size: int) -> list[dict]:
+    """The default job's first `count` training batches, as `effitrain train` makes them (its data, tokenizer,
+    length-grouped sampler and collator, seed 42)."""
+    from torch.utils.data import DataLoader
+
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+    from effitrain.data import text
+    from effitrain.models import loading
+
+    task, config = tasks.get("sequence-classification"), TrainConfig(batch_size=batch_size)
+    tokenizer = task.load_processor(loading.resolve_source("default"))
+    loaded = task.load_data(config)
+    encoded = task.preprocess(loaded.splits, tokenizer, config, loaded.base_dir)
+    collate, _ = task.collators(tokenizer, config)
+    loader = DataLoader(encoded["train"], batch_size=batch_size, collate_fn=collate,
+                        sampler=text.train_sampler(encoded["train"], batch_size, config.group_by_length, config.seed))
+    return [batch for _, batch in zip(range(count), loader)]
+
+
+def make_job_step(model, optimizer, batches: list[dict], precision: str):
+    """One pass over `batches`, each an optimizer step as the default job's: the task's loss (mean over the
+    batch), backward, clipping at 1.0, AdamW, zero_grad."""
+    from effitrain import tasks
+
+    task = tasks.get("sequence-classification")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+    def steps() -> None:
+        for batch in batches:
+            with autocast:
+                loss = task.loss_sum(model, batch) / task.item_count(batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return steps
 
 
 def make_step(model, optimizer, batch: dict, precision: str):
@@ -177,14 +227,16 @@ def group_of(key: str) -> str:
     return next((group for group, keys in GROUPS.items() if key in keys), "other")
 
 
-def profile(step) -> tuple[dict, list, float]:
-    """ms per step in each group of operators (self time), the top operators, and the profiled ms per step."""
-    events = _common.profiled_events(step, 3)
+def profile(step, calls: int = 3, steps_per_call: int = 1) -> tuple[dict, list, float]:
+    """ms per optimizer step in each group of operators (self time), the top operators, and the profiled ms
+    per step, over `calls` calls of `step` (each `steps_per_call` optimizer steps)."""
+    events = _common.profiled_events(step, calls)
+    per = calls * steps_per_call
     groups = {group: 0.0 for group in (*GROUPS, "other")}
     for e in events:
-        groups[group_of(e.key)] += e.self_cpu_time_total / 3 / 1e3
+        groups[group_of(e.key)] += e.self_cpu_time_total / per / 1e3
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
-    return groups, [(e.key, e.self_cpu_time_total / 3 / 1e3, e.count // 3) for e in top], sum(groups.values())
+    return groups, [(e.key, e.self_cpu_time_total / per / 1e3, e.count // per) for e in top], sum(groups.values())
 
 
 def main(argv=None) -> None:
@@ -207,9 +259,18 @@ def main(argv=None) -> None:
              "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
              "labels": torch.randint(0, 2, (args.batch_size,))}
     built = {name: build(name, base, args.lora_dropout) for name in args.variants}
-    steps = {name: make_step(model, optimizer, batch, args.precision) for name, (model, optimizer) in built.items()}
+    if args.job_batches:  # a "step" is then a pass over the job's batches
+        batches = job_batches(args.job_batches, args.batch_size)
+        steps = {name: make_job_step(model, optimizer, batches, args.precision)
+                 for name, (model, optimizer) in built.items()}
+        widths = [batch["input_ids"].shape[1] for batch in batches]
+        shape = f"the default job's first {len(batches)} batches of {args.batch_size} ({min(widths)}-{max(widths)} " \
+                f"tokens wide, {sum(widths) / len(widths):.0f} on average; ms per pass over them)"
+    else:
+        steps = {name: make_step(model, optimizer, batch, args.precision) for name, (model, optimizer) in built.items()}
+        shape = f"{args.batch_size} x {args.length} tokens"
     for step in steps.values():
-        for _ in range(2):
+        for _ in range(1 if args.job_batches else 2):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
@@ -218,7 +279,7 @@ def main(argv=None) -> None:
                 start = time.perf_counter()
                 step()
                 times[name].append(time.perf_counter() - start)
-    print(f"default model, {args.batch_size} x {args.length} tokens, {args.precision}, lora dropout "
+    print(f"default model, {shape}, {args.precision}, lora dropout "
           f"{args.lora_dropout}, {_common.machine()}{', glibc keeping freed memory' if args.keep_freed_memory else ''}, {args.rounds} rounds x {args.steps} steps each, median step time")
     reference = statistics.median(times[args.variants[0]])
     fastest = min(times[args.variants[0]])  # the least disturbed step: on a busy machine, the steadier ratio
@@ -231,7 +292,7 @@ def main(argv=None) -> None:
               f"{min(measured) / fastest:6.2f}  {saved / 2**20:8.0f} MiB")
     if args.profile:
         profiled = [name for name in ("full", "recompute", "effitrain", "p0") if name in steps]
-        found = {name: profile(steps[name]) for name in profiled}
+        found = {name: profile(steps[name], *((1, len(batches)) if args.job_batches else ())) for name in profiled}
         print("profiled (self time, ms per step): " + "  ".join(f"{name} {found[name][2]:.1f}" for name in profiled))
         for group in (*GROUPS, "other"):
             print(f"  {group:18s}" + "".join(f" {found[name][0][group]:9.1f}" for name in profiled))

@@ -148,3 +148,23 @@ def test_it_keeps_no_more_for_the_backward_than_peft():
         return sum(storages.values())
 
     assert saved_bytes(adapted_model(0.1)) <= saved_bytes(adapted(0.1))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_a_frozen_base_and_its_adapter_are_one_node_with_the_separate_nodes_gradients(p):
+    """LoRA's frozen base: the layer's output comes from one autograd node, whose gradients (the input's,
+    A's and B's) equal those of the base and adapter products as separate nodes over the same masks."""
+    x = torch.randn(3, 10, 64)
+    one, separate = adapted(p), adapted(p)
+    adapter_step.apply(one)
+    adapter_step.apply(separate, one_node=False)
+    node = one.base_model.model.query(x).grad_fn  # the view of its 2-d output back to 3-d, then the node
+    assert type(node.next_functions[0][0]).__name__ == "_AdaptedLinearBackward"
+    torch.manual_seed(5)
+    want, want_grads = run(separate, x.clone().requires_grad_())
+    torch.manual_seed(5)
+    got, got_grads = run(one, x.clone().requires_grad_())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6)
