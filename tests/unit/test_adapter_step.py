@@ -168,3 +168,51 @@ def test_a_frozen_base_and_its_adapter_are_one_node_with_the_separate_nodes_grad
     assert got_grads.keys() == want_grads.keys()
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def quantised(compute_dtype, p: float, seed: int = 0):
+    """`adapted`'s model with q, k and v as bitsandbytes 4-bit (nf4) layers, as QLoRA loads them."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = Attention()
+    for name in ("query", "key", "value"):
+        linear = getattr(model, name)
+        layer = bnb.nn.Linear4bit(64, 64, compute_dtype=compute_dtype, quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data.clone(), requires_grad=False, quant_type="nf4").to("cpu")
+        layer.bias = torch.nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+        setattr(model, name, layer)
+    model.is_loaded_in_4bit = True  # what peft reads to wrap them in its Linear4bit
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=p,
+                                             target_modules=["query", "key", "value", "output"]))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    return model.train()
+
+
+@pytest.mark.parametrize("precision,p", [("fp32", 0.0), ("fp32", 0.3), ("bf16", 0.0)])
+def test_qlora_layers_are_peft_without_its_copy_of_the_output(precision, p):
+    """peft's Linear4bit forward copies the base's output, scales the adapter's and adds it (three passes);
+    here one addmm: the same output and gradients as peft's forward over the same masks."""
+    from peft.tuners.lora.bnb import Linear4bit
+
+    compute = torch.bfloat16 if precision == "bf16" else torch.float32
+    reference, fast = quantised(compute, p), quantised(compute, p)
+    for module in reference.modules():  # peft's forward, its dropout drawing effitrain's masks
+        for name, layer in getattr(module, "lora_dropout", {}).items():
+            if isinstance(layer, torch.nn.Dropout):
+                module.lora_dropout[name] = dropout.Dropout(layer.p)
+    assert type(fast.base_model.model.query) is Linear4bit and adapter_step.apply(fast) == 4
+    x = torch.randn(3, 10, 64)
+    torch.manual_seed(5)
+    want, want_grads = run(reference, x.clone().requires_grad_(), precision)
+    torch.manual_seed(5)
+    got, got_grads = run(fast, x.clone().requires_grad_(), precision)
+    assert got.dtype == want.dtype and got_grads.keys() == want_grads.keys() and len(got_grads) == 9
+    for a, b in ((got, want), *((got_grads[name], want_grads[name]) for name in want_grads)):
+        if precision == "fp32":  # the scaling applied to a instead of the output: rounding apart
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
+        else:  # bf16 sums round differently in another order: each tensor within 1% as a whole
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2

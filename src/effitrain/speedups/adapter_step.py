@@ -68,10 +68,21 @@ def plain(layer) -> bool:
     """The case this forward handles: one active adapter of plain LoRA on an nn.Linear, not merged."""
     from peft.tuners.lora import Linear
 
+    return type(layer) is Linear and isinstance(layer.base_layer, torch.nn.Linear) and _one_plain_adapter(layer) \
+        and not getattr(layer, "fan_in_fan_out", False)
+
+
+def four_bit(layer) -> bool:
+    """QLoRA's case: one active adapter of plain LoRA on a bitsandbytes 4-bit linear, not merged."""
+    from peft.tuners.lora import bnb
+
+    return type(layer) is getattr(bnb, "Linear4bit", None) and _one_plain_adapter(layer)
+
+
+def _one_plain_adapter(layer) -> bool:
     active = layer.active_adapters
-    return (type(layer) is Linear and isinstance(layer.base_layer, torch.nn.Linear) and len(active) == 1
-            and active[0] in layer.lora_A and active[0] not in layer.lora_variant and not layer.merged
-            and not layer.disable_adapters and not getattr(layer, "fan_in_fan_out", False))
+    return (len(active) == 1 and active[0] in layer.lora_A and active[0] not in layer.lora_variant
+            and not layer.merged and not layer.disable_adapters)
 
 
 class _AdaptedLinear(torch.autograd.Function):
@@ -114,14 +125,16 @@ class _AdaptedLinear(torch.autograd.Function):
 
 def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's lora.Linear.forward, computed as the module docstring says while training the plain case."""
-    if args or kwargs or not (layer.training and torch.is_grad_enabled()) or not plain(layer) \
-            or x.device.type != "cpu":
+    if args or kwargs or not (layer.training and torch.is_grad_enabled()) or x.device.type != "cpu" \
+            or not (plain(layer) or four_bit(layer)):
         return type(layer).forward(layer, x, *args, **kwargs)
     name = layer.active_adapters[0]
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     dropout = layer.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
     dtype = _compute_dtype(x)
+    if four_bit(layer):
+        return _four_bit_forward(layer, x, lora_a, lora_b, p, layer.scaling[name], dtype)
     inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)
     weight_a = lora_a.weight.to(dtype)
     base = layer.base_layer
@@ -149,6 +162,21 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return summed.view(result.shape).to(result.dtype)
 
 
+def _four_bit_forward(layer, x, lora_a, lora_b, p: float, scaling: float, dtype) -> torch.Tensor:
+    """peft's Linear4bit forward (base(x), a defensive copy of it, the adapter's output scaled, then added:
+    three passes over the output) as base(x) + (scaled a) B^T in one addmm, the base's output left as it is."""
+    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == lora_a.weight.dtype == dtype:
+        return type(layer).forward(layer, x)  # peft casts x to the adapter's dtype there: its own forward
+    result = layer.base_layer(x)  # bitsandbytes' 4-bit product, called as peft calls it
+    inputs, weight_a = x.to(dtype), lora_a.weight.to(dtype)
+    a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout) if p > 0 else F.linear(inputs, weight_a)
+    a = (a * scaling).reshape(-1, a.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):  # summed in the base output's dtype, as peft's `+`
+        summed = torch.addmm(result.reshape(-1, result.shape[-1]), a.to(result.dtype),
+                             lora_b.weight.to(result.dtype).t())
+    return summed.view(result.shape)
+
+
 def _plain_linear(module) -> bool:
     """nn.Linear's own forward, no hooks: F.linear(x, weight, bias), which this module may compute itself."""
     return (type(module) is torch.nn.Linear and "forward" not in vars(module) and not module._forward_hooks
@@ -158,8 +186,8 @@ def _plain_linear(module) -> bool:
 def apply(model, lean: bool = False, one_node: bool = True) -> int:
     """Every peft lora.Linear of `model` trains through `forward` (peft's own forward where it does not
     apply), and every adapter's nn.Dropout draws speedups/dropout.py's mask (the layers `forward` does
-    not handle: QLoRA's 4-bit ones, GPT-2's Conv1D). Returns the number of layers changed."""
-    from peft.tuners.lora import Linear, LoraLayer
+    not handle: GPT-2's Conv1D, say). Returns the number of layers changed."""
+    from peft.tuners.lora import Linear, LoraLayer, bnb
 
     from effitrain.speedups import dropout
 
@@ -170,7 +198,7 @@ def apply(model, lean: bool = False, one_node: bool = True) -> int:
         for name, layer in list(module.lora_dropout.items()):
             if type(layer) is torch.nn.Dropout:
                 module.lora_dropout[name] = dropout.Dropout(layer.p).train(layer.training)
-        if type(module) is Linear:
+        if type(module) in (Linear, getattr(bnb, "Linear4bit", None)):
             module.lean_adapter_dropout = lean
             module.adapter_one_node = one_node  # False: the base and adapter products as separate autograd nodes
             module.forward = types.MethodType(forward, module)
