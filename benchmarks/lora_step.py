@@ -20,6 +20,9 @@ with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora
   p0          effitrain with --lora-dropout 0 (the default): what all adapter dropout costs
   p0-nodes    p0 with the base's and the adapter's products as separate autograd nodes (before the
               frozen base and its adapter became one node, speedups/adapter_step._AdaptedLinear)
+  qlora-peft  QLoRA (the base loaded in 4-bit nf4, dropout 0) with peft's own Linear4bit forward (the
+              base's output copied, the adapter's scaled, then added)
+  qlora       QLoRA as `effitrain train --peft qlora` runs it (the adapter added by one addmm)
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower moment of the machine hits all of them; medians, and the fastest steps, are compared with `full`. Saved for backward:
@@ -48,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
 import _common  # noqa: E402
 
-VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0", "p0-nodes")
+VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0", "p0-nodes", "qlora-peft", "qlora")
 GROUPS = {
     "matrix products": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"},
     "dropout masks": {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_",
@@ -131,13 +134,15 @@ def fast_mask_dropout(model) -> None:
 # --- the variants ----------------------------------------------------------------------------------------
 
 
-def build(name: str, base, p: float):
+def build(name: str, base, p: float, precision: str = "fp32"):
     from effitrain import tasks
     from effitrain.engine import optim
     from effitrain.models import adapters, transforms
     from effitrain.speedups import adapter_step
 
     task = tasks.get("sequence-classification")
+    if name.startswith("qlora"):
+        return build_qlora(name, task, precision)
     peft = None if name == "full" else adapters.Peft("lora", lora_dropout=0.0 if name.startswith("p0") else p)
     skip = ("adapter-step",) if name in ("peft", "recompute", "fast-mask") else ()
     model, _ = transforms.apply_all(copy.deepcopy(base), transforms.Settings(task, peft=peft), skip=skip)
@@ -149,6 +154,26 @@ def build(name: str, base, p: float):
         adapter_step.apply(model, one_node=False)
     model.train()
     return model, optim.adamw(model, 1e-4 if name == "full" else 1e-3, 0.01)
+
+
+def build_qlora(name: str, task, precision: str):
+    from peft.tuners.lora.bnb import Linear4bit
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain.engine import optim
+    from effitrain.models import adapters, loading, transforms
+
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(
+        str(loading.resolve("default")), num_labels=2, attn_implementation="sdpa",
+        quantization_config=adapters.quantization_config(precision, ["classifier"]))
+    model, _ = transforms.apply_all(base, transforms.Settings(task, peft=adapters.Peft("qlora", lora_dropout=0.0)))
+    if name == "qlora-peft":
+        for module in model.modules():
+            if type(module) is Linear4bit:
+                del module.forward  # adapter_step's bound forward: peft's class method again
+    model.train()
+    return model, optim.adamw(model, 1e-3, 0.01)
 
 
 def job_batches(count: int, batch_size: int) -> list[dict]:
@@ -258,7 +283,7 @@ def main(argv=None) -> None:
     batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
              "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
              "labels": torch.randint(0, 2, (args.batch_size,))}
-    built = {name: build(name, base, args.lora_dropout) for name in args.variants}
+    built = {name: build(name, base, args.lora_dropout, args.precision) for name in args.variants}
     if args.job_batches:  # a "step" is then a pass over the job's batches
         batches = job_batches(args.job_batches, args.batch_size)
         steps = {name: make_job_step(model, optimizer, batches, args.precision)
