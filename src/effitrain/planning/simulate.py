@@ -76,8 +76,12 @@ class Phases:
 class _Timeline(TorchDispatchMode):
     """Live bytes of the storages created inside the mode (not the weights), after every operator."""
 
-    def __init__(self, flop_counter):
+    def __init__(self, flop_counter, trace: list | None = None):
         super().__init__()
+        # `trace`: where to record the ordered allocations (id, bytes) and frees (id, 0) of the step's
+        # storages, for a replay through the C allocator (benchmarks/memory_overhead.py); None: not recorded.
+        self.trace = trace
+        self._next_id = 0
         self.held = 0  # activations and temporaries
         self.grads = 0
         self.points: list[tuple[int, int]] = []
@@ -85,9 +89,11 @@ class _Timeline(TorchDispatchMode):
         self.large_churn = 0
         self.flops = 0
         self._flop_registry = flop_counter
-        self._sizes = WeakIdKeyDictionary()  # storage -> [bytes, is_grad]
+        self._sizes = WeakIdKeyDictionary()  # storage -> [bytes, is_grad, id]
 
     def _freed(self, record):
+        if self.trace is not None:
+            self.trace.append((record[2], 0))
         if record[1]:
             self.grads -= record[0]
         else:
@@ -113,7 +119,10 @@ class _Timeline(TorchDispatchMode):
             if storage in self._sizes:
                 continue
             size = storage.nbytes()
-            record = [size, False]
+            record = [size, False, self._next_id]
+            if self.trace is not None:
+                self.trace.append((self._next_id, size))
+            self._next_id += 1
             self._sizes[storage] = record
             weakref.finalize(storage, self._freed, record)
             self.held += size
@@ -324,7 +333,7 @@ class _Linear4bitStandIn:
 
 
 def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
-              packing=False) -> Phases | None:
+              packing=False, trace: list | None = None) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
     mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
@@ -334,7 +343,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
         if split and (stack is None or len(stack) != depth_of(config)):
             return None  # no stack of identical layers to extrapolate over
         batch = example_batch(task, model.config, batch_size, seq_len)
-        timeline = _Timeline(flop_registry)
+        timeline = _Timeline(flop_registry, trace)
         # Which backward point each layer's gradients complete at: cuts the backward into phases.
         done_at: dict[int, int] = {}
         remaining = {i: sum(1 for p in layer.parameters() if p.requires_grad) for i, layer in enumerate(stack or [])}
@@ -362,6 +371,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
             del loss
             backward_heap_churn = timeline.heap_churn - forward_heap_churn
             backward_large_churn = timeline.large_churn - forward_large_churn
+        timeline.trace = None  # the gradients' frees come with the next simulation's zero_grad
         for handle in handles:
             handle.remove()
     points = timeline.points
