@@ -145,11 +145,7 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         out = _AdaptedLinear.apply(inputs.reshape(-1, inputs.shape[-1]), base.weight.to(dtype), bias, weight_a,
                                    lora_b.weight.to(dtype), layer.scaling[name], p, layer.lean_adapter_dropout)
         return out.view(*x.shape[:-1], out.shape[-1])
-    if p > 0:
-        a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout)
-    else:
-        a = F.linear(inputs, weight_a)
-    a = (a * layer.scaling[name]).reshape(-1, a.shape[-1])
+    a = _scaled_projection(layer, inputs, weight_a, p, layer.scaling[name])
     weight_b = lora_b.weight.to(dtype).t()
     if _plain_linear(base):  # the base product computed here, and the adapter's added into it in place
         flat = inputs.reshape(-1, inputs.shape[-1])
@@ -168,13 +164,17 @@ def _four_bit_forward(layer, x, lora_a, lora_b, p: float, scaling: float, dtype)
     if not torch.is_autocast_enabled(x.device.type) and not x.dtype == lora_a.weight.dtype == dtype:
         return type(layer).forward(layer, x)  # peft casts x to the adapter's dtype there: its own forward
     result = layer.base_layer(x)  # bitsandbytes' 4-bit product, called as peft calls it
-    inputs, weight_a = x.to(dtype), lora_a.weight.to(dtype)
-    a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout) if p > 0 else F.linear(inputs, weight_a)
-    a = (a * scaling).reshape(-1, a.shape[-1])
+    a = _scaled_projection(layer, x.to(dtype), lora_a.weight.to(dtype), p, scaling)
     with torch.autocast(x.device.type, enabled=False):  # summed in the base output's dtype, as peft's `+`
         summed = torch.addmm(result.reshape(-1, result.shape[-1]), a.to(result.dtype),
                              lora_b.weight.to(result.dtype).t())
     return summed.view(result.shape)
+
+
+def _scaled_projection(layer, inputs, weight_a, p: float, scaling: float) -> torch.Tensor:
+    """The adapter's r-wide a = (inputs * mask) A^T * scaling, 2-D, as its own autograd nodes."""
+    a = _DroppedProjection.apply(inputs, weight_a, p, layer.lean_adapter_dropout) if p > 0 else F.linear(inputs, weight_a)
+    return (a * scaling).reshape(-1, a.shape[-1])
 
 
 def _plain_linear(module) -> bool:
