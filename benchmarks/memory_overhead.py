@@ -24,6 +24,14 @@ MALLOC_TRACE set (a 4-line C launcher: see the results file).
     python benchmarks/memory_overhead.py replay-rows --json out.json   # 20 single-process rows + 4 preference rows, ~1 min
     python benchmarks/memory_overhead.py real '{"row": [...]}' /tmp/out
     python benchmarks/memory_overhead.py --dry-run                     # one tiny row's trace replayed
+
+`allocators`: rows of `real` in fresh processes under other C allocators preloaded (LD_PRELOAD: jemalloc,
+tcmalloc-minimal; Debian's libjemalloc2, libtcmalloc-minimal4), taking turns: each row's overhead above the
+planner's tensors and its median step (steps 2 on). Under a preloaded allocator train's mallopt goes to
+glibc's unused malloc (jemalloc exports none) or to tcmalloc's no-op; `real`'s mallinfo2 marks then read
+glibc's empty heap, the RSS marks stay right.
+
+    taskset -c 1 python benchmarks/memory_overhead.py allocators --rows lm,ckpt --rounds 3 --steps 10
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -239,6 +248,83 @@ def real_run(row, out):
 
 
 
+JEMALLOC, TCMALLOC = "libjemalloc.so.2", "libtcmalloc_minimal.so.4"  # LD_PRELOAD finds them as ld.so finds libraries
+NEVER_PURGE = "background_thread:false,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+ALLOCATORS = {  # name -> environment
+    "glibc": {},  # train's mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD 256 MiB
+    "jemalloc": {"LD_PRELOAD": JEMALLOC},  # its defaults: dirty pages purged over 10 s, blocks >= 8 MiB at once
+    "jemalloc-keep": {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": NEVER_PURGE},
+    "jemalloc-keep-o0": {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": NEVER_PURGE + ",oversize_threshold:0"},
+    "jemalloc-o0": {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": "oversize_threshold:0"},
+    "jemalloc-pytorch": {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": "oversize_threshold:1,background_thread:true,"
+                         "metadata_thp:auto,dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000"},  # PyTorch's tuning guide
+    "tcmalloc": {"LD_PRELOAD": TCMALLOC},
+    "tcmalloc-keep": {"LD_PRELOAD": TCMALLOC, "TCMALLOC_RELEASE_RATE": "0"},
+}
+
+
+def allocator_rows(folder: Path) -> dict:
+    """name -> `real`'s row: section 3's three rows, DPO with LoRA, three more memory_plan_runs rows."""
+    import memory_plan_runs as runs
+    import preference_accuracy as pref
+
+    sft, pairs = pref.memory_data(folder, pref.MEMORY_LENGTH, 64)
+    data = {"sft": sft, "pairs": pairs}
+    by_name = {run[0]: run for run in pref.MEMORY_RUNS}
+    rows = {"sft": {"preference": pref.memory_settings(by_name["sft-full"], data, "", False)},
+            "dpo": {"preference": pref.memory_settings(by_name["dpo-lora"], data, "", False)}}
+    for name, row in (("lm", ("fit", runs.LLAMA, runs.LM, 8, 256, "fp32", "adamw", False, "none", "single")),
+                      ("ckpt", ("fit", runs.DEFAULT, runs.CLS, 32, 128, "fp32", "adamw", True, "none", "single")),
+                      ("d24", ("fit", runs.DEFAULT, runs.CLS, 24, 128, "fp32", "adamw", False, "none", "single")),
+                      ("g16", ("fit", runs.GPT2, runs.LM, 16, 256, "fp32", "adamw", False, "none", "single")),
+                      ("h16", ("held-out", runs.DEFAULT, runs.CLS, 16, 256, "fp32", "adamw", True, "none", "single"))):
+        assert row in runs.ROWS, row
+        rows[name] = {"row": list(row)}
+    return rows
+
+
+def allocators(args) -> int:
+    import statistics
+
+    import _common
+
+    names = args.allocators.split(",")
+    with tempfile.TemporaryDirectory(prefix="memory_overhead_") as tmp:
+        rows = allocator_rows(Path(tmp))
+        chosen = args.rows.split(",")
+        results: dict = {}
+        for _ in range(args.rounds):
+            for row in chosen:
+                for name in names:  # the allocators take turns on each row
+                    out = Path(tmp) / f"{row}-{name}"
+                    env = {**os.environ, "HF_HUB_OFFLINE": "1", **ALLOCATORS[name]}
+                    if args.steps:
+                        env["EXP_STEPS"] = str(args.steps)
+                    _common.run_checked([sys.executable, __file__, "real", json.dumps(rows[row]), str(out)], env)
+                    d = json.loads((out / "marks.json").read_text())
+                    t = {m[0]: m[-1] for m in d["marks"]}
+                    steps = [t[f"step{i}-end"] - t[f"step{i}-start"] for i in range(2, 10000) if f"step{i}-end" in t]
+                    r = {"row": row, "allocator": name, "tensors": d["tensors"], "measured": d["peak"] - d["in_use"],
+                         "overhead": d["peak"] - d["in_use"] - d["tensors"], "step_median": statistics.median(steps),
+                         "steps": len(steps) + 1}
+                    results.setdefault((row, name), []).append(r)
+                    print(f"{row:5} {name:17} tensors {r['tensors'] / MiB:5.0f} overhead {r['overhead'] / MiB:5.0f} MiB "
+                          f"step median {r['step_median']:.3f} s", flush=True)
+                    shutil.rmtree(out)
+    print()
+    for row in chosen:
+        base = statistics.median(r["step_median"] for r in results[(row, names[0])])
+        for name in names:
+            rs = results[(row, name)]
+            overheads = " ".join(f"{r['overhead'] / MiB:.0f}" for r in rs)
+            times = " ".join(f"{r['step_median']:.3f}" for r in rs)
+            ratio = statistics.median(r["step_median"] for r in rs) / base
+            print(f"{row:5} {name:17} overhead {overheads:16} MiB, step {times} s, x{ratio:.3f} of {names[0]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r for rs in results.values() for r in rs], indent=1))
+    return 0
+
+
 def step_trace(shapes, seq_len: int, precision: str, checkpointing: bool, micro: int) -> list:
     """The ordered (id, bytes) allocations and (id, 0) frees of one micro-step, simulated at full depth."""
     from effitrain.planning import simulate
@@ -355,12 +441,12 @@ def preference_shapes(peft, preference, reference, loss_positions):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", default="replay-rows", choices=("replay-rows", "real"))
+    parser.add_argument("command", nargs="?", default="replay-rows", choices=("replay-rows", "real", "allocators"))
     parser.add_argument("args", nargs="*", help="real: ROW_JSON OUT_DIR")
     parser.add_argument("--json", help="replay-rows: also write the rows to this file")
     parser.add_argument("--measured", default=str(Path(__file__).parent / "results" / "memory_plan_xeon2c_2026-12-05_0725.json"))
     parser.add_argument("--loss-positions", type=int, default=2, help="the preference rows' longest answer")
-    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--steps", type=int, help=f"replay-rows: steps replayed ({STEPS}); allocators: the rows' steps (theirs)")
     parser.add_argument("--no-keep", action="store_true", help="glibc's defaults (no mallopt)")
     parser.add_argument("--only", help="substring of the row name")
     parser.add_argument("--small", type=int, nargs="*", default=[],
@@ -368,10 +454,16 @@ def main() -> int:
     parser.add_argument("--pool", type=float, metavar="MIB",
                         help="also the peak under an exact-size cache of freed blocks of MIB or more (computed)")
     parser.add_argument("--dry-run", action="store_true", help="one tiny row's trace replayed; nothing measured")
+    parser.add_argument("--rows", default="sft,lm,ckpt,dpo,d24,g16,h16", help="allocators: which rows")
+    parser.add_argument("--allocators", default="glibc,jemalloc,jemalloc-keep,tcmalloc",
+                        help=f"allocators: the first is the step times' base; of {', '.join(ALLOCATORS)}")
+    parser.add_argument("--rounds", type=int, default=1, help="allocators: turns")
     args = parser.parse_args()
     if args.command == "real":
         real_run(json.loads(args.args[0]), args.args[1])
         return 0
+    if args.command == "allocators":
+        return allocators(args)
     from effitrain.planning import planner as plan
     import memory_plan_runs as runs
 
@@ -401,7 +493,7 @@ def main() -> int:
         estimate = planner.estimate(plan.Setting(precision, optimizer, ckpt, micro, 1))
         tensors = estimate.total - estimate.overhead
         trace = step_trace(shapes, length, precision, ckpt, micro)
-        spec = replay_spec(shapes, optimizer, trace, 1 if args.dry_run else args.steps, not args.no_keep, args.small)
+        spec = replay_spec(shapes, optimizer, trace, 1 if args.dry_run else args.steps or STEPS, not args.no_keep, args.small)
         out = replay(spec)
         replay_overhead = out["peak_rss"] - out["peak_live"]
         r = {"name": name, "measured": meas, "tensors": tensors, "model_overhead": estimate.overhead,
