@@ -125,15 +125,16 @@ class _AdaptedLinear(torch.autograd.Function):
 
 def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's lora.Linear.forward, computed as the module docstring says while training the plain case."""
+    quantised = four_bit(layer)
     if args or kwargs or not (layer.training and torch.is_grad_enabled()) or x.device.type != "cpu" \
-            or not (plain(layer) or four_bit(layer)):
+            or not (quantised or plain(layer)):
         return type(layer).forward(layer, x, *args, **kwargs)
     name = layer.active_adapters[0]
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     dropout = layer.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
     dtype = _compute_dtype(x)
-    if four_bit(layer):
+    if quantised:
         return _four_bit_forward(layer, x, lora_a, lora_b, p, layer.scaling[name], dtype)
     inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)
     weight_a = lora_a.weight.to(dtype)
