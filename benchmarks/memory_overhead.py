@@ -41,7 +41,6 @@ import ctypes
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -50,6 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _common  # noqa: E402
 
 MiB = 2**20
 STEPS = 3
@@ -131,18 +131,7 @@ print(json.dumps({"base": base, "peak_rss": peak_rss - base, "peak_live": peak_l
 
 
 MARK = 32753
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
 marks = []
-
-
-def status():
-    fields = {}
-    for line in open("/proc/self/status"):
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
 
 
 class MallInfo2(ctypes.Structure):
@@ -158,8 +147,7 @@ def mark(label):
     del b
     info = libc.mallinfo2()
     rss = int(open("/proc/self/statm").read().split()[1]) * 4096
-    s = status()
-    marks.append([label, rss, s["RssAnon"], s["RssFile"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    marks.append([label, rss, _common.status_bytes("RssAnon"), _common.status_bytes("RssFile"), _common.rss_peak_bytes(),
                   info.arena, info.uordblks, info.fordblks, info.keepcost, info.hblkhd, time.perf_counter()])
 
 
@@ -286,7 +274,6 @@ def allocator_rows(folder: Path) -> dict:
 def allocators(args) -> int:
     import statistics
 
-    import _common
 
     names = args.allocators.split(",")
     with tempfile.TemporaryDirectory(prefix="memory_overhead_") as tmp:
