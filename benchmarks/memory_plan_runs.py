@@ -99,8 +99,11 @@ def child(row, output_dir: str, model: str | None) -> None:
     plan.fit = capturing_fit
     metrics = effitrain.train(train_config(row, output_dir, model))
     if int(os.environ.get("RANK", "0")) == 0:
+        from effitrain.speedups import allocator
+
         memory = metrics["memory_plan"]
-        print(json.dumps({**seen, "peak": metrics["peak_memory_bytes"], "in_use": memory["in_use_bytes"],
+        print(json.dumps({**seen, "allocator": allocator.serving()[0], "peak": metrics["peak_memory_bytes"],
+                          "in_use": memory["in_use_bytes"],
                           "predicted": memory["predicted_peak_bytes"], "transforms": metrics.get("transforms")}))
 
 
@@ -183,11 +186,20 @@ def verdict(results: list[dict]) -> bool:
 
 def calibrate(results: list[dict]) -> dict:
     """Least squares over the fit rows: measured - tensors = constant + churn_share x the micro-step's heap
-    churn (planner.heap_churn); the held-out rows then predicted with it."""
+    churn (planner.heap_churn) under glibc, the constant alone under a preloaded allocator (rows saved before
+    the allocator was recorded ran glibc); the held-out rows then predicted with it."""
     import numpy as np
 
+    from effitrain.planning import planner as plan
+
+    kinds = {r.get("allocator", "glibc") for r in results}
+    if len(kinds) != 1:
+        raise SystemExit(f"rows of several allocators ({', '.join(sorted(kinds))}): calibrate each apart")
+    kind = kinds.pop()
+    glibc = kind not in plan.PRELOADED_OVERHEAD
+
     def features(r):
-        return [1.0, r["heap_churn"]]
+        return [1.0, r["heap_churn"]] if glibc else [1.0, 0.0]
 
     fit = [r for r in results if r["row"][0] == "fit"]
     x = np.array([features(r) for r in fit])
@@ -196,7 +208,10 @@ def calibrate(results: list[dict]) -> dict:
     for r in results:
         r["refit_predicted"] = round(r["tensors"] + np.dot([constant, share], features(r)))
         r["refit_error"] = r["refit_predicted"] / r["measured"] - 1
-    print(f"CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'churn_share': {share:.3f}}}")
+    if glibc:
+        print(f"CPU_OVERHEAD = {{'constant': {constant / MiB:.0f} * MiB, 'churn_share': {share:.3f}}}")
+    else:
+        print(f"PRELOADED_OVERHEAD['{kind}'] = {constant / MiB:.0f} * MiB")
     for role in ("fit", "held-out"):
         errors = [r["refit_error"] for r in results if r["row"][0] == role]
         if errors:

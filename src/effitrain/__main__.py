@@ -5,6 +5,14 @@ import sys
 
 def run() -> int:
     try:
+        from effitrain.errors import UserError
+        from effitrain.speedups import allocator
+
+        try:  # before torch is loaded: this process may be replaced by itself with tcmalloc or jemalloc
+            allocator.preload()
+        except UserError as err:
+            print(f"effitrain: error: {err}", file=sys.stderr)
+            return err.exit_code
         from effitrain.cli import main
     except KeyboardInterrupt:  # Ctrl-C while the CLI is still importing: the same one line as later
         print("effitrain: stopped by SIGINT", file=sys.stderr)

@@ -2,9 +2,13 @@
 cli.main in this one (conftest's cli_here) where a fresh process would add only its imports' seconds."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from effitrain.runtime.devices import has_accelerator
+from effitrain.speedups import allocator
 
 from conftest import run_cli
 
@@ -92,6 +96,19 @@ def test_env_reports_the_cpu_without_error(cli_here):
     assert data["device_type"] in ("cpu", "cuda", "mps", "xpu")
     assert data["versions"]["torch"] and data["versions"]["accelerate"]
     assert data["precision"]["fp16_supported"] == bool(data["gpus"])
+    assert data["allocator"]["kind"] == "glibc"  # in this process: not started by the `effitrain` command
+    preloaded = next((kind for kind in allocator.LIBRARIES if allocator.find(kind)), "glibc")
+    assert f"allocator         {preloaded}" in result.stdout  # the command's own process: preloaded when installed
+
+
+def test_an_unknown_allocator_is_one_line_before_anything_runs():
+    env = {**os.environ, allocator.ALLOCATOR: "mimalloc"}
+    out = subprocess.run([sys.executable, "-m", "effitrain", "env"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [f"effitrain: error: {allocator.ALLOCATOR}='mimalloc' is not an allocator "
+                                       "effitrain knows; fix: set it to one of auto, tcmalloc, jemalloc, system, or "
+                                       "unset it (auto)"]
 
 
 def test_hub_id_is_found_in_the_local_cache_offline(tiny_model_dir, tmp_path):

@@ -1,12 +1,17 @@
 """speedups/allocator.py: on glibc, a CPU run's large blocks come from malloc's heap (reused step after
-step) instead of fresh mappings, and glibc's settings are put back when the run ends."""
+step) instead of fresh mappings, and glibc's settings are put back when the run ends; the `effitrain`
+command's preload of tcmalloc or jemalloc, and the planner's overhead under each."""
 
 import ctypes
+import json
 import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
+from effitrain.errors import UserError
 from effitrain.speedups import allocator
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
@@ -76,3 +81,93 @@ def test_a_cpu_run_keeps_freed_memory_and_restores_it(tiny_model_dir, tmp_path, 
     assert calls == ["keep", "restore"]
     assert os.environ[allocator.PRIMITIVE_CACHE] == str(allocator.PRIMITIVES)  # bf16 matmuls' kernel cache
     assert held_in_its_own_mapping()  # glibc's own behaviour again after the run
+
+
+# The preload: `effitrain` re-executes itself once with tcmalloc or jemalloc under malloc.
+PRELOADED = [kind for kind in allocator.LIBRARIES if allocator.find(kind)]
+REPORT = ("import json, os, sys; from effitrain.speedups import allocator; allocator.preload(); "
+          "print(json.dumps([allocator.serving()[0], os.environ.get('MALLOC_CONF'), sys.argv[1:]]))")
+
+
+def preloaded_run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in (allocator.PRELOADING, "LD_PRELOAD", "MALLOC_CONF")}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env={**environment, **env})
+
+
+@pytest.mark.parametrize("kind", PRELOADED)
+def test_the_preload_puts_the_library_under_malloc_once(kind):
+    out = preloaded_run(REPORT, "a", "--b c", EFFITRAIN_ALLOCATOR=kind)
+    assert out.returncode == 0, out.stderr
+    served, settings, argv = json.loads(out.stdout)  # printed once: one re-execution, then the program itself
+    assert served == kind and argv == ["a", "--b c"] and out.stderr == ""
+    assert settings == (allocator.SETTINGS["jemalloc"]["MALLOC_CONF"] if kind == "jemalloc" else None)
+
+
+def test_auto_takes_tcmalloc_first_and_system_none():
+    if not PRELOADED:
+        pytest.skip("neither tcmalloc nor jemalloc is installed")
+    assert json.loads(preloaded_run(REPORT, EFFITRAIN_ALLOCATOR="auto").stdout)[0] == PRELOADED[0]
+    assert json.loads(preloaded_run(REPORT, EFFITRAIN_ALLOCATOR="system").stdout)[0] == "glibc"
+
+
+def test_a_user_setting_of_jemalloc_is_kept():
+    if "jemalloc" not in PRELOADED:
+        pytest.skip("jemalloc is not installed")
+    out = preloaded_run(REPORT, EFFITRAIN_ALLOCATOR="jemalloc", MALLOC_CONF="narenas:2")
+    assert json.loads(out.stdout)[:2] == ["jemalloc", "narenas:2"]
+
+
+def test_a_preload_the_linker_refused_is_not_tried_again():
+    """The marker is set before the re-execution: if the library did not load, the program runs on glibc."""
+    out = preloaded_run(REPORT, **{allocator.PRELOADING: "tcmalloc", "EFFITRAIN_ALLOCATOR": "auto"})
+    assert json.loads(out.stdout)[0] == "glibc"
+
+
+def test_an_allocator_asked_for_by_name_and_missing_is_one_line(monkeypatch):
+    monkeypatch.setattr(allocator, "find", lambda kind: None)
+    monkeypatch.setenv(allocator.ALLOCATOR, "jemalloc")
+    with pytest.raises(UserError, match="libjemalloc.so.2 was found.*apt-get install libjemalloc2"):
+        allocator.preload()
+    monkeypatch.setenv(allocator.ALLOCATOR, "auto")
+    allocator.preload()  # auto without a library: glibc, nothing said
+    monkeypatch.setenv(allocator.ALLOCATOR, "mimalloc")
+    with pytest.raises(UserError, match="EFFITRAIN_ALLOCATOR='mimalloc' is not an allocator.*auto, tcmalloc"):
+        allocator.preload()
+
+
+GIVE_BACK = """
+import json, sys, torch
+from effitrain.speedups import allocator
+allocator.preload()
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+block = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
+del block
+kept = rss()
+allocator.give_back()
+print(json.dumps([allocator.serving()[0], kept - rss()]))
+"""
+
+
+@pytest.mark.parametrize("kind", PRELOADED)
+def test_give_back_returns_what_the_preloaded_allocator_keeps(kind):
+    out = preloaded_run(GIVE_BACK, EFFITRAIN_ALLOCATOR=kind)
+    assert out.returncode == 0, out.stderr
+    served, returned = json.loads(out.stdout)
+    assert served == kind and returned > 200 * 2**20
+
+
+def test_planner_overhead_follows_the_allocator(monkeypatch):
+    from effitrain.planning import planner as plan
+
+    shapes = plan.model_shapes("causal-lm", "gpt2:n_layer=2,n_embd=64,n_head=2")
+    planner = plan.Planner(shapes, 32, "cpu")
+    setting = plan.Setting("fp32", "adamw", False, 4, 1)
+    glibc = planner.estimate(setting)
+    assert glibc.overhead > plan.CPU_OVERHEAD["constant"]  # the heap churn's share on top
+    for kind, overhead in plan.PRELOADED_OVERHEAD.items():
+        monkeypatch.setattr(allocator, "serving", lambda kind=kind: (kind, f"/lib/lib{kind}.so"))
+        assert not allocator.keeps_freed_memory()
+        estimate = planner.estimate(setting)
+        assert estimate.overhead == overhead and estimate.total - overhead == glibc.total - glibc.overhead

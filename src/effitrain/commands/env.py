@@ -8,6 +8,7 @@ import os
 import platform
 
 from effitrain.runtime import devices, distributed, libraries
+from effitrain.speedups import allocator
 
 
 def report() -> dict:
@@ -42,6 +43,8 @@ def report() -> dict:
     }
     info["distributed_env"] = distributed.launcher_variables()
     info["started_by_torchrun"] = distributed.started_by_torchrun()
+    kind, file = allocator.serving()
+    info["allocator"] = {"kind": kind, "file": file, "requested": os.environ.get(allocator.ALLOCATOR, "auto")}
     info["python"] = platform.python_version()
     info["versions"] = libraries.versions()
     return info
@@ -69,6 +72,20 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
 
+def _allocator_line(memory: dict) -> str:
+    if memory["kind"] in allocator.LIBRARIES:
+        return f"{memory['kind']} ({memory['file']}); {allocator.ALLOCATOR}=system for the C library's"
+    if memory["kind"] == "glibc":
+        found = next((kind for kind in allocator.LIBRARIES if allocator.find(kind)), None)
+        if memory["requested"] == "system" or not found:
+            why = (f"{allocator.ALLOCATOR}=system" if found else
+                   "Debian: apt-get install libtcmalloc-minimal4 for a steadier memory peak")
+        else:
+            why = f"a program of its own: the `effitrain` command preloads {found}"
+        return f"glibc's malloc, keeping freed memory ({why})"
+    return f"{memory['file'] or 'the C library'}'s malloc"
+
+
 def format_report(info: dict) -> str:
     yes = {True: "yes", False: "no"}
     cpu, precision = info["cpu"], info["precision"]
@@ -91,9 +108,7 @@ def format_report(info: dict) -> str:
         lines.append(f"                  these make train and evaluate wait up to {distributed.JOIN_SECONDS} s for "
                      f"{info['num_processes'] - 1} other process(es), then stop; unset them to run one process, "
                      "or start all with `effitrain launch`")
-    lines += [
-        f"python            {info['python']}",
-    ]
+    lines += [f"allocator         {_allocator_line(info['allocator'])}", f"python            {info['python']}"]
     lines += [f"{name:<18}{version or 'not installed'}" for name, version in info["versions"].items()]
     return "\n".join(lines)
 

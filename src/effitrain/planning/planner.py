@@ -9,7 +9,8 @@ settings that fit a budget.
 - activations (and the temporaries of the forward, the loss and the backward): simulated operator
   by operator on fake tensors (planning/simulate.py);
 - overhead: on CPU, what the C allocator keeps resident beyond live tensors, calibrated by
-  measurement (CPU_OVERHEAD, method in benchmarks/README.md); on CUDA, the context and caching
+  measurement for the allocator that serves the process (CPU_OVERHEAD for glibc's, PRELOADED_OVERHEAD for
+  tcmalloc's and jemalloc's; method in benchmarks/README.md); on CUDA, the context and caching
   allocator slack (a documented allowance, not counted by torch.cuda.max_memory_allocated).
 """
 
@@ -40,6 +41,10 @@ MiB = 2**20
 # effitrain's own runs (benchmarks/memory_plan.py --runs, the 12 `fit` rows: peak RSS minus the RSS at
 # planning; xeon2c, 2026-12-05); the held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
 CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
+# Under an allocator that keeps small objects apart from large blocks (the `effitrain` command preloads one:
+# speedups/allocator.py), the freed blocks are reused whole and the overhead is a near constant, whatever
+# the churn: least squares on the same rows run under each (benchmarks/memory_plan.py --runs --calibrate).
+PRELOADED_OVERHEAD = {"tcmalloc": 42 * MiB, "jemalloc": 76 * MiB}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
@@ -324,6 +329,11 @@ class Planner:
 
     def overhead(self, phases: simulate.Phases, tensors: int) -> int:
         if self.device == "cpu":
+            from effitrain.speedups import allocator
+
+            preloaded = PRELOADED_OVERHEAD.get(allocator.serving()[0])
+            if preloaded is not None:
+                return preloaded
             return round(CPU_OVERHEAD["constant"] + CPU_OVERHEAD["churn_share"] * heap_churn(phases))
         return round(CUDA_OVERHEAD["context"] + CUDA_OVERHEAD["fragmentation"] * tensors)
 

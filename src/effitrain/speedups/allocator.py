@@ -10,7 +10,16 @@ kernel faults their pages in and zeroes them anew: 10-25% of the default model's
 KEEP bytes freed at the heap's top (M_TRIM_THRESHOLD), so a step reuses the pages of the one before.
 benchmarks/allocator.py measures it: the training step's time, evaluation's, and peak resident memory.
 `restore` puts glibc's defaults back when a run ends (effitrain.train may run inside a longer program).
-Other C libraries, and allocators preloaded in glibc's place (jemalloc, tcmalloc), are left alone.
+
+glibc keeps pages, but not in shape: small C++ objects land in the holes freed large tensors leave and
+split them, so the next step's large blocks go to the heap's top, and what the process holds beyond its
+tensors varies from 60 to 700 MiB with every small allocation (benchmarks/results/memory_overhead_*). An
+allocator that keeps small objects apart from large blocks (tcmalloc's size classes, jemalloc's slabs)
+holds the tensors plus a near-constant, at glibc's speed or better. `preload` re-executes the `effitrain`
+command once with one of them in LD_PRELOAD, before torch is loaded (a library cannot replace malloc in a
+running process): tcmalloc, else jemalloc set never to purge (its default purging re-faults every step's
+pages: steps 27-34% slower), else glibc with the settings above. EFFITRAIN_ALLOCATOR chooses (`system`: no
+preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
 
 `bound_primitive_cache` caps oneDNN's cache of compiled kernels ("primitives"), through which CPU bf16
 matmuls run: one primitive per operand shape, kept up to 1024 by default, each holding its own buffers.
@@ -22,13 +31,28 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import os
 import platform
+import sys
+import sysconfig
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
 KEEP = 256 * 1024 * 1024
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 SWITCH = "EFFITRAIN_KEEP_FREED_MEMORY"  # 0: leave glibc as it is (to measure, or to compare)
+ALLOCATOR = "EFFITRAIN_ALLOCATOR"  # auto (default), tcmalloc, jemalloc, or system (the C library's own)
+CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
+PRELOADING = "EFFITRAIN_ALLOCATOR_PRELOADING"  # set before the re-execution: it happens once, even if it fails
+# Where Debian, Fedora, conda and pip-installed copies live; the first name of each is the preferred one.
+LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
+             "jemalloc": ("libjemalloc.so.2", "libjemalloc.so")}
+# Set unless the user set them. jemalloc: never purge freed pages (its decay purges re-fault every step's
+# pages, and 5.3 purges blocks >= 8 MiB at once whatever the decay); tcmalloc: no "large alloc" report
+# on stderr for blocks over 1 GiB (one-line errors stay one line).
+SETTINGS = {"jemalloc": {"MALLOC_CONF": "background_thread:false,dirty_decay_ms:-1,muzzy_decay_ms:-1"},
+            "tcmalloc": {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60)}}
+JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
 PRIMITIVES = 64
 PRIMITIVE_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # oneDNN reads it once, at its first primitive
 
@@ -49,14 +73,102 @@ def _glibc():
         return None
 
 
+class _SymbolInfo(ctypes.Structure):  # dlfcn.h's Dl_info
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+@functools.cache  # which malloc a process calls is fixed when it starts
+def serving() -> tuple[str, str]:
+    """(kind, file) of the library whose malloc this process calls: kind "tcmalloc", "jemalloc", "glibc",
+    or "other" (another preloaded allocator, or not Linux: file ""). Read with dladdr on the address the
+    dynamic linker resolves `malloc` to, so a library merely loaded, not preloaded, does not count."""
+    if platform.system() != "Linux":
+        return "other", ""
+    try:
+        process = ctypes.CDLL(None)
+        dladdr = process.dladdr
+    except (OSError, AttributeError):  # glibc before 2.34 keeps dladdr in libdl
+        try:
+            process, dladdr = ctypes.CDLL(None), ctypes.CDLL("libdl.so.2").dladdr
+        except (OSError, AttributeError):
+            return ("glibc", "") if _glibc() is not None else ("other", "")
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SymbolInfo)]
+    info = _SymbolInfo()
+    if not dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return ("glibc", "") if _glibc() is not None else ("other", "")
+    file = os.fsdecode(info.dli_fname)
+    name = os.path.basename(file)
+    for kind in LIBRARIES:
+        if kind in name:
+            return kind, file
+    return ("glibc", file) if name.startswith("libc.so") and _glibc() is not None else ("other", file)
+
+
+def requested() -> str:
+    """EFFITRAIN_ALLOCATOR's value, checked: UserError for one effitrain does not know."""
+    value = os.environ.get(ALLOCATOR, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        from effitrain.errors import UserError
+
+        raise UserError(f"{ALLOCATOR}={os.environ[ALLOCATOR]!r} is not an allocator effitrain knows",
+                        f"set it to one of {', '.join(CHOICES)}, or unset it (auto)")
+    return value
+
+
+def find(kind: str) -> str | None:
+    """The path of the allocator library `kind`, looked for where its packages install it."""
+    folders = [os.path.join(sys.prefix, "lib"), os.environ.get("CONDA_PREFIX", "") and
+               os.path.join(os.environ["CONDA_PREFIX"], "lib"), "/usr/local/lib"]
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    folders += [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
+    folders += ["/usr/lib64", "/usr/lib"]
+    for name in LIBRARIES[kind]:
+        for folder in filter(None, folders):
+            found = glob.glob(os.path.join(folder, name))
+            if found:
+                return found[0]
+    return None
+
+
+def preload() -> None:
+    """At the `effitrain` command's start, before torch is imported: re-execute this same command once
+    with tcmalloc or jemalloc preloaded (as EFFITRAIN_ALLOCATOR asks), when this process runs glibc's
+    malloc on Linux and the library is installed. Processes it starts (`launch`'s workers, `bench`'s
+    variants) inherit the preload. Returns when nothing is to be done; UserError when the allocator asked
+    for by name is not installed. Never call it in a program that has done work: it replaces the process."""
+    wanted = requested()
+    if wanted == "system" or os.environ.get(PRELOADING) or serving()[0] != "glibc":
+        return  # asked not to; tried once already (a preload the linker refused); or already preloaded
+    kinds = ("tcmalloc", "jemalloc") if wanted == "auto" else (wanted,)
+    found = next(((kind, path) for kind in kinds if (path := find(kind))), None)
+    if found is None:
+        if wanted == "auto":
+            return  # glibc with effitrain's settings: works, with a less predictable memory peak
+        from effitrain.errors import UserError
+
+        package = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}[wanted]
+        raise UserError(f"{ALLOCATOR}={wanted} but no {LIBRARIES[wanted][0]} was found",
+                        f"install it (Debian/Ubuntu: apt-get install {package}), or set {ALLOCATOR}=auto")
+    kind, path = found
+    environment = dict(os.environ)
+    environment.update({name: value for name, value in SETTINGS[kind].items() if name not in environment})
+    environment["LD_PRELOAD"] = ":".join(filter(None, [environment.get("LD_PRELOAD", ""), path]))
+    environment[PRELOADING] = kind
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+
+
 def keeps_freed_memory() -> bool:
-    """Whether a CPU run in this environment will keep freed memory (what `keep_freed_memory` would do),
-    without changing anything: the memory planner's CPU overhead model depends on it."""
-    return _glibc() is not None and os.environ.get(SWITCH, "1") != "0"
+    """Whether a CPU run in this environment will keep freed memory in glibc's heap (what
+    `keep_freed_memory` would do), without changing anything: the memory planner's CPU overhead model
+    depends on it. False under a preloaded allocator (it keeps pages its own way)."""
+    return _glibc() is not None and serving()[0] == "glibc" and os.environ.get(SWITCH, "1") != "0"
 
 
 def keep_freed_memory() -> bool:
-    """glibc keeps freed blocks for reuse; whether it applied (glibc only, and unless SWITCH is 0)."""
+    """glibc keeps freed blocks for reuse; whether it applied (glibc's malloc only, and unless SWITCH is 0)."""
     libc = _glibc()
     if not keeps_freed_memory():
         return False
@@ -67,16 +179,25 @@ def keep_freed_memory() -> bool:
 
 
 def give_back() -> None:
-    """Return the free memory at the heap's top to the kernel (after an out-of-memory error)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    """Return the allocator's free memory to the kernel (after an out-of-memory error): glibc's free
+    memory at its heap's top, or what tcmalloc or jemalloc keep."""
+    kind, file = serving()
+    try:
+        if kind == "tcmalloc":
+            ctypes.CDLL(file).MallocExtension_ReleaseFreeMemory()
+        elif kind == "jemalloc":
+            purge = f"arena.{JEMALLOC_ALL_ARENAS}.purge".encode()
+            ctypes.CDLL(file).mallctl(purge, None, None, None, ctypes.c_size_t(0))
+        elif kind == "glibc":
+            _glibc().malloc_trim(0)
+    except (OSError, AttributeError):  # a build without the symbol: the memory stays with the allocator
+        pass
 
 
 def restore() -> None:
     """glibc's own settings again (its thresholds then stay fixed: glibc adapts them only until set)."""
     libc = _glibc()
-    if libc is not None:
+    if libc is not None and serving()[0] == "glibc":
         libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
         libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
         libc.malloc_trim(0)
