@@ -21,7 +21,14 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e '.[dev,trackers,optimizers]'
 	touch $@ $(VENV)/.installed
 
-demo: $(VENV)/.installed
+# tcmalloc (and jemalloc), which the `effitrain` command preloads on Linux: a steadier, smaller memory peak on
+# CPUs (docs/memory.md). Best effort: without root or apt, runs use glibc's malloc.
+$(VENV)/.allocators: | $(BIN)/python
+	(apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 libjemalloc2) || \
+		echo "effitrain: tcmalloc not installed (apt-get failed): runs use glibc's malloc"
+	touch $@
+
+demo: $(VENV)/.installed $(VENV)/.allocators
 	$(BIN)/effitrain train
 
 # The built-in `fashion-mnist` reads Debian's package (the tests train on it).
@@ -37,7 +44,7 @@ $(CHROMEDRIVER):
 # One pytest worker per logical CPU (xdist's `auto` counts physical cores), each with one torch thread:
 # the suite is CPU-bound and much of it single-threaded (process start-ups), so this keeps both cores of
 # a 2-core machine busy (xeon2c, 2026-12-05: 10:35 and 15:15 in two runs, 24:31 one test at a time).
-test: $(VENV)/.installed-dev $(FASHION_MNIST) $(CHROMEDRIVER)
+test: $(VENV)/.installed-dev $(VENV)/.allocators $(FASHION_MNIST) $(CHROMEDRIVER)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n logical
 
 .PHONY: demo test

@@ -390,7 +390,8 @@ def replay(spec: dict) -> dict:
         script = Path(folder) / "replay.py"
         script.write_text(REPLAY)
         out = subprocess.run([sys.executable, "-S", str(script), str(path)], capture_output=True, text=True,
-                             env={"PATH": os.environ.get("PATH", "")})
+                             env={"PATH": os.environ.get("PATH", ""),  # and a preloaded allocator: replayed through it
+                                  **{k: os.environ[k] for k in ("LD_PRELOAD", "MALLOC_CONF") if k in os.environ}})
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout)

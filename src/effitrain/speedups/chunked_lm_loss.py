@@ -3,9 +3,9 @@ the positions whose target counts: the whole logits tensor ([tokens, vocabulary]
 
 At a 151,936-token vocabulary and 8 x 2,048 tokens the logits alone are 9.3 GiB in fp32, and a plain
 `F.cross_entropy(model(...).logits.float(), ...)` holds them, their log-softmax and, in the backward,
-their gradient. Here each chunk's logits are made, turned into the loss and the gradient of its rows
-(softmax - one-hot), multiplied back into the hidden states' and the weight's gradients, and freed,
-in the forward (as Liger-Kernel's fused linear cross-entropy does): the same three matrix products as
+their gradient. Here each chunk's logits are made, turned in place into the loss and the gradient of its
+rows (softmax - one-hot), and multiplied back into the hidden states' and the weight's gradients, in one
+buffer that every chunk reuses, in the forward (as Liger-Kernel's fused linear cross-entropy does): the same three matrix products as
 the plain path, no recomputation, and at most one chunk's logits alive. The backward only scales the
 gradients kept by the incoming gradient (a scalar: the loss is a sum).
 
@@ -39,6 +39,53 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+class _ChunkBuffers:
+    """The chunks' largest temporaries, allocated once per call and reused by every chunk (the last one a
+    slice): the fp32 logits, which become their own gradient in place; in half precision the product's
+    buffer and the weight gradient's. Fresh blocks of these sizes each chunk cost page faults and leave
+    the C allocator holes of mixed sizes (benchmarks/results/memory_plan_*)."""
+
+    def __init__(self, rows: int, weight: torch.Tensor, dtype: torch.dtype, weight_gradient: bool):
+        self.fp32 = weight.new_empty((rows, weight.shape[0]), dtype=torch.float32)
+        half = dtype != torch.float32
+        self.low = weight.new_empty((rows, weight.shape[0]), dtype=dtype) if half else None
+        self.weight_low = weight.new_empty(weight.shape, dtype=dtype) if half and weight_gradient else None
+
+    def loss_and_gradients(self, rows, target, matrix, offset, grad_hidden, grad_weight, grad_bias) -> torch.Tensor:
+        """One chunk's summed loss; its gradients written into grad_hidden (its rows) and added into
+        grad_weight and grad_bias (fp32, or None where not wanted)."""
+        logits = self._logits(rows, matrix, offset)
+        # the loss, then d(sum of losses)/d(logits) = softmax - one-hot, in the logits' own buffer
+        picked = logits.gather(1, target[:, None])
+        largest = logits.amax(1, keepdim=True)
+        total = logits.sub_(largest).exp_().sum(1, keepdim=True)
+        loss = (total.log() + largest - picked).sum()
+        gradient = logits.div_(total)
+        gradient[torch.arange(len(target), device=target.device), target] -= 1
+        if grad_bias is not None:
+            grad_bias += gradient.sum(0)
+        if self.low is not None:
+            gradient = self.low[:gradient.shape[0]].copy_(gradient)
+        if grad_hidden is not None:
+            torch.mm(gradient, matrix, out=grad_hidden)
+        if grad_weight is not None:  # the product in the compute dtype, summed in fp32
+            if self.weight_low is None:
+                grad_weight.addmm_(gradient.t(), rows)
+            else:
+                grad_weight += torch.mm(gradient.t(), rows, out=self.weight_low)
+        return loss
+
+    def _logits(self, rows, matrix, offset) -> torch.Tensor:
+        """rows @ matrix^T + offset in the compute dtype (as F.linear makes it), as fp32."""
+        n = rows.shape[0]
+        product = self.fp32[:n] if self.low is None else self.low[:n]
+        if offset is None:
+            torch.mm(rows, matrix.t(), out=product)
+        else:
+            torch.addmm(offset, rows, matrix.t(), out=product)
+        return product if self.low is None else self.fp32[:n].copy_(product)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows of cross_entropy(hidden @ weight^T + bias, targets); gradients made in the forward."""
 
@@ -53,23 +100,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], rows_per_chunk):
-                rows = hidden[start:start + rows_per_chunk].to(dtype)
-                target = targets[start:start + rows_per_chunk]
-                logits = F.linear(rows, matrix, offset).float()
-                loss += F.cross_entropy(logits, target, reduction="sum")
-                if not any(wants):
-                    continue
-                gradient = torch.softmax(logits, dim=-1)  # d(sum of losses)/d(logits) = softmax - one-hot
-                del logits
-                gradient[torch.arange(len(target), device=target.device), target] -= 1
-                if grad_bias is not None:
-                    grad_bias += gradient.sum(0)
-                gradient = gradient.to(dtype)
-                if grad_hidden is not None:
-                    grad_hidden[start:start + rows_per_chunk] = gradient @ matrix
-                if grad_weight is not None:
-                    grad_weight += (gradient.t() @ rows).float()
+            chunks = [(start, min(start + rows_per_chunk, hidden.shape[0])) for start in range(0, hidden.shape[0],
+                                                                                              rows_per_chunk)]
+            if not any(wants):  # evaluation: the loss alone
+                for start, end in chunks:
+                    logits = F.linear(hidden[start:end].to(dtype), matrix, offset).float()
+                    loss += F.cross_entropy(logits, targets[start:end], reduction="sum")
+            else:
+                buffers = _ChunkBuffers(min(rows_per_chunk, hidden.shape[0]), weight, dtype, grad_weight is not None)
+                for start, end in chunks:
+                    loss += buffers.loss_and_gradients(hidden[start:end].to(dtype), targets[start:end], matrix, offset,
+                                                       None if grad_hidden is None else grad_hidden[start:end],
+                                                       grad_weight, grad_bias)
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
         ctx.kept = [g is not None for g in (grad_hidden, grad_weight, grad_bias)]
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
