@@ -8,7 +8,7 @@ def run() -> int:
         from effitrain.errors import UserError
         from effitrain.speedups import allocator
 
-        try:  # before torch is loaded: this process may be replaced by itself with tcmalloc or jemalloc
+        try:  # before torch is loaded: this process may be replaced by itself with jemalloc or tcmalloc
             allocator.preload()
         except UserError as err:
             print(f"effitrain: error: {err}", file=sys.stderr)

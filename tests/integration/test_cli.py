@@ -107,7 +107,7 @@ def test_an_unknown_allocator_is_one_line_before_anything_runs():
                          timeout=120)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == [f"effitrain: error: {allocator.ALLOCATOR}='mimalloc' is not an allocator "
-                                       "effitrain knows; fix: set it to one of auto, tcmalloc, jemalloc, system, or "
+                                       "effitrain knows; fix: set it to one of auto, jemalloc, tcmalloc, system, or "
                                        "unset it (auto)"]
 
 

@@ -104,7 +104,7 @@ def test_the_preload_puts_the_library_under_malloc_once(kind):
     assert settings == (allocator.SETTINGS["jemalloc"]["MALLOC_CONF"] if kind == "jemalloc" else None)
 
 
-def test_auto_takes_tcmalloc_first_and_system_none():
+def test_auto_takes_jemalloc_first_and_system_none():
     if not PRELOADED:
         pytest.skip("neither tcmalloc nor jemalloc is installed")
     assert json.loads(preloaded_run(REPORT, EFFITRAIN_ALLOCATOR="auto").stdout)[0] == PRELOADED[0]
@@ -132,7 +132,7 @@ def test_an_allocator_asked_for_by_name_and_missing_is_one_line(monkeypatch):
     monkeypatch.setenv(allocator.ALLOCATOR, "auto")
     allocator.preload()  # auto without a library: glibc, nothing said
     monkeypatch.setenv(allocator.ALLOCATOR, "mimalloc")
-    with pytest.raises(UserError, match="EFFITRAIN_ALLOCATOR='mimalloc' is not an allocator.*auto, tcmalloc"):
+    with pytest.raises(UserError, match="EFFITRAIN_ALLOCATOR='mimalloc' is not an allocator.*auto, jemalloc"):
         allocator.preload()
 
 

@@ -51,7 +51,7 @@ def test_a_batch_shaped_input_and_a_frozen_weight():
 
 def test_without_gradients_only_the_loss_is_made(monkeypatch):
     h, w, b, targets = inputs()
-    monkeypatch.setattr(chunked_lm_loss, "_ChunkBuffers", None)  # the gradient's first step: never reached
+    monkeypatch.setattr(chunked_lm_loss._ChunkBuffers, "loss_and_gradients", None)  # no gradient is made
     with torch.no_grad():
         got = chunked_lm_loss.loss_sum(h, w, b, targets, rows_per_chunk=4)
     assert not got.requires_grad

@@ -79,7 +79,7 @@ def _allocator_line(memory: dict) -> str:
         found = next((kind for kind in allocator.LIBRARIES if allocator.find(kind)), None)
         if memory["requested"] == "system" or not found:
             why = (f"{allocator.ALLOCATOR}=system" if found else
-                   "Debian: apt-get install libtcmalloc-minimal4 for a steadier memory peak")
+                   "Debian: apt-get install libjemalloc2 for a steadier memory peak")
         else:
             why = f"a program of its own: the `effitrain` command preloads {found}"
         return f"glibc's malloc, keeping freed memory ({why})"

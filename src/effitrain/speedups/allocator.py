@@ -17,8 +17,9 @@ tensors varies from 60 to 700 MiB with every small allocation (benchmarks/result
 allocator that keeps small objects apart from large blocks (tcmalloc's size classes, jemalloc's slabs)
 holds the tensors plus a near-constant, at glibc's speed or better. `preload` re-executes the `effitrain`
 command once with one of them in LD_PRELOAD, before torch is loaded (a library cannot replace malloc in a
-running process): tcmalloc, else jemalloc set never to purge (its default purging re-faults every step's
-pages: steps 27-34% slower), else glibc with the settings above. EFFITRAIN_ALLOCATOR chooses (`system`: no
+running process): jemalloc set never to purge (its default purging re-faults every step's pages: steps
+27-34% slower), else tcmalloc, else glibc with the settings above. jemalloc first: its overhead is the
+steadier of the two across effitrain's measured runs (benchmarks/results/memory_plan_*). EFFITRAIN_ALLOCATOR chooses (`system`: no
 preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
 
 `bound_primitive_cache` caps oneDNN's cache of compiled kernels ("primitives"), through which CPU bf16
@@ -41,12 +42,12 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
 KEEP = 256 * 1024 * 1024
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 SWITCH = "EFFITRAIN_KEEP_FREED_MEMORY"  # 0: leave glibc as it is (to measure, or to compare)
-ALLOCATOR = "EFFITRAIN_ALLOCATOR"  # auto (default), tcmalloc, jemalloc, or system (the C library's own)
-CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
+ALLOCATOR = "EFFITRAIN_ALLOCATOR"  # auto (default), jemalloc, tcmalloc, or system (the C library's own)
+CHOICES = ("auto", "jemalloc", "tcmalloc", "system")
 PRELOADING = "EFFITRAIN_ALLOCATOR_PRELOADING"  # set before the re-execution: it happens once, even if it fails
 # Where Debian, Fedora, conda and pip-installed copies live; the first name of each is the preferred one.
-LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
-             "jemalloc": ("libjemalloc.so.2", "libjemalloc.so")}
+LIBRARIES = {"jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+             "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")}
 # Set unless the user set them. jemalloc: never purge freed pages (its decay purges re-fault every step's
 # pages, and 5.3 purges blocks >= 8 MiB at once whatever the decay); tcmalloc: no "large alloc" report
 # on stderr for blocks over 1 GiB (one-line errors stay one line).
@@ -133,14 +134,14 @@ def find(kind: str) -> str | None:
 
 def preload() -> None:
     """At the `effitrain` command's start, before torch is imported: re-execute this same command once
-    with tcmalloc or jemalloc preloaded (as EFFITRAIN_ALLOCATOR asks), when this process runs glibc's
+    with jemalloc or tcmalloc preloaded (as EFFITRAIN_ALLOCATOR asks), when this process runs glibc's
     malloc on Linux and the library is installed. Processes it starts (`launch`'s workers, `bench`'s
     variants) inherit the preload. Returns when nothing is to be done; UserError when the allocator asked
     for by name is not installed. Never call it in a program that has done work: it replaces the process."""
     wanted = requested()
     if wanted == "system" or os.environ.get(PRELOADING) or serving()[0] != "glibc":
         return  # asked not to; tried once already (a preload the linker refused); or already preloaded
-    kinds = ("tcmalloc", "jemalloc") if wanted == "auto" else (wanted,)
+    kinds = tuple(LIBRARIES) if wanted == "auto" else (wanted,)
     found = next(((kind, path) for kind in kinds if (path := find(kind))), None)
     if found is None:
         if wanted == "auto":

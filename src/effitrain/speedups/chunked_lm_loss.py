@@ -51,15 +51,31 @@ class _ChunkBuffers:
         self.low = weight.new_empty((rows, weight.shape[0]), dtype=dtype) if half else None
         self.weight_low = weight.new_empty(weight.shape, dtype=dtype) if half and weight_gradient else None
 
+    def loss(self, rows, target, matrix, offset) -> torch.Tensor:
+        """One chunk's summed loss, the logits' buffer overwritten."""
+        return self._losses(self._logits(rows, matrix, offset), target)[0].sum()
+
+    def losses_and_hits(self, rows, target, matrix, offset) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's loss, and whether its logits' arg-max is its target (evaluation's metrics)."""
+        logits = self._logits(rows, matrix, offset)
+        hits = logits.argmax(-1) == target
+        return self._losses(logits, target)[0].squeeze(1), hits
+
+    @staticmethod
+    def _losses(logits, target) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's loss, logsumexp - the target's logit ([rows, 1]), and the softmax's denominators;
+        logits becomes exp(logits - their row's max)."""
+        picked = logits.gather(1, target[:, None])
+        largest = logits.amax(1, keepdim=True)
+        total = logits.sub_(largest).exp_().sum(1, keepdim=True)
+        return total.log() + largest - picked, total
+
     def loss_and_gradients(self, rows, target, matrix, offset, grad_hidden, grad_weight, grad_bias) -> torch.Tensor:
         """One chunk's summed loss; its gradients written into grad_hidden (its rows) and added into
         grad_weight and grad_bias (fp32, or None where not wanted)."""
         logits = self._logits(rows, matrix, offset)
         # the loss, then d(sum of losses)/d(logits) = softmax - one-hot, in the logits' own buffer
-        picked = logits.gather(1, target[:, None])
-        largest = logits.amax(1, keepdim=True)
-        total = logits.sub_(largest).exp_().sum(1, keepdim=True)
-        loss = (total.log() + largest - picked).sum()
+        losses, total = self._losses(logits, target)
         gradient = logits.div_(total)
         gradient[torch.arange(len(target), device=target.device), target] -= 1
         if grad_bias is not None:
@@ -73,7 +89,7 @@ class _ChunkBuffers:
                 grad_weight.addmm_(gradient.t(), rows)
             else:
                 grad_weight += torch.mm(gradient.t(), rows, out=self.weight_low)
-        return loss
+        return losses.sum()
 
     def _logits(self, rows, matrix, offset) -> torch.Tensor:
         """rows @ matrix^T + offset in the compute dtype (as F.linear makes it), as fp32."""
@@ -102,12 +118,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             chunks = [(start, min(start + rows_per_chunk, hidden.shape[0])) for start in range(0, hidden.shape[0],
                                                                                               rows_per_chunk)]
+            buffers = _ChunkBuffers(min(rows_per_chunk, hidden.shape[0]), weight, dtype, grad_weight is not None)
             if not any(wants):  # evaluation: the loss alone
                 for start, end in chunks:
-                    logits = F.linear(hidden[start:end].to(dtype), matrix, offset).float()
-                    loss += F.cross_entropy(logits, targets[start:end], reduction="sum")
+                    loss += buffers.loss(hidden[start:end].to(dtype), targets[start:end], matrix, offset)
             else:
-                buffers = _ChunkBuffers(min(rows_per_chunk, hidden.shape[0]), weight, dtype, grad_weight is not None)
                 for start, end in chunks:
                     loss += buffers.loss_and_gradients(hidden[start:end].to(dtype), targets[start:end], matrix, offset,
                                                        None if grad_hidden is None else grad_hidden[start:end],
@@ -239,12 +254,12 @@ def per_position(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     keep = (wanted != ignore_index).nonzero().squeeze(1)
     dtype = compute_dtype(hidden)
     step = chunk_rows(weight.shape[0])
+    buffers = _ChunkBuffers(min(step, len(keep)), weight, dtype, weight_gradient=False)
+    matrix, offset = weight.to(dtype), None if bias is None else bias.to(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, len(keep), step):
             where = keep[start:start + step]
-            logits = F.linear(flat[where].to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
-            losses[where] = F.cross_entropy(logits, wanted[where], reduction="none")
-            correct[where] = logits.argmax(-1) == wanted[where]
+            losses[where], correct[where] = buffers.losses_and_hits(flat[where].to(dtype), wanted[where], matrix, offset)
     return losses.view(targets.shape), correct.view(targets.shape)
 
 
