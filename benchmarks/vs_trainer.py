@@ -77,6 +77,8 @@ from _common import (  # noqa: E402
     rss_peak_bytes,
 )
 
+from effitrain.speedups import allocator  # noqa: E402
+
 MAX_LENGTH = 128
 LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
 DATA = "sms-spam"
@@ -189,6 +191,7 @@ def run_trainer(args, best: bool) -> dict:
     measured = train_evaluate_save(trainer, validation, test, out_dir)
     return {
         "side": "trainer-best" if best else "trainer",
+        "allocator": allocator.serving()[0],
         "precision": args.precision,
         **trainer_figures(args, measured, collator),
         "step_seconds": step_seconds,
@@ -425,6 +428,7 @@ def run_effitrain(args) -> dict:
     samples = args.steps * args.batch_size
     return {
         "side": "effitrain",
+        "allocator": allocator.serving()[0],
         "precision": args.precision,
         "wall_seconds_by_phase": metrics.get("wall_seconds_by_phase"),
         "steps": metrics["steps"],
@@ -570,8 +574,11 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
                "--precision", precision, "--peft", args.peft, "--lora-dropout", str(args.lora_dropout)]
     print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
+    # effitrain's side starts as the `effitrain` command runs, under the allocator it preloads (jemalloc where
+    # installed: EFFITRAIN_ALLOCATOR chooses); the Trainer's as a script runs, under glibc's malloc.
+    env = allocator.preloaded_environment(os.environ) if side == "effitrain" else None
     start, started_at = time.perf_counter(), time.time()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0 or not result.is_file():
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
@@ -594,6 +601,8 @@ def notes(trainer: dict, ours: dict) -> list[str]:
             k = run["tokens"]
             lines.append(f"  {side}: {k['mean_padded_length']:.1f} padded / {k['mean_real_length']:.1f} real tokens "
                          f"per sample over the {run['steps']} steps, padding waste {k['padding_waste']:.1%}")
+    lines.append(f"malloc: Trainer {trainer.get('allocator', '?')} (a script's), effitrain {ours.get('allocator', '?')} "
+                 "(what the `effitrain` command preloads)")
     same = t["fused"] == e["fused"]
     lines.append(f"optimizer: Trainer optim={t['optim']} ({t['optimizer_class']}, fused={t['fused']}), "
                  f"effitrain {e['optimizer_class']} fused={e['fused']}"

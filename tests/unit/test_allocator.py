@@ -171,3 +171,12 @@ def test_planner_overhead_follows_the_allocator(monkeypatch):
         assert not allocator.keeps_freed_memory()
         estimate = planner.estimate(setting)
         assert estimate.overhead == overhead and estimate.total - overhead == glibc.total - glibc.overhead
+
+
+def test_the_environment_for_a_child_keeps_the_users_preloads_first(monkeypatch):
+    monkeypatch.setattr(allocator, "find", lambda kind: f"/lib/lib{kind}.so")
+    environment = allocator.preloaded_environment({"LD_PRELOAD": "/opt/libmine.so", allocator.ALLOCATOR: "tcmalloc"})
+    assert environment["LD_PRELOAD"] == "/opt/libmine.so:/lib/libtcmalloc.so"
+    assert environment[allocator.PRELOADING] == "tcmalloc" and "MALLOC_CONF" not in environment
+    assert allocator.preloaded_environment({allocator.ALLOCATOR: "system"}) is None
+    assert allocator.preloaded_environment({})["MALLOC_CONF"] == allocator.SETTINGS["jemalloc"]["MALLOC_CONF"]

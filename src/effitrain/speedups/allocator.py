@@ -106,13 +106,13 @@ def serving() -> tuple[str, str]:
     return ("glibc", file) if name.startswith("libc.so") and _glibc() is not None else ("other", file)
 
 
-def requested() -> str:
+def requested(environ=os.environ) -> str:
     """EFFITRAIN_ALLOCATOR's value, checked: UserError for one effitrain does not know."""
-    value = os.environ.get(ALLOCATOR, "auto").strip().lower() or "auto"
+    value = environ.get(ALLOCATOR, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         from effitrain.errors import UserError
 
-        raise UserError(f"{ALLOCATOR}={os.environ[ALLOCATOR]!r} is not an allocator effitrain knows",
+        raise UserError(f"{ALLOCATOR}={environ[ALLOCATOR]!r} is not an allocator effitrain knows",
                         f"set it to one of {', '.join(CHOICES)}, or unset it (auto)")
     return value
 
@@ -138,27 +138,39 @@ def preload() -> None:
     malloc on Linux and the library is installed. Processes it starts (`launch`'s workers, `bench`'s
     variants) inherit the preload. Returns when nothing is to be done; UserError when the allocator asked
     for by name is not installed. Never call it in a program that has done work: it replaces the process."""
-    wanted = requested()
-    if wanted == "system" or os.environ.get(PRELOADING) or serving()[0] != "glibc":
-        return  # asked not to; tried once already (a preload the linker refused); or already preloaded
+    requested()  # a value it does not know is refused, preloaded or not
+    if os.environ.get(PRELOADING) or serving()[0] != "glibc":
+        return  # tried once already (a preload the linker refused); or already preloaded
+    environment = preloaded_environment(os.environ)
+    if environment is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+
+
+def preloaded_environment(environ) -> dict | None:
+    """`environ` with the allocator EFFITRAIN_ALLOCATOR asks for preloaded (LD_PRELOAD, its settings, the
+    marker), for a process to start with; None where none is to be (system, or auto and none installed).
+    UserError for an unknown value, or an allocator asked for by name and not installed."""
+    wanted = requested(environ)
+    if wanted == "system":
+        return None
     kinds = tuple(LIBRARIES) if wanted == "auto" else (wanted,)
     found = next(((kind, path) for kind in kinds if (path := find(kind))), None)
     if found is None:
         if wanted == "auto":
-            return  # glibc with effitrain's settings: works, with a less predictable memory peak
+            return None  # glibc with effitrain's settings: works, with a less predictable memory peak
         from effitrain.errors import UserError
 
         package = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}[wanted]
         raise UserError(f"{ALLOCATOR}={wanted} but no {LIBRARIES[wanted][0]} was found",
                         f"install it (Debian/Ubuntu: apt-get install {package}), or set {ALLOCATOR}=auto")
     kind, path = found
-    environment = dict(os.environ)
+    environment = dict(environ)
     environment.update({name: value for name, value in SETTINGS[kind].items() if name not in environment})
     environment["LD_PRELOAD"] = ":".join(filter(None, [environment.get("LD_PRELOAD", ""), path]))
     environment[PRELOADING] = kind
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    return environment
 
 
 def keeps_freed_memory() -> bool:
