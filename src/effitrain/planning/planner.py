@@ -44,7 +44,7 @@ CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
 # Under an allocator that keeps small objects apart from large blocks (the `effitrain` command preloads one:
 # speedups/allocator.py), the freed blocks are reused whole and the overhead is a near constant, whatever
 # the churn: least squares on the same rows run under each (benchmarks/memory_plan.py --runs --calibrate).
-PRELOADED_OVERHEAD = {"jemalloc": 89 * MiB, "tcmalloc": 42 * MiB}
+PRELOADED_OVERHEAD = {"jemalloc": 89 * MiB, "tcmalloc": 61 * MiB}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
