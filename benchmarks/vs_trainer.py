@@ -101,6 +101,10 @@ def parse_args(argv=None):
     parser.add_argument("--peft", choices=("none", "lora", "qlora"), default="none",
                         help="train LoRA (or QLoRA) adapters on both sides (default: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="both sides' LoRA dropout (default 0)")
+    parser.add_argument("--trainer-allocator", action="store_true",
+                        help="start the Trainer's runs under the allocator effitrain preloads too (jemalloc where "
+                             "installed), to see what the allocator alone gives; by default they run as a script "
+                             "does, under glibc's malloc")
     parser.add_argument("--only", choices=SIDES, default=None,
                         help="run only this side, in this process (what the parent starts each subprocess with)")
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where --only writes
@@ -576,7 +580,7 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
     print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
     # effitrain's side starts as the `effitrain` command runs, under the allocator it preloads (jemalloc where
     # installed: EFFITRAIN_ALLOCATOR chooses); the Trainer's as a script runs, under glibc's malloc.
-    env = allocator.preloaded_environment(os.environ) if side == "effitrain" else None
+    env = allocator.preloaded_environment(os.environ) if side == "effitrain" or args.trainer_allocator else None
     start, started_at = time.perf_counter(), time.time()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
@@ -601,8 +605,8 @@ def notes(trainer: dict, ours: dict) -> list[str]:
             k = run["tokens"]
             lines.append(f"  {side}: {k['mean_padded_length']:.1f} padded / {k['mean_real_length']:.1f} real tokens "
                          f"per sample over the {run['steps']} steps, padding waste {k['padding_waste']:.1%}")
-    lines.append(f"malloc: Trainer {trainer.get('allocator', '?')} (a script's), effitrain {ours.get('allocator', '?')} "
-                 "(what the `effitrain` command preloads)")
+    lines.append(f"malloc: Trainer {trainer.get('allocator', '?')}, effitrain {ours.get('allocator', '?')} (what the "
+                 "`effitrain` command preloads; --trainer-allocator gives the Trainer the same)")
     same = t["fused"] == e["fused"]
     lines.append(f"optimizer: Trainer optim={t['optim']} ({t['optimizer_class']}, fused={t['fused']}), "
                  f"effitrain {e['optimizer_class']} fused={e['fused']}"

@@ -142,10 +142,13 @@ def preload() -> None:
     if os.environ.get(PRELOADING) or serving()[0] != "glibc":
         return  # tried once already (a preload the linker refused); or already preloaded
     environment = preloaded_environment(os.environ)
-    if environment is not None:
+    if environment is not None and sys.executable:  # an embedded interpreter has no executable to start again
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+        try:
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+        except OSError:  # not allowed to (a sandbox): glibc's malloc, as without the library
+            pass
 
 
 def preloaded_environment(environ) -> dict | None:
