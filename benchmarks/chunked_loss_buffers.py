@@ -14,12 +14,15 @@ import argparse
 import importlib.util
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+import _common  # noqa: E402
 from effitrain.speedups import allocator
 from effitrain.speedups import chunked_lm_loss as current
 
@@ -57,6 +60,8 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="vocabulary 1,000, 64 rows, 1 round")
     args = parser.parse_args()
     shapes, rounds = ([(1000, 64, 32)], 1) if args.dry_run else (SHAPES, args.rounds)
+    if args.dry_run:
+        _common.skipped("the real vocabularies and widths, and repeats")
     previous = previous_module()
     if previous is None:
         print(f"the loss at {PREVIOUS} is not in this clone's history: the current one timed against itself")
