@@ -19,8 +19,8 @@ holds the tensors plus a near-constant, at glibc's speed or better. `preload` re
 command once with one of them in LD_PRELOAD, before torch is loaded (a library cannot replace malloc in a
 running process): jemalloc set never to purge (its default purging re-faults every step's pages: steps
 27-34% slower), else tcmalloc, else glibc with the settings above. jemalloc first: its overhead is the
-steadier of the two across effitrain's measured runs (benchmarks/results/memory_plan_*). EFFITRAIN_ALLOCATOR chooses (`system`: no
-preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
+steadier of the two across effitrain's measured runs (benchmarks/results/memory_plan_*).
+EFFITRAIN_ALLOCATOR chooses (`system`: no preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
 
 `bound_primitive_cache` caps oneDNN's cache of compiled kernels ("primitives"), through which CPU bf16
 matmuls run: one primitive per operand shape, kept up to 1024 by default, each holding its own buffers.
@@ -86,6 +86,7 @@ def serving() -> tuple[str, str]:
     dynamic linker resolves `malloc` to, so a library merely loaded, not preloaded, does not count."""
     if platform.system() != "Linux":
         return "other", ""
+    unknown = ("glibc", "") if _glibc() is not None else ("other", "")  # where dladdr cannot tell
     try:
         process = ctypes.CDLL(None)
         dladdr = process.dladdr
@@ -93,11 +94,11 @@ def serving() -> tuple[str, str]:
         try:
             process, dladdr = ctypes.CDLL(None), ctypes.CDLL("libdl.so.2").dladdr
         except (OSError, AttributeError):
-            return ("glibc", "") if _glibc() is not None else ("other", "")
+            return unknown
     dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SymbolInfo)]
     info = _SymbolInfo()
     if not dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
-        return ("glibc", "") if _glibc() is not None else ("other", "")
+        return unknown
     file = os.fsdecode(info.dli_fname)
     name = os.path.basename(file)
     for kind in LIBRARIES:

@@ -3,10 +3,10 @@ the positions whose target counts: the whole logits tensor ([tokens, vocabulary]
 
 At a 151,936-token vocabulary and 8 x 2,048 tokens the logits alone are 9.3 GiB in fp32, and a plain
 `F.cross_entropy(model(...).logits.float(), ...)` holds them, their log-softmax and, in the backward,
-their gradient. Here each chunk's logits are made, turned in place into the loss and the gradient of its
-rows (softmax - one-hot), and multiplied back into the hidden states' and the weight's gradients, in one
-buffer that every chunk reuses, in the forward (as Liger-Kernel's fused linear cross-entropy does): the same three matrix products as
-the plain path, no recomputation, and at most one chunk's logits alive. The backward only scales the
+their gradient. Here each chunk's logits are made in one buffer that every chunk reuses, turned in place
+into the loss and the gradient of its rows (softmax - one-hot), and multiplied back into the hidden
+states' and the weight's gradients, in the forward (as Liger-Kernel's fused linear cross-entropy does):
+the same three matrix products as the plain path, no recomputation, and at most one chunk's logits alive. The backward only scales the
 gradients kept by the incoming gradient (a scalar: the loss is a sum).
 
 The arithmetic is the plain path's: logits in the matmul's dtype (bf16 under autocast, as the model's
