@@ -227,6 +227,15 @@ def profiled_events(step: Callable[[], None], steps: int = 3) -> list:
     return [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
 
 
+def run_under_effitrains_allocator() -> None:
+    """Re-execute this script once under the allocator the `effitrain` command preloads (jemalloc where
+    installed; EFFITRAIN_ALLOCATOR chooses), so that the runs it starts get it too; say which."""
+    from effitrain.speedups import allocator
+
+    allocator.preload()
+    print(f"allocator: {' '.join(allocator.serving())}", flush=True)
+
+
 def skipped(what: str) -> None:
     """One line saying what a dry run leaves out."""
     print(f"dry run: skipped {what}", flush=True)

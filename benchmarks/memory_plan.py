@@ -236,10 +236,7 @@ def _runs(args) -> int:
             with open(path) as saved:
                 results += json.load(saved)
     else:
-        from effitrain.speedups import allocator
-
-        allocator.preload()  # the rows run under the allocator `effitrain train` gets (EFFITRAIN_ALLOCATOR chooses)
-        print(f"allocator: {' '.join(allocator.serving())}", flush=True)
+        _common.run_under_effitrains_allocator()  # the rows run under the allocator `effitrain train` gets
         results = runs.run_all(__file__, runs.DRY_RUN if args.dry_run else runs.selected(args.only))
     failed = [r for r in results if "failed" in r]  # a row whose run stopped: no measurement, not a pass
     results = [r for r in results if "failed" not in r]

@@ -200,10 +200,7 @@ def memory_child(settings: dict) -> None:
 
 
 def memory(args) -> int:
-    from effitrain.speedups import allocator
-
-    allocator.preload()  # the runs under the allocator `effitrain train` gets (EFFITRAIN_ALLOCATOR chooses)
-    print(f"allocator: {' '.join(allocator.serving())}", flush=True)
+    _common.run_under_effitrains_allocator()  # the runs under the allocator `effitrain train` gets
     with tempfile.TemporaryDirectory(prefix="preference_memory_") as tmp:
         length = 32 if args.dry_run else MEMORY_LENGTH
         sft, pairs = memory_data(Path(tmp), length, 64)
