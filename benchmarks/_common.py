@@ -236,6 +236,25 @@ def run_under_effitrains_allocator() -> None:
     print(f"allocator: {' '.join(allocator.serving())}", flush=True)
 
 
+def module_at(revision: str, path: str):
+    """The Python module at `path` (from the repository root) as it was at git `revision`, loaded under a
+    name of its own; None where git cannot show it (no history: a shallow clone)."""
+    import importlib.util
+
+    shown = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
+                           cwd=Path(__file__).parent)
+    if shown.returncode:
+        return None
+    name = "previous_" + Path(path).stem
+    with tempfile.TemporaryDirectory() as folder:
+        file = Path(folder) / f"{name}.py"
+        file.write_text(shown.stdout)
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
 def skipped(what: str) -> None:
     """One line saying what a dry run leaves out."""
     print(f"dry run: skipped {what}", flush=True)

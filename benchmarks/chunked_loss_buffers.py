@@ -11,11 +11,8 @@ jemalloc in LD_PRELOAD to measure under jemalloc).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,22 +25,6 @@ from effitrain.speedups import chunked_lm_loss as current
 
 PREVIOUS = "d515a17~1"  # the last commit whose chunked loss made fresh logits blocks per chunk
 SHAPES = [(30522, 2048, 256), (151936, 2048, 512)]  # vocabulary, rows (positions with a loss), hidden
-
-
-def previous_module():
-    """The loss as it was at PREVIOUS; None where git cannot show it (no history: a shallow clone)."""
-    shown = subprocess.run(["git", "show", f"{PREVIOUS}:src/effitrain/speedups/chunked_lm_loss.py"],
-                           capture_output=True, text=True, cwd=Path(__file__).parent)
-    if shown.returncode:
-        return None
-    source = shown.stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "previous_chunked_lm_loss.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("previous_chunked_lm_loss", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
 
 
 def call(module, hidden, weight, targets, precision: str, training: bool) -> None:
@@ -62,7 +43,7 @@ def main() -> int:
     shapes, rounds = ([(1000, 64, 32)], 1) if args.dry_run else (SHAPES, args.rounds)
     if args.dry_run:
         _common.skipped("the real vocabularies and widths, and repeats")
-    previous = previous_module()
+    previous = _common.module_at(PREVIOUS, "src/effitrain/speedups/chunked_lm_loss.py")
     if previous is None:
         print(f"the loss at {PREVIOUS} is not in this clone's history: the current one timed against itself")
     sides = {"fresh blocks (before)": previous or current, "reused buffer (now)": current}

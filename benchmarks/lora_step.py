@@ -20,6 +20,8 @@ with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora
   p0          effitrain with --lora-dropout 0 (the default): what all adapter dropout costs
   p0-nodes    p0 with the base's and the adapter's products as separate autograd nodes (before the
               frozen base and its adapter became one node, speedups/adapter_step._AdaptedLinear)
+  p0-cast     p0 with the frozen base cast to the compute dtype every step, as autocast casts it (before
+              adapter_step kept the casts; the same as p0 in fp32, which casts nothing)
   qlora-peft  QLoRA (the base loaded in 4-bit nf4, dropout 0) with peft's own Linear4bit forward (the
               base's output copied, the adapter's scaled, then added)
   qlora       QLoRA as `effitrain train --peft qlora` runs it (the adapter added by one addmm)
@@ -51,7 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
 import _common  # noqa: E402
 
-VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0", "p0-nodes", "qlora-peft", "qlora")
+VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0", "p0-nodes", "p0-cast", "qlora-peft",
+            "qlora")
 GROUPS = {
     "matrix products": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"},
     "dropout masks": {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten::div_",
@@ -152,6 +155,8 @@ def build(name: str, base, p: float, precision: str = "fp32"):
         adapter_step.apply(model, lean=True)
     elif name == "p0-nodes":
         adapter_step.apply(model, one_node=False)
+    elif name == "p0-cast":
+        adapter_step.apply(model, keep_half_casts=False)
     model.train()
     return model, optim.adamw(model, 1e-4 if name == "full" else 1e-3, 0.01)
 
@@ -316,7 +321,7 @@ def main(argv=None) -> None:
         print(f"  {name:10s} {median * 1000:8.1f}  {median / reference:8.2f}  {min(measured) * 1000:8.1f}  "
               f"{min(measured) / fastest:6.2f}  {saved / 2**20:8.0f} MiB")
     if args.profile:
-        profiled = [name for name in ("full", "recompute", "effitrain", "p0") if name in steps]
+        profiled = [name for name in ("full", "recompute", "effitrain", "p0", "p0-cast") if name in steps]
         found = {name: profile(steps[name], *((1, len(batches)) if args.job_batches else ())) for name in profiled}
         print("profiled (self time, ms per step): " + "  ".join(f"{name} {found[name][2]:.1f}" for name in profiled))
         for group in (*GROUPS, "other"):

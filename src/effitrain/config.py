@@ -19,6 +19,13 @@ from effitrain.errors import UserError
 from effitrain.tasks import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
+
+
+def shards_weights(strategy: str) -> bool:
+    """Whether the strategy may shard the weights across processes (ddp keeps them whole in each)."""
+    return strategy != "ddp"
+
+
 KEEP = ("final", "best")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd", "galore-adamw", "apollo-adamw", "muon",

@@ -610,3 +610,43 @@ def test_answer_only_data_is_planned_with_the_heads_product_over_its_answers_onl
     train = __import__("datasets").Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 2,
                                                       "labels": [[-100, -100, 3, 4], [-100, 2, 3, 4]]})
     assert tasks.get("causal-lm").loss_positions(train) == 3
+
+
+def test_the_simulation_keeps_the_adapters_half_precision_casts_as_training_does():
+    """Under bf16 LoRA keeps its frozen bases' casts across steps (speedups/adapter_step.py), unless the
+    weights are sharded: the simulated step holds them as the real step does (with checkpointing, where
+    they add to the peak; the real step's casts made inside its timeline), by the same bytes more than a
+    sharded run's step, which holds one block's casts at a time (its recomputed layer's)."""
+    from effitrain import tasks
+    from effitrain.models import transforms
+    from effitrain.speedups import adapter_step
+    from torch.utils.flop_counter import flop_registry
+    from transformers import BertForSequenceClassification
+
+    config, lora = small_bert(layers=2, hidden=128), plan.Peft("lora", lora_dropout=0.0)
+    task = tasks.get("sequence-classification")
+    fake, real = {}, {}
+    for sharded in (False, True):
+        fake[sharded] = simulate._simulate(task.name, config, 8, 64, "bf16", True, split=False, peft=lora,
+                                           sharded=sharded)
+        torch.manual_seed(0)
+        model, _ = transforms.apply_all(BertForSequenceClassification(config),
+                                        transforms.Settings(task, "cpu", True, peft=lora, sharded=sharded))
+        model.train()
+        batch = simulate.example_batch(task.name, config, 8, 64)
+        batch["attention_mask"][0, -5:] = 0
+        timeline = simulate._Timeline(flop_registry)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: timeline.mark_grad(p.grad))
+        with timeline, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = task.loss_sum(model, batch) / 8
+            loss.backward()
+            del loss
+        real[sharded] = max(h + g for h, g in timeline.points)
+        bases = [m.base_layer for m in model.modules() if hasattr(m, "keep_half_casts")]
+        assert sum(b.weight in adapter_step._KEPT_CASTS for b in bases) == (0 if sharded else len(bases))
+    assert simulate._simulate(task.name, config, 8, 64, "bf16", True, split=False, peft=lora) == fake[False]
+    casts = sum(2 * (b.weight.numel() + b.bias.numel()) for b in bases)
+    assert real[False] - real[True] == fake[False].peak(0) - fake[True].peak(0) >= casts - casts // 2
+    assert real[False] == pytest.approx(fake[False].peak(0), rel=1e-3)

@@ -216,3 +216,49 @@ def test_qlora_layers_are_peft_without_its_copy_of_the_output(precision, p):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
         else:  # bf16 sums round differently in another order: each tensor within 1% as a whole
             assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
+def test_half_precision_casts_of_the_frozen_base_are_kept_and_equal_autocasts():
+    """Under bf16 the frozen bases' casts are made once and kept across steps: the outputs and gradients of
+    three steps (A and B changing in between) equal, bit for bit, those of casting every step as autocast
+    does; a changed base weight (in place, or its .data swapped) is cast again; fp32 keeps nothing; a deep
+    copy of the model (a frozen reference) copies none of them."""
+    import copy
+
+    kept, each_step = adapted(0.0), adapted(0.0)
+    adapter_step.apply(kept)
+    adapter_step.apply(each_step, keep_half_casts=False)
+    bases = [m.base_layer for m in kept.modules() if hasattr(m, "keep_half_casts")]
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-4) for m in (kept, each_step)]
+    x = torch.randn(3, 10, 64)
+
+    def step(model, optimizer):
+        out, grads = run(model, x.clone().requires_grad_(), "bf16")
+        optimizer.step()
+        optimizer.zero_grad()
+        return out, grads
+
+    for turn in range(5):
+        if turn == 3:  # the base changed in place: the kept cast is made again
+            with torch.no_grad():
+                for model in (kept, each_step):
+                    model.base_model.model.query.base_layer.weight.mul_(2)
+        if turn == 4:  # ... or given new storage
+            for model in (kept, each_step):
+                layer = model.base_model.model.key.base_layer
+                layer.weight.data = layer.weight.data * 3
+        (got, got_grads), (want, want_grads) = step(kept, optimizers[0]), step(each_step, optimizers[1])
+        assert torch.equal(got, want)
+        assert got_grads.keys() == want_grads.keys()
+        assert all(torch.equal(got_grads[name], want_grads[name]) for name in want_grads)
+        assert all(base.weight in adapter_step._KEPT_CASTS for base in bases)
+    assert not any(base.weight in adapter_step._KEPT_CASTS for base in each_step.modules()
+                   if isinstance(base, torch.nn.Linear))
+    before = len(adapter_step._KEPT_CASTS)
+    reference = copy.deepcopy(kept)
+    assert len(adapter_step._KEPT_CASTS) == before
+    assert not any(p in adapter_step._KEPT_CASTS for p in reference.parameters())
+    fp32 = adapted(0.0)
+    adapter_step.apply(fp32)
+    run(fp32, x)
+    assert not any(p in adapter_step._KEPT_CASTS for p in fp32.parameters())

@@ -61,10 +61,10 @@ def test_uniforms_follow_torchs_seed_and_not_the_thread_count():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_the_mask_is_the_uniforms_compared_and_scaled_bit_for_bit(dtype):
-    """keep_mask compares the draws' integers a block at a time; it must give exactly the mask of the
-    fp32 uniforms compared with p and scaled in x's dtype, across blocks, chunks and thread counts, and
-    for p that fp32 rounds (0.1) or that keeps all (tiny) or nothing (1 - 1e-9)."""
+def test_the_mask_is_the_16_bit_draws_compared_and_scaled_bit_for_bit(dtype):
+    """keep_mask compares 16-bit draws a block at a time; it must give exactly the mask of the same draws
+    made at once (keep_draws) compared with round(p * 2^16) and scaled in x's dtype, across blocks, chunks
+    and thread counts, for p that keep all (tiny) or nothing (1 - 1e-9), and move torch's generator alike."""
     sizes = (1, 999, dropout.BLOCK + 3, 2 * dropout.CHUNK + dropout.BLOCK + 7)
     threads = torch.get_num_threads()
     try:
@@ -76,12 +76,33 @@ def test_the_mask_is_the_uniforms_compared_and_scaled_bit_for_bit(dtype):
             mask = dropout.keep_mask(x, p)
             after_mask = torch.get_rng_state()
             torch.manual_seed(7)
-            expected = dropout.uniform(x).ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
+            expected = (dropout.keep_draws(x) >= round(p * 2**16)).to(dtype).mul_(1.0 / (1.0 - p))
             assert mask.dtype == dtype and mask.shape == x.shape
             assert torch.equal(mask.view(torch.uint8), expected.view(torch.uint8)), (count, size, p)
             assert torch.equal(after_mask, torch.get_rng_state())  # torch's generator moved on alike
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_16_bit_draws_are_uniform_and_independent_between_chunks():
+    """The draws keep_mask compares: every 16-bit value equally likely (chi-square over 64 bins of 3M
+    draws), chunks independent of one another, the same whatever the thread count."""
+    x = torch.empty(3 * dropout.CHUNK)
+    threads = torch.get_num_threads()
+    draws = []
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        torch.manual_seed(11)
+        draws.append(dropout.keep_draws(x))
+    torch.set_num_threads(threads)
+    assert torch.equal(draws[0], draws[1])
+    d = draws[0]
+    assert d.min() >= 0 and d.max() < 2**16
+    counts = torch.bincount(d // 1024, minlength=64).double()
+    expected = d.numel() / 64
+    assert ((counts - expected) ** 2 / expected).sum().item() < 120  # chi-square, 63 degrees of freedom: p ~ 1e-5
+    chunks = d.view(3, -1).double()
+    assert abs(torch.corrcoef(chunks[:2])[0, 1].item()) < 5e-3
 
 
 def test_bf16_inputs_keep_the_same_share():
@@ -147,7 +168,7 @@ def test_attention_dropout_is_the_softmax_dropped_by_a_mask_of_the_same_draws():
     ours, _ = dropout.attention(module, q, k, v, keep, dropout=0.25, scaling=0.5)
     torch.manual_seed(5)
     probs = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~keep, torch.finfo(q.dtype).min).softmax(-1)
-    expected = (probs * (dropout.uniform(probs) >= 0.25) / 0.75) @ v
+    expected = (probs * (dropout.keep_draws(probs) >= 0.25 * 2**16) / 0.75) @ v
     torch.testing.assert_close(ours, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 

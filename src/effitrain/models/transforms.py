@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from effitrain.config import shards_weights
 from effitrain.errors import UserError
 from effitrain.models import adapters, loading
 from effitrain.models.blocks import blocks
@@ -32,6 +33,7 @@ class Settings:
     packing: bool = False
     peft: adapters.Peft | None = None  # None: no adapters
     compile: bool = False
+    sharded: bool = False  # --strategy fsdp or deepspeed: weights sharded across processes (never held whole)
     # The CPU speed-ups (fast dropout, first-token head, oneDNN linear). On for the memory planner's model
     # too (they change which tensors a step holds; planning/simulate.settings); off for benchmarks that
     # measure transformers' own layers.
@@ -41,7 +43,7 @@ class Settings:
 def of_run(config, plan, device: torch.device, task) -> Settings:
     """A training run's settings: its TrainConfig and the engine's resolved plan (engine/setup.RunPlan)."""
     return Settings(task, device.type, plan.gradient_checkpointing, config.packing, adapters.Peft.of(config),
-                    config.compile)
+                    config.compile, sharded=shards_weights(config.strategy))
 
 
 def compiles(config) -> bool:
@@ -124,7 +126,8 @@ PIPELINE = (
     Transform("adapters", lambda s: s.peft is not None, _adapters,
               why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
                   "the entries above must not touch; before compile, whose graphs must hold them"),
-    Transform("adapter-step", lambda s: s.speed_ups and s.peft is not None, _in_place(adapter_step.apply),
+    Transform("adapter-step", lambda s: s.speed_ups and s.peft is not None,
+              lambda model, s: (model, bool(adapter_step.apply(model, keep_half_casts=not s.sharded))),
               why="right after the adapters, whose layers it gives a training forward without wasted passes (their "
                   "dropout masks drawn as fast-dropout's); before compile, whose graphs must hold it"),
     Transform("compile", lambda s: s.compile, _compile,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from effitrain import tasks
+from effitrain.config import shards_weights
 from effitrain.errors import UserError
 from effitrain.models import adapters, blocks, loading
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
@@ -275,7 +276,8 @@ class Planner:
                 rows = micro_batch * self.shapes.rows_per_example
                 self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, rows,
                                                         self.seq_len, precision, checkpointing, self.shapes.peft,
-                                                        self.shapes.packing, self.shapes.loss_positions)
+                                                        self.shapes.packing, self.shapes.loss_positions,
+                                                        sharded=shards_weights(self.strategy))
             except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                     fake_tensor.UnsupportedOperatorException) as err:
                 raise UserError(f"{self.shapes.config.model_type} cannot be simulated on fake tensors: its forward "

@@ -180,20 +180,21 @@ def settings(task: str, checkpointing: bool, peft=None, packing: bool = False) -
 
 
 def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
-               peft=None, packing: bool = False, loss_positions: int | None = None) -> Phases:
+               peft=None, packing: bool = False, loss_positions: int | None = None, sharded: bool = False) -> Phases:
     """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
     `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None; `packing`: the model a
     packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing);
-    `loss_positions`: a causal LM's positions with a loss per row (answer-only data), None: all."""
+    `loss_positions`: a causal LM's positions with a loss per row (answer-only data), None: all;
+    `sharded`: the weights sharded across processes (fsdp, deepspeed: transforms.Settings.sharded)."""
     from effitrain.speedups import chunked_lm_loss
 
     with chunked_lm_loss.planned_positions(loss_positions):
-        return _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing)
+        return _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing, sharded)
 
 
-def _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing) -> Phases:
+def _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing, sharded=False) -> Phases:
     depth = depth_of(config)
-    model = {"peft": peft, "packing": packing}
+    model = {"peft": peft, "packing": packing, "sharded": sharded}
     if depth is not None and depth > 3:
         at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, **model)
         at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, **model)
@@ -333,11 +334,16 @@ class _Linear4bitStandIn:
 
 
 def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
-              packing=False, trace: list | None = None) -> Phases | None:
+              packing=False, trace: list | None = None, sharded: bool = False) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
+
+    from effitrain.speedups import adapter_step
 
     mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
     model.zero_grad(set_to_none=True)
+    # The adapters' half-precision casts, kept across steps as training keeps them (not when sharded): made
+    # afresh in this step, so that it counts them (a fake model is reused by later simulations).
+    adapter_step.keep_half_casts(model, not sharded)
     with mode:
         stack = layer_stack(model) if split else None
         if split and (stack is None or len(stack) != depth_of(config)):

@@ -15,6 +15,13 @@ adds the adapter's input gradient into the base's in place and computes B's grad
 fast orientation of that product (g^T a reads g by columns: 2.5-3x slower in fp32). Its results agree
 with peft's to float rounding (the sums run in another order), not bit for bit.
 
+Under half precision the frozen base's weight and bias are cast to the compute dtype once and kept across
+steps (autocast casts a frozen weight again every step: it only caches casts of weights that require
+gradients, and only until it exits), the same values `.to(dtype)` gives. 2 bytes per adapted frozen weight,
+which a step holds anyway from its forward to its backward (saved for it) unless it checkpoints; the
+planner's simulated step sees them. Not kept where the weights are sharded (fsdp, deepspeed: they would be
+held whole) or compiled (the graph casts).
+
 Each adapter still draws its own mask (peft's semantics: q, k and v, fed the same input, drop
 different elements). The mask is drawn once and kept (scaled floats: multiplying by booleans measured
 slower than the draw), never drawn again in the backward. `scaling` moves from the output to the
@@ -28,6 +35,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.weak import WeakIdKeyDictionary
 
 from effitrain.speedups.dropout import keep_mask
 
@@ -142,8 +151,8 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if layer.adapter_one_node and _plain_linear(base) and not base.weight.requires_grad \
             and (base.bias is None or not base.bias.requires_grad):
         # The frozen base and the adapter in one node (cast as autocast casts them for F.linear).
-        bias = base.bias.to(dtype) if base.bias is not None else None
-        out = _AdaptedLinear.apply(inputs.reshape(-1, inputs.shape[-1]), base.weight.to(dtype), bias, weight_a,
+        weight, bias = _frozen_cast(base, dtype, layer.keep_half_casts)
+        out = _AdaptedLinear.apply(inputs.reshape(-1, inputs.shape[-1]), weight, bias, weight_a,
                                    lora_b.weight.to(dtype), layer.scaling[name], p, layer.lean_adapter_dropout)
         return out.view(*x.shape[:-1], out.shape[-1])
     a = _scaled_projection(layer, inputs, weight_a, p, layer.scaling[name])
@@ -157,6 +166,36 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     result = layer.base_layer(inputs)  # a base with its own forward (onednn-linear's) or hooks: its output copied
     summed = torch.addmm(result.reshape(-1, result.shape[-1]).to(dtype), a, weight_b)
     return summed.view(result.shape).to(result.dtype)
+
+
+# A frozen base weight -> (what its casts were made from, the weight and the bias in the compute dtype). Weak
+# keys: an entry goes with its weight, and a deep copy of the model (a frozen reference) does not copy it.
+_KEPT_CASTS = WeakIdKeyDictionary()
+
+
+def _frozen_cast(base, dtype, keep: bool):
+    """The frozen base's weight and bias in `dtype`, as autocast casts them (`.to`): kept across steps where
+    `keep`, made again when the weight or bias changed (its version: a state dict loaded into it; its
+    storage: a `.data` swapped)."""
+    weight, bias = base.weight, base.bias
+    if not keep or weight.dtype == dtype or torch.compiler.is_compiling():
+        return weight.to(dtype), None if bias is None else bias.to(dtype)
+    origin = tuple((t._version, None if is_fake(t) else t.data_ptr()) for t in (weight, bias) if t is not None)
+    kept = _KEPT_CASTS.get(weight)
+    if kept is None or kept[0] != (dtype, origin):
+        with torch.no_grad():
+            kept = _KEPT_CASTS[weight] = ((dtype, origin), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return kept[1], kept[2]
+
+
+def keep_half_casts(model, keep: bool) -> None:
+    """From now on `model`'s adapted layers keep their frozen bases' half-precision casts across steps, or
+    do not (`keep`); those kept so far are dropped (the planner's simulated step makes its own)."""
+    for module in model.modules():
+        if hasattr(module, "keep_half_casts"):
+            module.keep_half_casts = keep
+    for parameter in model.parameters():
+        _KEPT_CASTS.pop(parameter, None)
 
 
 def _four_bit_forward(layer, x, lora_a, lora_b, p: float, scaling: float, dtype) -> torch.Tensor:
@@ -184,10 +223,11 @@ def _plain_linear(module) -> bool:
             and not module._forward_pre_hooks)
 
 
-def apply(model, lean: bool = False, one_node: bool = True) -> int:
+def apply(model, lean: bool = False, one_node: bool = True, keep_half_casts: bool = True) -> int:
     """Every peft lora.Linear of `model` trains through `forward` (peft's own forward where it does not
     apply), and every adapter's nn.Dropout draws speedups/dropout.py's mask (the layers `forward` does
-    not handle: GPT-2's Conv1D, say). Returns the number of layers changed."""
+    not handle: GPT-2's Conv1D, say). `keep_half_casts`: the frozen bases' half-precision casts kept
+    across steps (off where the weights are sharded). Returns the number of layers changed."""
     from peft.tuners.lora import Linear, LoraLayer, bnb
 
     from effitrain.speedups import dropout
@@ -202,6 +242,7 @@ def apply(model, lean: bool = False, one_node: bool = True) -> int:
         if type(module) in (Linear, getattr(bnb, "Linear4bit", None)):
             module.lean_adapter_dropout = lean
             module.adapter_one_node = one_node  # False: the base and adapter products as separate autograd nodes
+            module.keep_half_casts = keep_half_casts
             module.forward = types.MethodType(forward, module)
         changed += 1
     return changed

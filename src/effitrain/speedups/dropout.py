@@ -1,10 +1,10 @@
-"""Dropout whose masks cost less on CPUs: the same dropout, its uniforms drawn by `uniform` instead of `bernoulli_`.
+"""Dropout whose masks cost less on CPUs: the same dropout, its masks drawn by `keep_mask` instead of `bernoulli_`.
 
 Each element is kept with probability 1 - p and scaled by 1 / (1 - p), as torch's dropout does; only
-the way the uniform draw is made differs (torch's CPU `bernoulli_` was ~15% of the default model's
-fp32 training step, 23% in bf16; `uniform(x) >= p` makes the same mask at a fraction of its cost,
-`uniform` drawing with numpy's PCG64 on torch's threads, `keep_mask` drawing, comparing and scaling a
-cache-sized block at a time; see benchmarks/dropout.py).
+the way the draw is made differs (torch's CPU `bernoulli_` was ~15% of the default model's fp32
+training step, 23% in bf16): `keep_mask` draws 16 random bits per element with numpy's PCG64 on torch's
+threads, and compares and scales a cache-sized block at a time, p taken to the nearest multiple of 2^-16
+(see benchmarks/dropout.py).
 The mask is kept for the backward as torch's CPU dropout keeps it: scaled floats (a boolean mask
 would save memory, but multiplying by booleans measured slower than the draw it saves).
 
@@ -46,46 +46,72 @@ class _KeepMask(torch.autograd.Function):
         return grad * mask, None
 
 
-CHUNK = 1 << 20  # uniforms per generator: a fixed split, so the draws do not depend on the thread count
-BLOCK = 1 << 14  # uniforms drawn, compared and turned into mask values at a time: they stay in cache
+CHUNK = 1 << 20  # draws per generator: a fixed split, so the draws do not depend on the thread count
+BLOCK = 1 << 14  # draws made, compared and turned into mask values at a time: they stay in cache
 _POOL = None
 # The mask's values written as the bits of x's dtype (numpy has no bf16): a signed integer of its size.
 _BITS = {2: (torch.int16, "int16"), 4: (torch.int32, "int32"), 8: (torch.int64, "int64")}
 
 
 def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
-    """The dropout mask for x: 1 / (1 - p) in x's dtype where `uniform(x)` >= p, else 0; bit for bit
-    `(uniform(x) >= p).to(x.dtype) * (1 / (1 - p))`, with the same draws, built a BLOCK at a time on
-    torch's threads (draw, compare, write in cache) instead of three passes over memory and, for bf16,
-    a cast. The comparison is made on the draws' integers: numpy's fp32 uniform is (r >> 8) / 2^24 for
-    the generator's next 32 random bits r, so uniform >= p exactly when r >= ceil(p * 2^24) * 2^8 (p
-    rounded to fp32, as torch compares), which skips the conversion to floats (1.6x fewer ns a draw)."""
+    """The dropout mask for x: 1 / (1 - p) in x's dtype where the element's 16-bit draw (`keep_draws`) is at
+    least p * 2^16 rounded to the nearest integer, else 0. So p is taken to the nearest multiple of 2^-16
+    (0.1 drops with probability 0.100006; the scale 1 / (1 - p) is rounded to x's dtype, 0.16% in bf16,
+    as torch's is): 16 random bits per element instead of 32, which halves the draw, most of the mask's
+    cost (numpy's generators make ~1.7 ns a 64-bit word here; benchmarks/dropout.py). Built a BLOCK at a
+    time on torch's threads (draw, compare, write in cache) instead of three passes over memory and, for
+    bf16, a cast."""
     import numpy as np
 
     scale = torch.ones((), dtype=x.dtype).mul_(1.0 / (1.0 - p))  # rounded as torch rounds the scaled mask
     if type(x) is not torch.Tensor or torch.compiler.is_compiling() or not x.dtype.is_floating_point \
-            or x.dtype.itemsize not in _BITS or sys.byteorder != "little":  # (the draws' halves' order)
+            or x.dtype.itemsize not in _BITS or sys.byteorder != "little":  # (the draws' quarters' order)
         return uniform(x).ge_(p).to(x.dtype).mul_(scale)
     bits_dtype, numpy_bits = _BITS[x.dtype.itemsize]
     kept_bits = np.array(scale.view(bits_dtype).item(), dtype=numpy_bits)
-    threshold = math.ceil(float(np.float32(p)) * 2**24) * 2**8  # exact: a power of two times an fp32
-    none_kept = threshold >= 2**32  # p rounds to 1 in fp32: no uniform reaches it
-    threshold = np.uint32(min(max(threshold, 0), 2**32 - 1))
+    threshold = _threshold(p)
+    none_kept = threshold >= 2**16  # p rounds to 1: no draw reaches it
+    threshold = np.uint16(min(threshold, 2**16 - 1))
     out = np.empty(x.numel(), dtype=numpy_bits)
 
     def fill(generator, start: int, stop: int) -> None:
-        if none_kept:  # still seeded as `uniform` is: torch's generator moves on the same way
+        if none_kept:  # still seeded as `keep_draws` is: torch's generator moves on the same way
             out[start:stop] = 0
             return
         keep = np.empty(min(BLOCK, stop - start), bool)
-        for block in range(start, stop, BLOCK):  # one generator's stream, a block at a time (BLOCK is even)
+        for block in range(start, stop, BLOCK):  # one generator's stream, a block at a time (BLOCK: 4 k)
             n = min(BLOCK, stop - block)
-            draws = generator.bit_generator.random_raw((n + 1) // 2).view(np.uint32)[:n]  # low half first
-            np.greater_equal(draws, threshold, out=keep[:n])
+            np.greater_equal(_draws(generator, n), threshold, out=keep[:n])
             np.multiply(keep[:n], kept_bits, out=out[block:block + n])
 
     _each_chunk(out.size, fill)
     return torch.from_numpy(out).view(bits_dtype).view(x.dtype).view(x.shape)
+
+
+def _threshold(p: float) -> int:
+    """p * 2^16 to the nearest integer: an element is kept where its 16-bit draw is at least this."""
+    return math.floor(min(max(p, 0.0), 1.0) * 2**16 + 0.5)
+
+
+def _draws(generator, n: int):
+    """The generator's next n 16-bit draws: its 64-bit words cut in four, lowest quarter first."""
+    import numpy as np
+
+    return generator.bit_generator.random_raw((n + 3) // 4).view(np.uint16)[:n]
+
+
+def keep_draws(x: torch.Tensor) -> torch.Tensor:
+    """The 16-bit draws `keep_mask` compares for x (int32, x's shape): the same streams, so keep_mask(x, p) is
+    exactly (keep_draws(x) >= round(p * 2^16)) * 1 / (1 - p) after the same torch.manual_seed."""
+    import numpy as np
+
+    out = np.empty(x.numel(), dtype=np.uint16)
+
+    def fill(generator, start: int, stop: int) -> None:
+        out[start:stop] = _draws(generator, stop - start)
+
+    _each_chunk(out.size, fill)
+    return torch.from_numpy(out.astype(np.int32)).view(x.shape)
 
 
 def _each_chunk(size: int, fill) -> None:
@@ -133,7 +159,7 @@ def uniform(x: torch.Tensor) -> torch.Tensor:
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """F.dropout(x, p, training), with the CPU mask drawn from `uniform`."""
+    """F.dropout(x, p, training), with the CPU mask of `keep_mask`."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu" or p >= 1.0:
