@@ -6,7 +6,8 @@ version at PREVIOUS, read from git), alone and in the default job's training ste
    alternating calls.
 2. The default job's first `--job-batches` training batches (benchmarks/lora_step.py's job steps: the
    task's loss, clipping, AdamW), full fine-tuning and LoRA (dropout 0, the default), each with the
-   model's masks drawn the previous way and the new way, variants taking turns; seconds per pass.
+   model's masks drawn the previous way and the new way; per round and model an untimed pass first (the
+   first pass after the other model's is slower), then both ways, each first in half the rounds.
 
 Start it with jemalloc in LD_PRELOAD to measure as the `effitrain` command runs (speedups/allocator.py).
 
@@ -79,11 +80,18 @@ def job_steps(previous, current, args) -> None:
         return run
 
     kept = current.keep_mask
-    calls = {f"{name}, {bits}-bit": drawing(step, previous if bits == 32 else current)
-             for name, step in steps.items() for bits in (32, 16)}
-    for call in calls.values():
-        call()  # warm-up
-    seconds = median_seconds(calls, args.rounds)
+    times = {f"{name}, {bits}-bit": [] for name in steps for bits in (32, 16)}
+    for turn in range(args.rounds):
+        for name, step in steps.items():
+            step()  # untimed: the first pass after the other model's runs slower (allocator, caches)
+            for bits in (32, 16) if turn % 2 else (16, 32):  # each side first in half the rounds
+                call = drawing(step, previous if bits == 32 else current)
+                start = time.perf_counter()
+                call()
+                times[f"{name}, {bits}-bit"].append(time.perf_counter() - start)
+    for name, measured in times.items():
+        print(f"    {name}: " + ", ".join(f"{t:.2f}" for t in measured) + " s")
+    seconds = {name: statistics.median(measured) for name, measured in times.items()}
     print(f"the default job's first {len(batches)} batches of 16, {args.precision}, seconds per pass "
           f"(median of {args.rounds}):")
     for name in steps:
@@ -98,6 +106,7 @@ def main() -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--job-batches", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-only", action="store_true", help="the job's steps only, not the masks alone")
     parser.add_argument("--dry-run", action="store_true", help="one width, a tiny model, 2 batches, 1 round")
     args = parser.parse_args()
     if args.dry_run:
@@ -112,7 +121,8 @@ def main() -> int:
         print(f"keep_mask at {PREVIOUS} is not in this clone's history: the current one timed against itself")
         previous = current
     print(f"{_common.machine()}, malloc: {allocator.serving()[0]}")
-    masks_alone(previous, current, WIDTHS[1:2] if args.dry_run else WIDTHS, 5 if args.dry_run else 50)
+    if not args.steps_only:
+        masks_alone(previous, current, WIDTHS[1:2] if args.dry_run else WIDTHS, 5 if args.dry_run else 50)
     job_steps(previous, current, args)
     return 0
 

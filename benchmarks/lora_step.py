@@ -27,7 +27,11 @@ with the default job's LoRA settings (r 8, alpha 16, all-linear; dropout `--lora
   qlora       QLoRA as `effitrain train --peft qlora` runs it (the adapter added by one addmm)
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
-slower moment of the machine hits all of them; medians, and the fastest steps, are compared with `full`. Saved for backward:
+slower moment of the machine hits all of them; each turn starts with one untimed step (with
+`--job-batches`, one untimed pass), since the first step after another variant's runs slower (a full
+fine-tuning pass of the default job 1.2-1.7 s slower in 8.5 in bf16, a LoRA pass ~0.3 s: timing that
+first pass made a bf16 LoRA step look 0.85-0.89x a full one where in steady state, one variant per
+process, it is ~1.0x); medians, and the fastest steps, are compared with `full`. Saved for backward:
 the bytes autograd keeps from one forward (distinct storages, through saved_tensors_hooks).
 `--keep-freed-memory` makes glibc keep freed memory for reuse (speedups/allocator.py, as `effitrain train`
 does on CPUs), for every variant. `--profile` then profiles 3 steps of `full`, `recompute`, `effitrain` and `p0` and prints milliseconds per
@@ -305,6 +309,8 @@ def main(argv=None) -> None:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
+            if len(steps) > 1:
+                step()  # untimed: the first step after another variant's is slower (see the module's doc)
             for _ in range(args.steps):
                 start = time.perf_counter()
                 step()
