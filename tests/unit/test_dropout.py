@@ -39,19 +39,26 @@ def test_dropout_keeps_one_minus_p_scaled_and_the_backward_uses_the_same_mask():
     assert dropout.dropout(x, 0.3, training=False) is x and dropout.dropout(x, 0.0) is x
 
 
+def same_on_one_and_two_threads(draw, x):
+    """draw(x) after torch.manual_seed(11) with one torch thread and with two: the same; returned."""
+    threads = torch.get_num_threads()
+    draws = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            torch.manual_seed(11)
+            draws.append(draw(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(draws[0], draws[1])
+    return draws[0]
+
+
 def test_uniforms_follow_torchs_seed_and_not_the_thread_count():
     """Seeded from torch's generator: the same seed, the same draws, whatever the number of threads;
     spread over chunks whose draws are independent and uniform."""
     x = torch.empty(3 * dropout.CHUNK + 5)
-    threads = torch.get_num_threads()
-    draws = []
-    for count in (1, 2):
-        torch.set_num_threads(count)
-        torch.manual_seed(11)
-        draws.append(dropout.uniform(x))
-    torch.set_num_threads(threads)
-    assert torch.equal(draws[0], draws[1])
-    u = draws[0]
+    u = same_on_one_and_two_threads(dropout.uniform, x)
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 1e-3
     chunks = u[: 3 * dropout.CHUNK].view(3, -1)
     assert not torch.equal(chunks[0], chunks[1])  # each chunk its own stream
@@ -87,16 +94,7 @@ def test_the_mask_is_the_16_bit_draws_compared_and_scaled_bit_for_bit(dtype):
 def test_the_16_bit_draws_are_uniform_and_independent_between_chunks():
     """The draws keep_mask compares: every 16-bit value equally likely (chi-square over 64 bins of 3M
     draws), chunks independent of one another, the same whatever the thread count."""
-    x = torch.empty(3 * dropout.CHUNK)
-    threads = torch.get_num_threads()
-    draws = []
-    for count in (1, 2):
-        torch.set_num_threads(count)
-        torch.manual_seed(11)
-        draws.append(dropout.keep_draws(x))
-    torch.set_num_threads(threads)
-    assert torch.equal(draws[0], draws[1])
-    d = draws[0]
+    d = same_on_one_and_two_threads(dropout.keep_draws, torch.empty(3 * dropout.CHUNK))
     assert d.min() >= 0 and d.max() < 2**16
     counts = torch.bincount(d // 1024, minlength=64).double()
     expected = d.numel() / 64
