@@ -2,8 +2,8 @@
 version at PREVIOUS, read from git), alone and in the default job's training steps, in this one process.
 
 1. keep_mask alone, for the default model's masks on a 16 x `width` batch: its hidden states' (16 x width
-   x 384) and its attention probabilities' (16 x 12 x width x width), bf16 and fp32; medians of `--rounds`
-   alternating calls.
+   x 384) and its attention probabilities' (16 x 12 x width x width), bf16 and fp32; PREVIOUS's, the
+   current one in PREVIOUS's blocks of 16K values, and the current one; medians of alternating calls.
 2. The default job's first `--job-batches` training batches (benchmarks/lora_step.py's job steps: the
    task's loss, clipping, AdamW), full fine-tuning and LoRA (dropout 0, the default), each with the
    model's masks drawn the previous way and the new way; per round and model an untimed pass first (the
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.p
 import _common  # noqa: E402
 
 PREVIOUS = "f081200"  # the last commit whose keep_mask compared 32-bit draws
-WIDTHS = (16, 48, 128)
+WIDTHS = (16, 48, 128, 256)
 
 
 def median_seconds(calls: dict, rounds: int) -> dict:
@@ -44,14 +44,26 @@ def median_seconds(calls: dict, rounds: int) -> dict:
 
 
 def masks_alone(previous, current, widths, rounds: int) -> None:
+    """keep_mask's time: PREVIOUS's, the current one's with PREVIOUS's 16K blocks, and the current one."""
+    blocks = current.BLOCK
+
+    def small_blocks(x):
+        current.BLOCK = previous.BLOCK
+        try:
+            current.keep_mask(x, 0.1)
+        finally:
+            current.BLOCK = blocks
+
     for width in widths:
         for shape in ((16, width, 384), (16, 12, width, width)):
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.empty(shape, dtype=dtype)
                 seconds = median_seconds({"32": lambda: previous.keep_mask(x, 0.1),
+                                          "16, small": lambda: small_blocks(x),
                                           "16": lambda: current.keep_mask(x, 0.1)}, rounds)
                 print(f"  mask {'x'.join(map(str, shape)):>14s} {str(dtype).removeprefix('torch.'):8s}: 32-bit "
-                      f"{seconds['32'] * 1e6:7.0f} us, 16-bit {seconds['16'] * 1e6:7.0f} us: "
+                      f"{seconds['32'] * 1e6:7.0f} us, 16-bit in {previous.BLOCK >> 10}K blocks "
+                      f"{seconds['16, small'] * 1e6:7.0f} us, in {blocks >> 10}K {seconds['16'] * 1e6:7.0f} us: "
                       f"{seconds['16'] / seconds['32']:.2f}x", flush=True)
 
 
