@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from effitrain import tasks
 from effitrain.config import ALL_LINEAR
 from effitrain.models import adapters, transforms
+from effitrain.speedups import adapter_step
 
 # glibc, as it starts, serves allocations under its largest mmap threshold (32 MiB on 64-bit) from its
 # heaps, which keep freed memory resident; bigger ones are mapped and unmapped each time, unless the run
@@ -336,8 +337,6 @@ class _Linear4bitStandIn:
 def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
               packing=False, trace: list | None = None, sharded: bool = False) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
-
-    from effitrain.speedups import adapter_step
 
     mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
     model.zero_grad(set_to_none=True)
