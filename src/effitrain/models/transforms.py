@@ -99,6 +99,13 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return len(found)
 
 
+def _adapter_step(model: torch.nn.Module, settings: Settings) -> Applied:
+    """The adapters' training forward; their half-precision casts kept across steps where that leaves the
+    peak memory as it is (speedups/adapter_step.py: not when checkpointing or sharded)."""
+    keep = not (settings.sharded or settings.gradient_checkpointing)
+    return model, bool(adapter_step.apply(model, keep_half_casts=keep))
+
+
 def _compile(model: torch.nn.Module, settings: Settings) -> Applied:
     compile_blocks(model)  # a model without blocks is refused
     return model, True
@@ -126,8 +133,7 @@ PIPELINE = (
     Transform("adapters", lambda s: s.peft is not None, _adapters,
               why="after every change to the plain model: peft wraps it, freezes the body and adds layers that "
                   "the entries above must not touch; before compile, whose graphs must hold them"),
-    Transform("adapter-step", lambda s: s.speed_ups and s.peft is not None,
-              lambda model, s: (model, bool(adapter_step.apply(model, keep_half_casts=not s.sharded))),
+    Transform("adapter-step", lambda s: s.speed_ups and s.peft is not None, _adapter_step,
               why="right after the adapters, whose layers it gives a training forward without wasted passes (their "
                   "dropout masks drawn as fast-dropout's); before compile, whose graphs must hold it"),
     Transform("compile", lambda s: s.compile, _compile,

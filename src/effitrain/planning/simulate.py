@@ -340,9 +340,9 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
 
     mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
     model.zero_grad(set_to_none=True)
-    # The adapters' half-precision casts, kept across steps as training keeps them (not when sharded): made
-    # afresh in this step, so that it counts them (a fake model is reused by later simulations).
-    adapter_step.keep_half_casts(model, not sharded)
+    # The adapters' half-precision casts, kept across steps as training keeps them (not when sharded or
+    # checkpointing): made afresh in this step, so that it counts them (a fake model is reused).
+    adapter_step.keep_half_casts(model, not (sharded or checkpointing))
     with mode:
         stack = layer_stack(model) if split else None
         if split and (stack is None or len(stack) != depth_of(config)):

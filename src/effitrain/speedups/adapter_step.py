@@ -17,10 +17,10 @@ with peft's to float rounding (the sums run in another order), not bit for bit.
 
 Under half precision the frozen base's weight and bias are cast to the compute dtype once and kept across
 steps (autocast casts a frozen weight again every step: it only caches casts of weights that require
-gradients, and only until it exits), the same values `.to(dtype)` gives. 2 bytes per adapted frozen weight,
-which a step holds anyway from its forward to its backward (saved for it) unless it checkpoints; the
-planner's simulated step sees them. Not kept where the weights are sharded (fsdp, deepspeed: they would be
-held whole) or compiled (the graph casts).
+gradients, and only until it exits), the same values `.to(dtype)` gives: 2 bytes per adapted frozen
+weight, which a step holds anyway from its forward to its backward (saved for it), so the peak does not
+move. Not kept where it would: a run that checkpoints (the step then holds one block's casts at a time),
+or whose weights are sharded (fsdp, deepspeed: they would be held whole); nor compiled (the graph casts).
 
 Each adapter still draws its own mask (peft's semantics: q, k and v, fed the same input, drop
 different elements). The mask is drawn once and kept (scaled floats: multiplying by booleans measured
@@ -227,7 +227,8 @@ def apply(model, lean: bool = False, one_node: bool = True, keep_half_casts: boo
     """Every peft lora.Linear of `model` trains through `forward` (peft's own forward where it does not
     apply), and every adapter's nn.Dropout draws speedups/dropout.py's mask (the layers `forward` does
     not handle: GPT-2's Conv1D, say). `keep_half_casts`: the frozen bases' half-precision casts kept
-    across steps (off where the weights are sharded). Returns the number of layers changed."""
+    across steps (off where the weights are sharded or the step checkpoints). Returns the number of layers
+    changed."""
     from peft.tuners.lora import Linear, LoraLayer, bnb
 
     from effitrain.speedups import dropout
