@@ -34,7 +34,7 @@ first pass made a bf16 LoRA step look 0.85-0.89x a full one where in steady stat
 process, it is ~1.0x); medians, and the fastest steps, are compared with `full`. Saved for backward:
 the bytes autograd keeps from one forward (distinct storages, through saved_tensors_hooks).
 `--keep-freed-memory` makes glibc keep freed memory for reuse (speedups/allocator.py, as `effitrain train`
-does on CPUs), for every variant. `--profile` then profiles 3 steps of `full`, `recompute`, `effitrain` and `p0` and prints milliseconds per
+does on CPUs), for every variant. `--profile` then profiles 3 steps of `full`, `recompute`, `effitrain`, `p0` and `p0-cast` and prints milliseconds per
 step in each group of operators, and the top operators.
 
     .venv/bin/python benchmarks/lora_step.py [--precision fp32|bf16] [--lora-dropout 0.05] [--profile]

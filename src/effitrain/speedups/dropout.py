@@ -62,7 +62,7 @@ def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     least p * 2^16 rounded to the nearest integer, else 0. So p is taken to the nearest multiple of 2^-16
     (0.1 drops with probability 0.100006; the scale 1 / (1 - p) is rounded to x's dtype, 0.16% in bf16,
     as torch's is): 16 random bits per element instead of 32, which halves the draw, most of the mask's
-    cost (numpy's generators make ~1.7 ns a 64-bit word here; benchmarks/dropout.py). Built a BLOCK at a
+    cost (numpy's generators make ~1.7 ns a 64-bit word here; benchmarks/dropout_draws.py). Built a BLOCK at a
     time on torch's threads (draw, compare, write in cache) instead of three passes over memory and, for
     bf16, a cast."""
     import numpy as np
