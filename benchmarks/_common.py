@@ -141,6 +141,37 @@ def take_turns(sides: Iterable[Side], rounds: int, run: Callable[[Side], dict]) 
     return results
 
 
+def measure_as_the_command() -> None:
+    """What `effitrain train` sets in its own process before its first step, set in this one (for scripts
+    that train in-process): oneDNN's kernel cache bounded (speedups/allocator.py). Unbounded, a bf16 step
+    over batches of many widths keeps one kernel and its buffers per shape: at BERT-base's shape 2 GiB
+    more resident memory every 30 steps of the default job's batches, and passes 2x slower."""
+    from effitrain.speedups import allocator
+
+    allocator.bound_primitive_cache()
+
+
+def timed_turns(calls: dict[str, Callable[[], object]], rounds: int, steps: int,
+                warmup: int = 2) -> dict[str, list[float]]:
+    """name -> the seconds of each of its timed calls. Each call runs `warmup` times first; then the names take
+    turns, `rounds` times, each turn one untimed call and `steps` timed ones. The untimed call: the first call
+    after another name's runs slower (caches, the allocator's free blocks: a full fine-tuning pass of the
+    default job in bf16 1.2-1.7 s slower in 8.5, benchmarks/results/lora_step_xeon2c_2026-12-05.md)."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if len(calls) > 1:
+                call()
+            for _ in range(steps):
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 def child_json(command: list[str], env: dict | None = None) -> dict:
     """Run `command` in a fresh process (its own peak memory, heap and threads) and return the JSON object
     on the last line of its stdout. A failed child stops the script with the end of its output."""

@@ -18,7 +18,8 @@ the same weights, in this one process:
 `effitrain train` does on CPUs), for every variant.
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
-slower or busier moment of the machine hits all of them; the median step time of each is compared
+slower or busier moment of the machine hits all of them, each turn after one untimed step (the first
+step after another variant's runs slower: `_common.timed_turns`); the median step time of each is compared
 with torch's. `--profile` then profiles 3 steps of `torch`, `both` and `effitrain` with torch.profiler
 and prints the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm,
 oneDNN's _linear_pointwise; dropout masks: bernoulli_, ge_, div_, and effitrain's _KeepMask, whose own
@@ -35,7 +36,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -123,6 +123,7 @@ def shares(step) -> tuple[dict, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    _common.measure_as_the_command()
     if args.dry_run:
         _common.dry_run_model()
     if args.keep_freed_memory:
@@ -135,16 +136,7 @@ def main(argv=None) -> None:
              "labels": torch.randint(0, 2, (args.batch_size,))}
     steps = {name: make_step(model, optimizer, batch, args.precision)
              for name, (model, optimizer) in variants().items()}
-    for step in steps.values():
-        for _ in range(2):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
+    times = _common.timed_turns(steps, args.rounds, args.steps)
     print(f"default model, {args.batch_size} x {args.length} tokens, {args.precision}, {torch.get_num_threads()} "
           f"threads, {args.rounds} rounds x {args.steps} steps each, median step time"
           f"{', glibc keeping freed memory' if args.keep_freed_memory else ''}")

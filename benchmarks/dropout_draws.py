@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--steps-only", action="store_true", help="the job's steps only, not the masks alone")
     parser.add_argument("--dry-run", action="store_true", help="one width, a tiny model, 2 batches, 1 round")
     args = parser.parse_args()
+    _common.measure_as_the_command()
     if args.dry_run:
         _common.dry_run_model()
         _common.skipped("the default model, its job's batches and the other widths")

@@ -11,8 +11,8 @@ For each `--length` (default: 30, about the width of the default job's length-gr
 128, its max_length) and each `--precision`: the median time of a training step (random token batches of
 `--batch-size`, all real tokens; forward, loss, backward, fused AdamW step, zero_grad) and of an
 evaluation forward at batch `--eval-batch-size` under torch.inference_mode, the copies taking turns
-(`--rounds` rounds of `--steps` each, after 2 warm-up steps each) so that a busier moment of the machine
-hits both. The largest logit difference between the copies (evaluation mode, fp32, before either
+(`--rounds` rounds of `--steps` each, after 2 warm-up steps each, each turn after one untimed step) so
+that a busier moment of the machine hits both. The largest logit difference between the copies (evaluation mode, fp32, before either
 trains) is printed too.
 
     .venv/bin/python benchmarks/first_token_head.py [--length 30 128] [--precision fp32 bf16]
@@ -25,7 +25,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -83,16 +82,7 @@ def make_eval(model, batch: dict, precision: str):
 
 def medians(runs: dict, rounds: int, steps: int) -> dict:
     """name -> median seconds of one call, the names taking turns."""
-    for run in runs.values():
-        for _ in range(2):
-            run()
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            for _ in range(steps):
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
+    times = _common.timed_turns(runs, rounds, steps)
     return {name: statistics.median(measured) for name, measured in times.items()}
 
 
@@ -125,6 +115,7 @@ def timed_copies(models_: dict, length: int, precision: str, args) -> tuple[dict
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    _common.measure_as_the_command()
     if args.dry_run:
         _common.dry_run_model()
     models_ = copies()

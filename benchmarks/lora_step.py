@@ -49,7 +49,6 @@ import copy
 import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -83,6 +82,10 @@ def parse_args(argv=None):
                              "batch 16, length grouping, seed 42), each variant stepping through all N per turn, "
                              "with the job's loss and gradient clipping at 1.0")
     parser.add_argument("--lora-dropout", type=float, default=0.05)
+    parser.add_argument("--shape", choices=("default", "bert-base"), default="default",
+                        help="bert-base: the default model's layers at BERT-base's shape instead (hidden 768, 12 "
+                             "layers, 12 heads, feed-forward 3072; 109M parameters, random weights from seed 0), "
+                             "to see how the LoRA / full ratio moves with the model's size (same tokens)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list (default: all)")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
@@ -185,6 +188,16 @@ def build_qlora(name: str, task, precision: str):
     return model, optim.adamw(model, 1e-3, 0.01)
 
 
+def bert_base_shaped(config):
+    """The default model's configuration (vocabulary, dropout, positions) at BERT-base's shape, random weights."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(config)
+    config.update({"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072})
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+
+
 def job_batches(count: int, batch_size: int) -> list[dict]:
     """The default job's first `count` training batches, as `effitrain train` makes them (its data, tokenizer,
     length-grouped sampler and collator, seed 42)."""
@@ -275,6 +288,7 @@ def profile(step, calls: int = 3, steps_per_call: int = 1) -> tuple[dict, list, 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    _common.measure_as_the_command()
     if args.dry_run:
         _common.dry_run_model()
     if args.keep_freed_memory:
@@ -288,6 +302,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_pretrained(str(loading.resolve("default")), num_labels=2,
                                                               attn_implementation="sdpa")
+    if args.shape == "bert-base":
+        base = bert_base_shaped(base.config)
     torch.manual_seed(1)
     batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
              "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
@@ -303,19 +319,10 @@ def main(argv=None) -> None:
     else:
         steps = {name: make_step(model, optimizer, batch, args.precision) for name, (model, optimizer) in built.items()}
         shape = f"{args.batch_size} x {args.length} tokens"
-    for step in steps.values():
-        for _ in range(1 if args.job_batches else 2):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            if len(steps) > 1:
-                step()  # untimed: the first step after another variant's is slower (see the module's doc)
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
-    print(f"default model, {shape}, {args.precision}, lora dropout "
+    # one untimed step at each turn: the first step after another variant's is slower (see the module's doc)
+    times = _common.timed_turns(steps, args.rounds, args.steps, warmup=1 if args.job_batches else 2)
+    model_name = "default model" if args.shape == "default" else "the default model at BERT-base's shape (random weights)"
+    print(f"{model_name}, {shape}, {args.precision}, lora dropout "
           f"{args.lora_dropout}, {_common.machine()}{', glibc keeping freed memory' if args.keep_freed_memory else ''}, {args.rounds} rounds x {args.steps} steps each, median step time")
     reference = statistics.median(times[args.variants[0]])
     fastest = min(times[args.variants[0]])  # the least disturbed step: on a busy machine, the steadier ratio

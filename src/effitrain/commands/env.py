@@ -76,10 +76,10 @@ def _allocator_line(memory: dict) -> str:
     if memory["kind"] in allocator.LIBRARIES:
         return f"{memory['kind']} ({memory['file']}); {allocator.ALLOCATOR}=system for the C library's"
     if memory["kind"] == "glibc":
-        found = next((kind for kind in allocator.LIBRARIES if allocator.find(kind)), None)
+        found = next((kind for kind in allocator.AUTO if allocator.find(kind)), None)
         if memory["requested"] == "system" or not found:
             why = (f"{allocator.ALLOCATOR}=system" if found else
-                   "Debian: apt-get install libjemalloc2 for a steadier memory peak")
+                   "Debian: apt-get install libtcmalloc-minimal4 for a steadier memory peak")
         else:
             why = f"a program of its own: the `effitrain` command preloads {found}"
         return f"glibc's malloc, keeping freed memory ({why})"

@@ -17,9 +17,13 @@ tensors varies from 60 to 700 MiB with every small allocation (benchmarks/result
 allocator that keeps small objects apart from large blocks (tcmalloc's size classes, jemalloc's slabs)
 holds the tensors plus a near-constant, at glibc's speed or better. `preload` re-executes the `effitrain`
 command once with one of them in LD_PRELOAD, before torch is loaded (a library cannot replace malloc in a
-running process): jemalloc set never to purge (its default purging re-faults every step's pages: steps
-27-34% slower), else tcmalloc, else glibc with the settings above. jemalloc first: its overhead is the
-steadier of the two across effitrain's measured runs (benchmarks/results/memory_plan_*).
+running process): tcmalloc where installed, else glibc with the settings above; jemalloc only when asked
+for by name (EFFITRAIN_ALLOCATOR=jemalloc), set never to purge (its default purging re-faults every
+step's pages: steps 27-34% slower). Not jemalloc by default: never purging, it grew a BERT-base-sized
+model's bf16 run by ~30 MiB of resident memory a step without end (3.1 -> 7.7 GiB over 150 steps: the
+freed blocks of the batches' many widths kept, not reused), where tcmalloc stayed flat at 3.5 GiB and
+ran 1.4x faster; on the default job tcmalloc is as fast or faster (bf16 +4-7%) in 5-7% less peak
+memory (benchmarks/results/allocator_xeon2c_2026-12-05.md).
 EFFITRAIN_ALLOCATOR chooses (`system`: no preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
 
 `bound_primitive_cache` caps oneDNN's cache of compiled kernels ("primitives"), through which CPU bf16
@@ -46,8 +50,10 @@ ALLOCATOR = "EFFITRAIN_ALLOCATOR"  # auto (default), jemalloc, tcmalloc, or syst
 CHOICES = ("auto", "jemalloc", "tcmalloc", "system")
 PRELOADING = "EFFITRAIN_ALLOCATOR_PRELOADING"  # set before the re-execution: it happens once, even if it fails
 # Where Debian, Fedora, conda and pip-installed copies live; the first name of each is the preferred one.
-LIBRARIES = {"jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
-             "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")}
+LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so",
+                          "libtcmalloc.so"),
+             "jemalloc": ("libjemalloc.so.2", "libjemalloc.so")}
+AUTO = ("tcmalloc",)  # what `auto` preloads where installed (jemalloc's growth: the module's doc)
 # Set unless the user set them. jemalloc: never purge freed pages (its decay purges re-fault every step's
 # pages, and 5.3 purges blocks >= 8 MiB at once whatever the decay); tcmalloc: no "large alloc" report
 # on stderr for blocks over 1 GiB (one-line errors stay one line).
@@ -159,7 +165,7 @@ def preloaded_environment(environ) -> dict | None:
     wanted = requested(environ)
     if wanted == "system":
         return None
-    kinds = tuple(LIBRARIES) if wanted == "auto" else (wanted,)
+    kinds = AUTO if wanted == "auto" else (wanted,)
     found = next(((kind, path) for kind in kinds if (path := find(kind))), None)
     if found is None:
         if wanted == "auto":
