@@ -21,11 +21,11 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e '.[dev,trackers,optimizers]'
 	touch $@ $(VENV)/.installed
 
-# jemalloc (and tcmalloc), which the `effitrain` command preloads on Linux: a steadier, smaller memory peak on
-# CPUs (docs/memory.md). Best effort: without root or apt, runs use glibc's malloc.
+# tcmalloc, which the `effitrain` command preloads on Linux (jemalloc only when asked for): a steadier,
+# smaller memory peak on CPUs (docs/memory.md). Best effort: without root or apt, runs use glibc's malloc.
 $(VENV)/.allocators: | $(BIN)/python
 	(apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 libjemalloc2) || \
-		echo "effitrain: jemalloc not installed (apt-get failed): runs use glibc's malloc"
+		echo "effitrain: tcmalloc not installed (apt-get failed): runs use glibc's malloc"
 	touch $@
 
 demo: $(VENV)/.installed $(VENV)/.allocators

@@ -259,7 +259,7 @@ def profiled_events(step: Callable[[], None], steps: int = 3) -> list:
 
 
 def run_under_effitrains_allocator() -> None:
-    """Re-execute this script once under the allocator the `effitrain` command preloads (jemalloc where
+    """Re-execute this script once under the allocator the `effitrain` command preloads (tcmalloc where
     installed; EFFITRAIN_ALLOCATOR chooses), so that the runs it starts get it too; say which."""
     from effitrain.speedups import allocator
 

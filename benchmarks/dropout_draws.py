@@ -9,7 +9,7 @@ version at PREVIOUS, read from git), alone and in the default job's training ste
    model's masks drawn the previous way and the new way; per round and model an untimed pass first (the
    first pass after the other model's is slower), then both ways, each first in half the rounds.
 
-Start it with jemalloc in LD_PRELOAD to measure as the `effitrain` command runs (speedups/allocator.py).
+Start it with tcmalloc in LD_PRELOAD to measure as the `effitrain` command runs (speedups/allocator.py).
 
     .venv/bin/python benchmarks/dropout_draws.py [--precision bf16|fp32] [--job-batches 60] [--rounds 3]
     .venv/bin/python benchmarks/dropout_draws.py --dry-run   # the masks at one width, a tiny model's steps

@@ -102,7 +102,7 @@ def parse_args(argv=None):
                         help="train LoRA (or QLoRA) adapters on both sides (default: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="both sides' LoRA dropout (default 0)")
     parser.add_argument("--trainer-allocator", action="store_true",
-                        help="start the Trainer's runs under the allocator effitrain preloads too (jemalloc where "
+                        help="start the Trainer's runs under the allocator effitrain preloads too (tcmalloc where "
                              "installed), to see what the allocator alone gives; by default they run as a script "
                              "does, under glibc's malloc")
     parser.add_argument("--only", choices=SIDES, default=None,
@@ -578,7 +578,7 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
                "--precision", precision, "--peft", args.peft, "--lora-dropout", str(args.lora_dropout)]
     print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
-    # effitrain's side starts as the `effitrain` command runs, under the allocator it preloads (jemalloc where
+    # effitrain's side starts as the `effitrain` command runs, under the allocator it preloads (tcmalloc where
     # installed: EFFITRAIN_ALLOCATOR chooses); the Trainer's as a script runs, under glibc's malloc.
     env = allocator.preloaded_environment(os.environ) if side == "effitrain" or args.trainer_allocator else None
     start, started_at = time.perf_counter(), time.time()
