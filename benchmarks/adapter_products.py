@@ -17,8 +17,9 @@ For `rows` tokens (batch x width) through a layer of `k` inputs and `n` outputs 
 and the same call on 4 rows: what a call costs whatever its size (torch's dispatch, and for bf16 the
 oneDNN matmul's set-up in torch). `GB/s` is the bytes a product must read and write once (its operands
 and result) over its time: a rank-8 product does 2 x rows x k x 8 flops for rows x k values read, so it
-is bound by memory or by its call, never by arithmetic. Medians of `--calls` alternating calls, data kept
-in cache between calls (in a training step the activations come from further away: slower there).
+is bound by memory or by its call, never by arithmetic. Medians of `--calls` alternating calls, each after
+an untimed one of the same product, so its data is in cache (in a training step the activations come from
+further away: slower there). The figures in the results file were taken before that untimed call.
 
     .venv/bin/python benchmarks/adapter_products.py [--rows 192,512,2048] [--calls 200]
     .venv/bin/python benchmarks/adapter_products.py --dry-run   # one small shape, few calls
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -79,16 +79,9 @@ def products(rows: int, k: int, n: int, dtype: torch.dtype) -> dict:
 
 
 def median_microseconds(calls: dict, count: int) -> dict:
-    """name -> median microseconds of one call, the calls taking turns after 10 untimed each."""
-    for call in calls.values():
-        for _ in range(10):
-            call()
-    times = {name: [] for name in calls}
-    for _ in range(count):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+    """name -> median microseconds of one call: `count` turns of the calls, each after 10 warm-up calls and,
+    at each turn, one untimed (`_common.timed_turns`)."""
+    times = _common.timed_turns(calls, count, 1, warmup=10)
     return {name: statistics.median(measured) * 1e6 for name, measured in times.items()}
 
 
