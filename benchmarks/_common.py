@@ -143,9 +143,9 @@ def take_turns(sides: Iterable[Side], rounds: int, run: Callable[[Side], dict]) 
 
 def measure_as_the_command() -> None:
     """What `effitrain train` sets in its own process before its first step, set in this one (for scripts
-    that train in-process): oneDNN's kernel cache bounded (speedups/allocator.py). Unbounded, a bf16 step
-    over batches of many widths keeps one kernel and its buffers per shape: at BERT-base's shape 2 GiB
-    more resident memory every 30 steps of the default job's batches, and passes 2x slower."""
+    that train in-process): oneDNN's kernel cache bounded (speedups/allocator.py), which moves bf16 speed
+    and memory both ways (a BERT-base-shaped LoRA pass under jemalloc grew 2 GiB a pass and ran 2x slower
+    unbounded; the default job's full fine-tuning passes ran 16% slower bounded: lora_step results)."""
     from effitrain.speedups import allocator
 
     allocator.bound_primitive_cache()

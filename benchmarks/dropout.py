@@ -19,8 +19,8 @@ the same weights, in this one process:
 
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower or busier moment of the machine hits all of them, each turn after one untimed step (the first
-step after another variant's runs slower: `_common.timed_turns`); the median step time of each is compared
-with torch's. `--profile` then profiles 3 steps of `torch`, `both` and `effitrain` with torch.profiler
+step after another variant's runs slower: `_common.timed_turns`); the median step time of each is
+compared with torch's. `--profile` then profiles 3 steps of `torch`, `both` and `effitrain` with torch.profiler
 and prints the share of step time in each kind of operator (matrix products: mm, addmm, bmm, baddbmm,
 oneDNN's _linear_pointwise; dropout masks: bernoulli_, ge_, div_, and effitrain's _KeepMask, whose own
 time holds numpy's draws).

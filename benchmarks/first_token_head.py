@@ -12,8 +12,8 @@ For each `--length` (default: 30, about the width of the default job's length-gr
 `--batch-size`, all real tokens; forward, loss, backward, fused AdamW step, zero_grad) and of an
 evaluation forward at batch `--eval-batch-size` under torch.inference_mode, the copies taking turns
 (`--rounds` rounds of `--steps` each, after 2 warm-up steps each, each turn after one untimed step) so
-that a busier moment of the machine hits both. The largest logit difference between the copies (evaluation mode, fp32, before either
-trains) is printed too.
+that a busier moment of the machine hits both. The largest logit difference between the copies
+(evaluation mode, fp32, before either trains) is printed too.
 
     .venv/bin/python benchmarks/first_token_head.py [--length 30 128] [--precision fp32 bf16]
     .venv/bin/python benchmarks/first_token_head.py --dry-run   # a tiny model, 1 call each: seconds

@@ -321,7 +321,8 @@ def main(argv=None) -> None:
         shape = f"{args.batch_size} x {args.length} tokens"
     # one untimed step at each turn: the first step after another variant's is slower (see the module's doc)
     times = _common.timed_turns(steps, args.rounds, args.steps, warmup=1 if args.job_batches else 2)
-    model_name = "default model" if args.shape == "default" else "the default model at BERT-base's shape (random weights)"
+    model_name = "default model" if args.shape == "default" else \
+        "the default model at BERT-base's shape (random weights)"
     print(f"{model_name}, {shape}, {args.precision}, lora dropout "
           f"{args.lora_dropout}, {_common.machine()}{', glibc keeping freed memory' if args.keep_freed_memory else ''}, {args.rounds} rounds x {args.steps} steps each, median step time")
     reference = statistics.median(times[args.variants[0]])

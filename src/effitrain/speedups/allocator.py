@@ -30,7 +30,10 @@ EFFITRAIN_ALLOCATOR chooses (`system`: no preload). `serving` says which library
 matmuls run: one primitive per operand shape, kept up to 1024 by default, each holding its own buffers.
 Batches padded to their longest example come in many widths, and a bf16 run grew ~280 MiB of resident
 memory over 60 steps of the default job (fp32, on MKL, did not); at PRIMITIVES (every matmul shape of a
-step, so the layers of one step still share theirs) it stays flat at the same speed."""
+step, so the layers of one step still share theirs) it stays flat. The price: a width seen again compiles
+its kernels again. Over one pass of 60 steps full fine-tuning ran 3-6% slower bounded (~300 MiB less
+peak), LoRA the same; over the same batches repeated, full fine-tuning's passes ran 16% slower, LoRA's
+as fast (benchmarks/results/lora_step_xeon2c_2026-12-05.md, 19:17)."""
 
 from __future__ import annotations
 
