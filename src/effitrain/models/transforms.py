@@ -102,7 +102,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
 def _adapter_step(model: torch.nn.Module, settings: Settings) -> Applied:
     """The adapters' training forward; their half-precision casts kept across steps where that leaves the
     peak memory as it is (speedups/adapter_step.py: not when checkpointing or sharded)."""
-    keep = not (settings.sharded or settings.gradient_checkpointing)
+    keep = adapter_step.keeps_half_casts(settings.sharded, settings.gradient_checkpointing)
     return model, bool(adapter_step.apply(model, keep_half_casts=keep))
 
 

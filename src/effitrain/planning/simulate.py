@@ -342,7 +342,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
     model.zero_grad(set_to_none=True)
     # The adapters' half-precision casts, kept across steps as training keeps them (not when sharded or
     # checkpointing): made afresh in this step, so that it counts them (a fake model is reused).
-    adapter_step.keep_half_casts(model, not (sharded or checkpointing))
+    adapter_step.keep_half_casts(model, adapter_step.keeps_half_casts(sharded, checkpointing))
     with mode:
         stack = layer_stack(model) if split else None
         if split and (stack is None or len(stack) != depth_of(config)):

@@ -188,6 +188,13 @@ def _frozen_cast(base, dtype, keep: bool):
     return kept[1], kept[2]
 
 
+def keeps_half_casts(sharded: bool, checkpointing: bool) -> bool:
+    """Whether a run keeps its frozen bases' half-precision casts across steps: only where its peak stays as it
+    is (not when checkpointing: the step would hold every block's casts, not one's; not when the weights are
+    sharded: the casts would be held whole). Training's transforms and the planner's simulated step ask here."""
+    return not (sharded or checkpointing)
+
+
 def keep_half_casts(model, keep: bool) -> None:
     """From now on `model`'s adapted layers keep their frozen bases' half-precision casts across steps, or
     do not (`keep`); those kept so far are dropped (the planner's simulated step makes its own)."""
