@@ -20,6 +20,20 @@ os.environ.setdefault("EFFITRAIN_CPU_AUTO_PRECISION", "fp32")
 OFFLINE_HOOK = Path(__file__).parent / "hooks" / "offline"  # sitecustomize.py: no network
 
 
+def pytest_report_header(config):
+    """The CPU and the kernels torch picks on it: results differ in their low digits between this project's
+    machines (Xeon with AMX, EPYC without), and a failure must name its machine."""
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    limits = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    return (f"cpu: {model or 'unknown'}; torch {torch.__version__}, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}" + (f", limited by {limits}" if limits else ""))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def offline(tmp_path_factory):
     """No network access at any point: sockets to other machines (and look-ups of their names) fail, in

@@ -8,12 +8,18 @@ def run() -> int:
         from effitrain.errors import UserError
         from effitrain.speedups import allocator
 
+        from effitrain.cli import answer_at_once, main
+
         try:  # before torch is loaded: this process may be replaced by itself with jemalloc or tcmalloc
-            allocator.preload()
+            environment = allocator.preloading()
         except UserError as err:
             print(f"effitrain: error: {err}", file=sys.stderr)
             return err.exit_code
-        from effitrain.cli import main
+        if environment is not None:
+            code = answer_at_once(sys.argv[1:])  # --help and mistakes: no second start for them
+            if code is not None:
+                return code
+            allocator.reexecute(environment)
     except KeyboardInterrupt:  # Ctrl-C while the CLI is still importing: the same one line as later
         print("effitrain: stopped by SIGINT", file=sys.stderr)
         return 130

@@ -1,6 +1,7 @@
-"""The `effitrain` command: a parser made of each command's own (commands/<name>.py: add_parser, main),
-the dispatch, exit codes and signals. Commands import heavy libraries inside main, so that `--help` and
-bad flags answer at once."""
+"""The `effitrain` command: a parser made of each command's own (commands/<name>.py: add_parser, main, and
+an optional `check` of its flags), the dispatch, exit codes and signals. Parsing and checking import
+neither torch nor transformers (commands import them inside main), so that `--help` and every flag or
+config mistake answer at once, before the allocator re-executes the command (`answer_at_once`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,31 @@ def build_parser() -> Parser:
     return parser
 
 
+def parsed(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed, and checked by the command's own `check(args)` where it has one (rules that need no
+    heavy library: values, the config file's keys)."""
+    args = build_parser().parse_args(argv)
+    check = getattr(command_module(args.command), "check", None)
+    if check is not None:
+        check(args)
+    return args
+
+
+def answer_at_once(argv: list[str]) -> int | None:
+    """Run by `__main__` before it re-executes the command under another allocator: --help and --version
+    (SystemExit), and a flag or config mistake (its one line, exit 2), answered in this light process;
+    None where the command is to run (anything else this meets, the command meets again and says)."""
+    try:
+        parsed(argv)
+    except UserError as err:
+        if not _launcher_speaks():
+            print(f"effitrain: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except Exception:  # noqa: BLE001 - not a mistake in the flags: the command's own run reports it
+        return None
+    return None
+
+
 def _record_for_launcher(err: BaseException) -> None:
     """Under torchrun, leave the cause where the launcher reads it, so its one line can name it."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -73,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 from effitrain.commands import launch
 
                 launch.end_with_launcher(received)
-            args = build_parser().parse_args(argv)
+            args = parsed(argv)
             return command_module(args.command).main(args)
         except (SystemExit, GeneratorExit):  # --help, --version
             raise

@@ -45,6 +45,9 @@ PREFERENCES = ("dpo", "orpo")  # --preference: the objectives on chosen/rejected
 REFERENCES = ("precompute", "copy", "adapters")  # --reference: where DPO's reference log-probs come from
 DPO_LOSSES = ("sigmoid", "ipo")  # --dpo-loss: TRL's loss_type names
 PREFERENCE_SETTINGS = ("beta", "reference", "dpo_loss", "dpo_label_smoothing")  # what no --preference leaves alone
+# The built-in data sets' names (data/builtins.py makes them; a test keeps the two the same).
+BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits")
+CHAT_SETTINGS = ("chat_template", "loss_on")  # how a conversation becomes tokens and a loss mask
 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
@@ -72,9 +75,9 @@ class TrainConfig:
                                     "refused (a new head for other labels is always fine)", "model")
     task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
                      problem="unknown task `{value}`")
-    data: str = _opt("sms-spam", "a built-in (sms-spam, sms-spam-chat, bbc-news, fashion-mnist, digits), a "
-                     "CSV/TSV/JSON/JSONL/Parquet file, a folder from datasets' save_to_disk, or a data set id in the "
-                     "local Hugging Face cache", "data", nonempty=True)
+    data: str = _opt("sms-spam", f"a built-in ({', '.join(BUILTIN_DATA)}), a CSV/TSV/JSON/JSONL/Parquet file, a "
+                     "folder from datasets' save_to_disk, or a data set id in the local Hugging Face cache", "data",
+                     nonempty=True)
     validation_file: str | None = _opt(None, "validation data in its own file (else split from --data)", "data",
                                        nonempty=True)
     test_file: str | None = _opt(None, "test data in its own file (else split from --data)", "data", nonempty=True)
@@ -630,16 +633,32 @@ def _check_optimizer(config: TrainConfig) -> None:
     if name in OPTIMIZER_PACKAGES and importlib.util.find_spec(OPTIMIZER_PACKAGES[name][0]) is None:
         raise UserError(f"--optim {name} needs the {OPTIMIZER_PACKAGES[name][1]} package, which is not installed",
                         "pip install 'effitrain[optimizers]'")
-    if name in WHOLE_WEIGHT_OPTIMIZERS and config.strategy != "ddp":
-        raise UserError(f"--optim {name} with --strategy {config.strategy} is not supported by effitrain (it needs "
-                        "each weight whole, and the strategy shards them)", "use --strategy ddp, or another --optim")
-    if name == "schedule-free-adamw" and config.local_sgd_steps:
-        raise UserError("--optim schedule-free-adamw with --local-sgd-steps: local SGD averages the training "
-                        "weights but each process would keep its own averaged point, so the evaluated weights "
-                        "would differ between processes", "drop --local-sgd-steps, or use another --optim")
-    if name in ("galore-adamw", "apollo-adamw") and config.peft != "none":
-        raise UserError(f"--optim {name} trains every weight through a low-rank projection, an alternative to "
-                        f"--peft {config.peft}'s adapters", "drop --peft, or use --optim adamw with it")
+    problem = optimizer_refusal(name, config.strategy, config.peft, config.local_sgd_steps)
+    if problem is not None:
+        raise problem
+
+
+# Optimizers whose step mixes its own plain-tensor states with FSDP2's sharded DTensor weights.
+UNSHARDED_STATE_OPTIMIZERS = ("adafactor", "adamw-8bit", "adam-8bit")
+
+
+def optimizer_refusal(name: str, strategy: str = "ddp", peft: str = "none", local_sgd_steps: int | None = None):
+    """Why `train` refuses --optim `name` with these settings (a UserError to raise), or None: the one rule
+    that `train`, `plan` and the planner's lighter optimizers all follow."""
+    if name in WHOLE_WEIGHT_OPTIMIZERS and strategy != "ddp":
+        return UserError(f"--optim {name} with --strategy {strategy} is not supported by effitrain (it needs each "
+                         "weight whole, and the strategy shards them)", "use --strategy ddp, or another --optim")
+    if name in UNSHARDED_STATE_OPTIMIZERS and strategy == "fsdp":
+        return UserError(f"--optim {name} with --strategy fsdp is not supported by effitrain (its states are plain "
+                         "tensors, the sharded weights DTensors)", "use --optim adamw or sgd with fsdp, or --strategy ddp")
+    if name == "schedule-free-adamw" and local_sgd_steps:
+        return UserError("--optim schedule-free-adamw with --local-sgd-steps: local SGD averages the training "
+                         "weights but each process would keep its own averaged point, so the evaluated weights "
+                         "would differ between processes", "drop --local-sgd-steps, or use another --optim")
+    if name in ("galore-adamw", "apollo-adamw") and peft != "none":
+        return UserError(f"--optim {name} trains every weight through a low-rank projection, an alternative to "
+                         f"--peft {peft}'s adapters", "drop --peft, or use --optim adamw with it")
+    return None
 
 
 def lora_target_names(value: str) -> list[str]:

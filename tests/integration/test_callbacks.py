@@ -4,6 +4,7 @@ console (outputs/console.py) renders the log's records as the lines a person rea
 import effitrain
 import pytest
 from effitrain.engine.callbacks import Callbacks
+from effitrain.errors import UserError
 from effitrain.outputs.console import Console, short
 
 from conftest import read_jsonl, tiny_run
@@ -51,12 +52,32 @@ def test_callbacks_see_each_step_evaluation_and_save_in_order(tiny_model_dir, tm
     assert metrics["steps"] == 4
 
 
-def test_a_callback_without_hooks_is_refused_and_a_raising_one_stops_the_run(tiny_model_dir, tmp_path):
-    with pytest.raises(TypeError, match="has none of the hooks"):
-        Callbacks([object()])
-    with pytest.raises(TypeError, match="has none of the hooks"):  # before anything is loaded or written
-        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "never"), callbacks=[object()])
+class Misspelt:
+    def on_step_end(self, state, result):
+        pass
+
+    def on_evaluation(self, state):
+        pass
+
+
+@pytest.mark.parametrize("callbacks, refused", [
+    ([object()], r"callback object\(\) has none of the hooks; fix: name its methods"),
+    (print, r"callbacks=print is not a list of callback objects; fix: pass a list of objects"),
+    (Misspelt(), r"callbacks=Misspelt\(\) is not a list"),
+    ("on_step_end", r"callbacks=str\(\) is not a list"),
+    ([Misspelt], r"callback Misspelt is a class; fix: pass an instance: Misspelt\(\)"),
+    ([Misspelt()], r"has a method on_evaluation, which is no hook; fix: rename it on_evaluate"),
+    ([lambda state: None], r"callback <lambda> has none of the hooks"),
+], ids=["no-hooks", "function", "lone-object", "string", "class", "misspelt", "lambda"])
+def test_what_is_not_a_list_of_callbacks_is_refused_before_anything_is_written(callbacks, refused, tiny_model_dir,
+                                                                                tmp_path):
+    with pytest.raises(UserError, match=refused):
+        effitrain.train(tiny_run(tiny_model_dir, tmp_path / "never"), callbacks=callbacks)
     assert not (tmp_path / "never").exists()
+
+
+def test_no_callbacks_and_a_raising_one_stops_the_run(tiny_model_dir, tmp_path):
+    assert Callbacks(None).callbacks == [] and Callbacks(()).callbacks == []
 
     class Stop:
         def on_step_end(self, state, result):

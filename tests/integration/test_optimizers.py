@@ -106,6 +106,20 @@ def test_two_processes_and_accumulation_equal_one(tiny_model_dir, tmp_path, name
             torch.testing.assert_close(weights[key], one[key], rtol=1e-5, atol=1e-5)
 
 
+def test_muon_trains_a_model_whose_only_trained_tensors_are_block_matrices():
+    """LoRA on a causal LM trains its adapters' matrices alone: Muon takes them all, and no empty AdamW is
+    built (torch refuses one: "optimizer got an empty parameter list")."""
+    model = tiny_bert()
+    inside = {id(p) for b in blocks.blocks(model) for p in b.parameters() if p.ndim == 2}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in inside)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = optim.build("muon", model, 1e-2, 0.0)
+    steps(model, optimizer, 2)
+    moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+    assert moved == [p.requires_grad for p in model.parameters()]
+
+
 def test_schedule_free_evaluates_its_averaged_weights_and_trains_on_exactly_its_own():
     model = tiny_bert()
     optimizer = optim.build("schedule-free-adamw", model, 1e-2, 0.0)

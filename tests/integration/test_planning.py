@@ -252,6 +252,23 @@ def test_plan_table_and_bad_inputs(tmp_path):
     assert bad.returncode == 2 and "--memory-budget must be > 0" in bad.stderr
 
 
+def test_plan_and_the_budget_fit_offer_only_optimizers_that_train_accepts_with_the_settings():
+    """`plan`'s default optimizers and `train --memory-budget`'s lighter ones follow config.optimizer_refusal:
+    with fsdp, neither 8-bit Adam nor Adafactor (plain-tensor states beside sharded weights)."""
+    import argparse
+
+    from effitrain.commands import plan as plan_command
+
+    assert plan_command._optimizers(argparse.Namespace(optim=None, strategy="fsdp", peft="none")) == ["adamw", "sgd"]
+    assert plan_command._optimizers(argparse.Namespace(optim=None, strategy="ddp", peft="lora")) == [
+        "adamw", "adamw-8bit", "adafactor", "sgd"]
+    shapes = plan.model_shapes("sequence-classification", "bert:hidden_size=32,num_hidden_layers=1,"
+                               "num_attention_heads=2,intermediate_size=64,vocab_size=100", num_labels=2)
+    for strategy, lightest in (("fsdp", "adamw"), ("ddp", "adafactor")):
+        with pytest.raises(UserError, match=f"even one example at a time with {lightest}, gradient checkpointing"):
+            plan.fit(plan.Planner(shapes, 16, "cpu", 2, strategy), 2, "fp32", "adamw", False, 1 << 10)
+
+
 COMMON = dict(max_train_samples=48, max_eval_samples=20, epochs=1, lr=1e-3, warmup_ratio=0.0, log_every=1,
               eval_batch_size=16, batch_size=16, max_length=64)
 
@@ -612,14 +629,20 @@ def test_answer_only_data_is_planned_with_the_heads_product_over_its_answers_onl
     assert tasks.get("causal-lm").loss_positions(train) == 3
 
 
-def test_the_simulation_keeps_the_adapters_half_precision_casts_as_training_does():
+@pytest.mark.parametrize("fp32_matmul", ["mkl", "onednn"])
+def test_the_simulation_keeps_the_adapters_half_precision_casts_as_training_does(fp32_matmul, monkeypatch):
     """Under bf16 LoRA keeps its frozen bases' casts across steps (speedups/adapter_step.py) where that leaves
     the peak as it is: not when checkpointing (the step would hold every block's casts instead of one's) or
     sharded. The simulated step makes and holds them as the real step does (its timeline, the casts made
-    inside it, equals the fake one), and without checkpointing keeping them moves neither peak."""
+    inside it, equals the fake one), and without checkpointing keeping them moves neither peak. The same
+    whichever library multiplies fp32 matrices on this CPU (onednn-linear routes them on AMD's)."""
     from effitrain import tasks
     from effitrain.models import transforms
-    from effitrain.speedups import adapter_step
+    from effitrain.speedups import adapter_step, onednn_linear
+
+    monkeypatch.setenv(onednn_linear.SWITCH, fp32_matmul)
+    onednn_linear.preferred.cache_clear()
+    monkeypatch.setattr(onednn_linear, "preferred", onednn_linear.preferred.__wrapped__)  # read per call here
     from torch.utils.flop_counter import flop_registry
     from transformers import BertForSequenceClassification
 

@@ -355,3 +355,24 @@ def test_a_lora_checkpoint_resumed_without_peft_names_peft_not_the_lr_it_implies
     with pytest.raises(UserError, match=r"made with peft='lora', this run has 'none'.*fix: resume with --peft lora"):
         checkpoint.check(tmp_path, plain, 1, 1)
     assert checkpoint.check(tmp_path, lora, 1, 1)["world_size"] == 1
+
+
+@pytest.mark.parametrize("changed", [{"loss_on": "all"}, {"chat_template": "chatml"}, {"skip_bad_rows": True},
+                                     {"max_grad_norm": 0.5}], ids=lambda c: next(iter(c)))
+def test_a_checkpoint_resumed_with_another_loss_mask_template_data_filter_or_clipping_is_refused(tmp_path, changed):
+    """Each changes what a step trains on or how far it moves: a resume with another would not continue the run."""
+    import json
+
+    from effitrain import config as cfg
+    from effitrain.engine import checkpoint
+    from effitrain.errors import UserError
+
+    made = cfg.build(None, {"task": "causal-lm"}).to_dict()
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": made, "world_size": 1, "plan": {"grad_accum": 1}}))
+    now = cfg.build(None, {"task": "causal-lm", **changed}).to_dict()
+    key = next(iter(changed))
+    with pytest.raises(UserError, match=f"made with {key}="):
+        checkpoint.check(tmp_path, now, 1, 1)
+    older = {k: v for k, v in made.items() if k != key}  # a checkpoint from before the setting: its default
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": older, "world_size": 1, "plan": {"grad_accum": 1}}))
+    assert checkpoint.check(tmp_path, made, 1, 1)["world_size"] == 1

@@ -352,3 +352,13 @@ def test_the_stratified_split_holds_out_the_rows_datasets_would(seed):
         single.train_test_split(test_size=0.2, stratify_by_column="label", seed=seed)
     with pytest.raises(ValueError):
         sources.stratified_split(single, 0.2, seed)
+
+
+def test_train_help_names_every_built_in_data_set():
+    """config.py names the built-ins without importing data/ (its help answers without heavy libraries)."""
+    from effitrain import config
+    from effitrain.data import builtins
+
+    assert config.BUILTIN_DATA == tuple(builtins.BUILTINS)
+    data_help = next(f for f in config.fields() if f.name == "data").metadata["help"]
+    assert all(name in data_help for name in builtins.BUILTINS)

@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the matrix, print the table, write bench.json and bench.png. 0 when every variant ran, else 1."""
     from effitrain.outputs import files, run_folder
 
-    check_args(args)
+    check(args)  # the CLI checked them already; bench.main is also called directly
     extra = parse_extra(args.extra)
     explicit = args.variants is not None
     if getattr(args, "optimizers", False) and explicit:
@@ -147,11 +147,13 @@ def main(args: argparse.Namespace) -> int:
 
 # --- choosing and building the matrix -----------------------------------------------------------
 
-def check_args(args: argparse.Namespace) -> None:
-    """The flags shared with train by train's rules (a mistake answers before any run starts)."""
+def check(args: argparse.Namespace) -> None:
+    """The flags shared with train by train's rules, and --extra's split (a mistake answers before any run
+    starts)."""
     cfg.check_value("steps", args.steps, {"positive": True})
     for name in ("batch_size", "max_length", "seed", "output_dir", "data", "model"):
         cfg.check_value(name, getattr(args, name))
+    parse_extra(args.extra)
 
 
 def parse_extra(extra: str | None) -> list[str]:

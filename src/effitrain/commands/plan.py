@@ -49,19 +49,26 @@ def add_parser(commands) -> None:
     plan.add_argument("--debug", action="store_true")
 
 
-def main(args) -> int:
+def check(args) -> None:
     from effitrain.planning import sizes
 
     cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
     for name in ("seq_len", "world_size", "num_labels"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
-    if args.memory is not None:
-        if sizes.parse_size(args.memory) <= 0:  # a mistake answers before torch is imported
-            raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
-                            "for what is free on the device now")
+    for name in args.optim or []:  # what `train` would refuse with these settings
+        problem = cfg.optimizer_refusal(name, args.strategy, args.peft)
+        if problem is not None:
+            raise problem
+    if args.memory is not None and sizes.parse_size(args.memory) <= 0:
+        raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
+                        "for what is free on the device now")
+
+
+def main(args) -> int:
     import torch
 
     from effitrain.planning import planner as plan
+    from effitrain.planning import sizes
     from effitrain.runtime import devices, libraries
 
     libraries.quiet_libraries(args.debug)
@@ -75,8 +82,7 @@ def main(args) -> int:
     shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))
     shapes = plan.for_preference(shapes, args.preference, _plan_reference(args))
     planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
-    rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"],
-                                   args.optim or ["adamw", "adamw-8bit", "adafactor", "sgd"],
+    rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"], _optimizers(args),
                                    [False, True] if shapes.supports_checkpointing else [False],
                                    budget, args.all)
     best = plan.recommend(rows)
@@ -101,6 +107,13 @@ def main(args) -> int:
               f"--grad-accum {s.accumulation}" + (" --gradient-checkpointing" if s.checkpointing else "")
               + f" ({best.total / plan.GiB:.2f} GiB, {best.relative_speed:.2f}x the speed of fp32 AdamW)")
     return 0
+
+
+def _optimizers(args: argparse.Namespace) -> list[str]:
+    """The optimizers to plan: those asked for (`check` refused those `train` would), else the everyday ones
+    that `train` accepts with these settings."""
+    return args.optim or [name for name in ("adamw", "adamw-8bit", "adafactor", "sgd")
+                          if cfg.optimizer_refusal(name, args.strategy, args.peft) is None]
 
 
 def _plan_peft(args: argparse.Namespace):

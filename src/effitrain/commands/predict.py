@@ -102,12 +102,15 @@ def add_parser(commands) -> None:
     predict.add_argument("--debug", action="store_true")
 
 
-def main(args) -> int:
+def check(args) -> None:
     for name in ("max_length", "max_duration", "seed"):  # train's rules (predict's own defaults)
         cfg.check_value(name, getattr(args, name))
     for name in ("max_new_tokens", "temperature"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
     cfg.check_value("top_p", args.top_p, {"within": (0, 1), "ends": "(]", "fix": "pass e.g. {flag} 0.9"})
+
+
+def main(args) -> int:
     # Only what prediction needs is imported (torch, transformers): no datasets, no accelerate, no engine.
     from effitrain.outputs import files
     from effitrain.runtime import libraries

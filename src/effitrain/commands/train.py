@@ -92,10 +92,19 @@ def add_parser(commands) -> None:
     cfg.add_flags(parser, cfg.cli_fields(), grouped=True)
 
 
-def main(args) -> int:
+def configured(args) -> tuple[TrainConfig, str | None]:
+    """The run's settings from the flags and the --config file, validated; and that file."""
     values = vars(args).copy()
     values.pop("command")
     config_file = values.pop("config", None)
     file_values = cfg.load_yaml(config_file) if config_file else {}
-    train(cfg.build(file_values, values), config_file, command=True)
+    return cfg.build(file_values, values), config_file
+
+
+def check(args) -> None:
+    configured(args)
+
+
+def main(args) -> int:
+    train(*configured(args), command=True)
     return 0

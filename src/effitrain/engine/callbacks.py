@@ -14,17 +14,41 @@ any error)."""
 
 from __future__ import annotations
 
+import difflib
+
 HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_evaluate", "on_save", "on_train_end")
 
 
 def checked(callbacks) -> list:
-    """The callbacks as a list; refuses, before a run starts, one that has none of the hooks (a typo in
-    a method's name would otherwise watch nothing, silently)."""
+    """The callbacks as a list (None: none); refuses, before a run starts, what is not a list of callback
+    objects: a lone function or object, a class instead of its instance, one with none of the hooks, or
+    with a method named like a hook that is not one (a typo would otherwise watch nothing, silently)."""
+    from effitrain.errors import UserError
+
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, (str, bytes, type)) or callable(callbacks) or not hasattr(callbacks, "__iter__"):
+        raise UserError(f"callbacks={_named(callbacks)} is not a list of callback objects",
+                        f"pass a list of objects with some of the methods {', '.join(HOOKS)}, e.g. "
+                        "callbacks=[MyCallback()]")
     callbacks = list(callbacks)
     for callback in callbacks:
-        if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-            raise TypeError(f"{callback!r} has none of the hooks {', '.join(HOOKS)}")
+        if isinstance(callback, type):
+            raise UserError(f"callback {callback.__name__} is a class", f"pass an instance: {callback.__name__}()")
+        misspelt = [name for name in dir(callback) if name.startswith("on_") and name not in HOOKS]
+        if misspelt or not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+            near = difflib.get_close_matches(misspelt[0], HOOKS, n=1) if misspelt else []
+            problem = (f"callback {_named(callback)} has a method {misspelt[0]}, which is no hook" if misspelt
+                       else f"callback {_named(callback)} has none of the hooks")
+            raise UserError(problem, (f"rename it {near[0]}" if near else "name its methods") +
+                            f" (the hooks: {', '.join(HOOKS)})")
     return callbacks
+
+
+def _named(thing) -> str:
+    """A class or function by its name, an object as its class's call: MyCallback()."""
+    name = getattr(thing, "__name__", None)
+    return name if isinstance(name, str) else f"{type(thing).__name__}()"
 
 
 class Callbacks:

@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-from effitrain.config import LORA_SETTINGS, PREFERENCE_SETTINGS, TrainConfig
+from effitrain.config import CHAT_SETTINGS, LORA_SETTINGS, PREFERENCE_SETTINGS, TrainConfig
 from effitrain.errors import UserError
 from effitrain.outputs import files as outputs_files
 
@@ -27,10 +27,12 @@ MUST_MATCH = ("peft", "max_steps", "epochs", "model", "task", "data", "validatio
               "max_length", "group_by_length", "packing", "optim", "precision", "lr", "weight_decay",
               "warmup_ratio", "beta1", "beta2", "validation_split", "test_split", "strategy", "local_sgd_steps",
               "gradient_checkpointing", "max_duration", "lora_r", "lora_alpha", "lora_dropout",
-              "lora_target_modules", "preference", *PREFERENCE_SETTINGS)
+              "lora_target_modules", "preference", *PREFERENCE_SETTINGS, *CHAT_SETTINGS, "skip_bad_rows",
+              "max_grad_norm")
 # Settings added after checkpoints were first written: a checkpoint without them was made with their defaults.
 EARLIER_DEFAULTS = {name: getattr(TrainConfig, name) for name in ("peft", *LORA_SETTINGS, "preference",
-                                                                  *PREFERENCE_SETTINGS)}
+                                                                  *PREFERENCE_SETTINGS, *CHAT_SETTINGS,
+                                                                  "skip_bad_rows", "max_grad_norm")}
 
 
 PATH_SETTINGS = ("model", "data", "validation_file", "test_file")

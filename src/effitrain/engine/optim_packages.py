@@ -100,20 +100,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, matrices: list, rest: list[dict], lr: float, weight_decay: float, betas, adamw_of_groups):
         self._muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
-        self._adamw = adamw_of_groups(rest, lr, betas)
+        # None where Muon takes every trained tensor (LoRA's matrices alone, say): torch refuses an empty AdamW
+        self._adamw = adamw_of_groups(rest, lr, betas) if rest else None
         groups = [{**g, "muon": True} for g in self._muon.param_groups] + [
-            {**g, "muon": False} for g in self._adamw.param_groups]
+            {**g, "muon": False} for g in (self._adamw.param_groups if rest else [])]
         super().__init__(groups, {})
 
     @torch.no_grad()
     def step(self, closure=None):
         # The inner optimizers see this one's groups and state, which load_state_dict replaces.
         self._muon.param_groups = [g for g in self.param_groups if g["muon"]]
-        self._adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
-        self._muon.state = self._adamw.state = self.state
+        self._muon.state = self.state
+        if self._adamw is not None:
+            self._adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+            self._adamw.state = self.state
         loss = closure() if closure is not None else None
         self._muon.step()
-        if self._adamw.param_groups:
+        if self._adamw is not None and self._adamw.param_groups:
             self._adamw.step()
         return loss
 

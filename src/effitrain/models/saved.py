@@ -8,7 +8,6 @@ from pathlib import Path
 
 from effitrain import tasks
 from effitrain.models import adapters, loading
-from effitrain.speedups import chunked_lm_loss
 
 
 @dataclass
@@ -44,6 +43,8 @@ def build(path: Path, task, processor):
     else:
         model = task.build_model(loading.ModelSource(path), None, processor)
     if task.chunked_loss:
+        from effitrain.speedups import chunked_lm_loss  # torch: not on the CLI's parse path
+
         chunked_lm_loss.apply(model)
     return model
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from effitrain import tasks
-from effitrain.config import shards_weights
+from effitrain.config import optimizer_refusal, shards_weights
 from effitrain.errors import UserError
 from effitrain.models import adapters, blocks, loading
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
@@ -400,8 +400,8 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
     choices = [(checkpointing, optimizer)]
     if not techniques_fixed:
         can = (checkpointing, True) if planner.shapes.supports_checkpointing else (checkpointing,)
-        choices += [(ckpt, optimizer) for ckpt in can[1:]] + [(ckpt, lighter) for lighter in LIGHTER[optimizer]
-                                                                for ckpt in can]
+        lighter = [name for name in LIGHTER[optimizer] if optimizer_refusal(name, planner.strategy) is None]
+        choices += [(ckpt, optimizer) for ckpt in can[1:]] + [(ckpt, name) for name in lighter for ckpt in can]
     for ckpt, optim_name in choices:
         for micro in micro_batches(batch):
             estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro * accumulation))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
+from effitrain.speedups import onednn_linear
 from effitrain.speedups.dropout import keep_mask
 
 
@@ -148,7 +149,7 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)
     weight_a = lora_a.weight.to(dtype)
     base = layer.base_layer
-    if layer.adapter_one_node and _plain_linear(base) and not base.weight.requires_grad \
+    if layer.adapter_one_node and _plain_linear(base, dtype) and not base.weight.requires_grad \
             and (base.bias is None or not base.bias.requires_grad):
         # The frozen base and the adapter in one node (cast as autocast casts them for F.linear).
         weight, bias = _frozen_cast(base, dtype, layer.keep_half_casts)
@@ -157,7 +158,7 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return out.view(*x.shape[:-1], out.shape[-1])
     a = _scaled_projection(layer, inputs, weight_a, p, layer.scaling[name])
     weight_b = lora_b.weight.to(dtype).t()
-    if _plain_linear(base):  # the base product computed here, and the adapter's added into it in place
+    if _plain_linear(base, dtype):  # the base product computed here, and the adapter's added into it in place
         flat = inputs.reshape(-1, inputs.shape[-1])
         out = torch.addmm(base.bias, flat, base.weight.t()) if base.bias is not None else flat.mm(base.weight.t())
         if out.dtype == dtype:
@@ -224,10 +225,11 @@ def _scaled_projection(layer, inputs, weight_a, p: float, scaling: float) -> tor
     return (a * scaling).reshape(-1, a.shape[-1])
 
 
-def _plain_linear(module) -> bool:
-    """nn.Linear's own forward, no hooks: F.linear(x, weight, bias), which this module may compute itself."""
-    return (type(module) is torch.nn.Linear and "forward" not in vars(module) and not module._forward_hooks
-            and not module._forward_pre_hooks)
+def _plain_linear(module, dtype: torch.dtype) -> bool:
+    """F.linear(x, weight, bias) for an input in `dtype`, which this module may compute itself: nn.Linear's
+    own forward, or onednn-linear's outside fp32 (F.linear there: the same step on every x86 CPU), no hooks."""
+    own = "forward" not in vars(module) or (dtype != torch.float32 and onednn_linear.routed(module))
+    return type(module) is torch.nn.Linear and own and not module._forward_hooks and not module._forward_pre_hooks
 
 
 def apply(model, lean: bool = False, one_node: bool = True, keep_half_casts: bool = True) -> int:

@@ -142,23 +142,35 @@ def find(kind: str) -> str | None:
     return None
 
 
-def preload() -> None:
-    """At the `effitrain` command's start, before torch is imported: re-execute this same command once
-    with jemalloc or tcmalloc preloaded (as EFFITRAIN_ALLOCATOR asks), when this process runs glibc's
-    malloc on Linux and the library is installed. Processes it starts (`launch`'s workers, `bench`'s
-    variants) inherit the preload. Returns when nothing is to be done; UserError when the allocator asked
-    for by name is not installed. Never call it in a program that has done work: it replaces the process."""
+def preloading() -> dict | None:
+    """At the `effitrain` command's start, before torch is imported: the environment to re-execute this
+    same command with, jemalloc or tcmalloc preloaded (as EFFITRAIN_ALLOCATOR asks), when this process runs
+    glibc's malloc on Linux and the library is installed; else None. UserError when the allocator asked
+    for by name is not installed, or for a value effitrain does not know."""
     requested()  # a value it does not know is refused, preloaded or not
-    if os.environ.get(PRELOADING) or serving()[0] != "glibc":
-        return  # tried once already (a preload the linker refused); or already preloaded
-    environment = preloaded_environment(os.environ)
-    if environment is not None and sys.executable:  # an embedded interpreter has no executable to start again
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
-        except OSError:  # not allowed to (a sandbox): glibc's malloc, as without the library
-            pass
+    if os.environ.get(PRELOADING) or serving()[0] != "glibc" or not sys.executable:
+        return None  # tried once already (a preload the linker refused), already preloaded, or embedded
+    return preloaded_environment(os.environ)
+
+
+def reexecute(environment: dict) -> None:
+    """This process replaced by the same command in `environment` (`preloading`'s); returns where it is not
+    allowed to (a sandbox: glibc's malloc, as without the library). Processes it starts (`launch`'s workers,
+    `bench`'s variants) inherit the preload. Never call it in a program that has done work."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    except OSError:
+        pass
+
+
+def preload() -> None:
+    """`preloading`, then `reexecute` where there is an allocator to preload (what `__main__` does, less its
+    answer to --help and mistakes before the re-execution)."""
+    environment = preloading()
+    if environment is not None:
+        reexecute(environment)
 
 
 def preloaded_environment(environ) -> dict | None:

@@ -83,6 +83,11 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def routed(layer: torch.nn.Module) -> bool:
+    """Whether `layer` has this module's forward (which is torch's F.linear for anything but fp32)."""
+    return getattr(vars(layer).get("forward"), "__func__", None) is _forward
+
+
 def apply(model: torch.nn.Module) -> int:
     """Every torch.nn.Linear of `model` computes through oneDNN where `_forward` allows it; the number of
     layers changed (0 where oneDNN is not preferred here). The weights, state_dict and config are
