@@ -397,6 +397,47 @@ def test_a_full_disk_during_the_save_is_one_line_and_leaves_no_half_model(tiny_m
     assert (out / "checkpoints" / "step-1").is_dir()  # what was saved before stays, for --resume auto
 
 
+def on_a_small_disk(folder, size: str, *command) -> subprocess.CompletedProcess:
+    """`command` run with `folder` a tmpfs of `size` in a mount namespace of its own (gone with it): a real
+    file system that fills up, as root on this project's machines."""
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root (unshare --mount) to mount a small file system")
+    folder.mkdir(exist_ok=True)
+    mount = 'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"'
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, str(folder), size,
+                           *map(str, command)], capture_output=True, text=True, timeout=300)
+
+
+def test_torch_and_safetensors_full_disk_errors_are_said_as_one(tmp_path):
+    """torch.save raises a RuntimeError with no errno ("unexpected pos"), safetensors its SafetensorError
+    ("os error 28"): outputs.files.writing says both as the OSError the CLI turns into one line."""
+    script = ("import sys, torch; from pathlib import Path; from effitrain.outputs import files; "
+              "from safetensors.torch import save_file\n"
+              "for name, save in (('a.pt', torch.save), ('b.safetensors', lambda t, p: save_file({'t': t}, p))):\n"
+              "    try:\n"
+              "        with files.writing(Path(sys.argv[1]) / name):\n"
+              "            save(torch.zeros(2**20), str(Path(sys.argv[1]) / name))\n"
+              "    except OSError as err:\n"
+              "        print(err.errno, type(err.__cause__).__name__)\n")
+    result = on_a_small_disk(tmp_path / "disk", "1m", sys.executable, "-c", script, tmp_path / "disk")
+    assert result.stdout.split("\n")[:2] == ["28 RuntimeError", "28 SafetensorError"], result.stderr[-2000:]
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_one_and_says_so(tiny_model_dir, tmp_path):
+    """A real full disk (20 MiB: one checkpoint of the tiny model fits, not two): one line, exit 2, the
+    half-written checkpoint removed, the earlier one complete for --resume auto."""
+    disk = tmp_path / "disk"
+    result = on_a_small_disk(disk, "20m", sys.executable, "-c", "import sys; from effitrain.__main__ import run; "
+                             "code = run(); print(sorted(p.name for p in (sys.modules['pathlib'].Path(sys.argv[-1]) / "
+                             "'checkpoints').iterdir())); sys.exit(code)", "train", "--model", tiny_model_dir,
+                             "--max-train-samples", 16, "--max-eval-samples", 8, "--batch-size", 8, "--max-steps", 3,
+                             "--save-every", 1, "--output-dir", disk / "out")
+    lines = [line for line in result.stderr.splitlines() if line.startswith("effitrain")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "No space left on device writing" in lines[0] and "earlier checkpoints stay" in lines[0]
+    assert result.stdout.strip().splitlines()[-1] == "['step-1']"
+
+
 def test_a_bench_whose_variants_failed_at_start_can_be_replaced(tmp_path):
     """A variant refused at its start leaves its NAME.log but no folder; --overwrite still replaces the
     bench (the corrected command runs), and a .log that bench did not write still stops it."""

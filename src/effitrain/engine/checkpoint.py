@@ -79,7 +79,8 @@ def save(strategy, out_dir: Path, step: int, state: dict, keep_last: int | None,
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
-        strategy.save_checkpoint(tmp, *trained)
+        with outputs_files.writing(tmp):
+            strategy.save_checkpoint(tmp, *trained)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "trainer_state.json").write_text(outputs_files.json_text({**state, "step": step}, indent=1))

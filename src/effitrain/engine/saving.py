@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from effitrain.models import adapters
+from effitrain.outputs import files
 
 
 def save_model(run, folder: Path, adapter: bool = False) -> None:
@@ -20,10 +21,12 @@ def save_model(run, folder: Path, adapter: bool = False) -> None:
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()  # no process looks into `tmp` while it is being cleared
     try:
-        write_weights(run, tmp, adapter)
+        with files.writing(tmp):
+            write_weights(run, tmp, adapter)
         accelerator.wait_for_everyone()  # the other processes' save_pretrained also looks into `tmp`
         if accelerator.is_main_process:
-            save_processor(run, tmp)
+            with files.writing(tmp):
+                save_processor(run, tmp)
             if folder.exists():
                 shutil.rmtree(folder)
             tmp.rename(folder)

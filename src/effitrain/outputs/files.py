@@ -1,7 +1,10 @@
-"""Files other tools read: strict JSON (non-finite numbers written as null, and said) and YAML."""
+"""Files other tools read: strict JSON (non-finite numbers written as null, and said) and YAML; writes
+whose failure for a full disk is said as one."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -72,3 +75,46 @@ def place(path: Path, write: Callable[[Path], object], replace: bool = False) ->
             os.link(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+# Below this much room, a write that torch says failed ("unexpected pos", "file write failed": no errno) is
+# taken for a full disk.
+NEARLY_FULL = 16 * 2**20
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Writes into `path` (a file or a folder) whose failure for want of space comes out as the OSError the
+    CLI says in one line (ENOSPC, EDQUOT). torch.save raises a RuntimeError without an errno, safetensors its
+    SafetensorError ("os error 28"): neither is an OSError. Anything else passes as it is."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as err:
+        code = _out_of_space(str(err), path)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from err
+
+
+def _out_of_space(said: str, path: Path) -> int | None:
+    if "os error 28" in said or "No space left on device" in said:
+        return errno.ENOSPC
+    if "os error 122" in said or "Disk quota exceeded" in said:
+        return errno.EDQUOT
+    if ("unexpected pos" in said or "file write failed" in said) and free_bytes(path) < NEARLY_FULL:
+        return errno.ENOSPC
+    return None
+
+
+def free_bytes(path: Path) -> int:
+    """Room left for this user on the file system that holds `path` (or its nearest existing folder)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return NEARLY_FULL  # unknown: not taken for full
+    return stats.f_bavail * stats.f_frsize

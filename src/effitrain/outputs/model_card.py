@@ -43,9 +43,12 @@ def text(value) -> str:
 
 def code(value) -> str:
     """A path or setting as a Markdown code span, whatever backticks it holds (CommonMark: a longer run of
-    backticks delimits); shown literally, HTML included."""
-    ticks = "`" * (max((len(run) for run in re.findall(r"`+", str(value))), default=0) + 1)
-    padded = f" {value} " if str(value).startswith("`") or str(value).endswith("`") else str(value)
+    backticks delimits); shown literally, HTML included. Line breaks and other control characters are
+    written as Python escapes (a blank line would end the span's paragraph, and what follows it would be
+    read as Markdown and HTML)."""
+    value = re.sub(r"[\x00-\x1f\x7f\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], str(value))
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", value)), default=0) + 1)
+    padded = f" {value} " if value.startswith("`") or value.endswith("`") else value
     return f"{ticks}{padded}{ticks}"
 
 

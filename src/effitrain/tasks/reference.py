@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from effitrain.outputs import files
 from effitrain.outputs.run_folder import REFERENCE_LOGPS as FILE  # in the run folder: {split: [pairs, 2] float64}
 COLUMN = "reference_logps"
 
@@ -149,5 +150,9 @@ def _write(out_dir: Path | None, stored: dict) -> None:
         return
     path = Path(out_dir) / FILE
     partial = path.with_name(FILE + ".tmp")
-    save_file({name: values.contiguous() for name, values in stored.items()}, str(partial))
-    os.replace(partial, path)
+    try:
+        with files.writing(partial):
+            save_file({name: values.contiguous() for name, values in stored.items()}, str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
