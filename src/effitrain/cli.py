@@ -1,5 +1,5 @@
 """The `effitrain` command: a parser made of each command's own (commands/<name>.py: add_parser, main, and
-an optional `check` of its flags), the dispatch, exit codes and signals. Parsing and checking import
+an optional `check_flags(args)`), the dispatch, exit codes and signals. Parsing and checking import
 neither torch nor transformers (commands import them inside main), so that `--help` and every flag or
 config mistake answer at once, before the allocator re-executes the command (`answer_at_once`)."""
 
@@ -44,12 +44,12 @@ def build_parser() -> Parser:
 
 
 def parsed(argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed, and checked by the command's own `check(args)` where it has one (rules that need no
-    heavy library: values, the config file's keys)."""
+    """`argv` parsed, and checked by the command's own `check_flags(args)` where it has one (rules that need
+    no heavy library: values, the config file's keys)."""
     args = build_parser().parse_args(argv)
-    check = getattr(command_module(args.command), "check", None)
-    if check is not None:
-        check(args)
+    check_flags = getattr(command_module(args.command), "check_flags", None)
+    if check_flags is not None:
+        check_flags(args)
     return args
 
 

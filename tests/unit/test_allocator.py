@@ -143,20 +143,25 @@ from effitrain.speedups import allocator
 allocator.preload()
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+before = rss()
 block = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
 del block
 kept = rss()
 allocator.give_back()
-print(json.dumps([allocator.serving()[0], kept - rss()]))
+print(json.dumps([allocator.serving()[0], kept - before, rss() - before]))
 """
 
 
 @pytest.mark.parametrize("kind", PRELOADED)
 def test_give_back_returns_what_the_preloaded_allocator_keeps(kind):
+    """After give_back the freed block is the system's again, whether the allocator kept it (tcmalloc) or
+    returned it when it was freed (jemalloc under effitrain's setting purges large blocks at once)."""
     out = preloaded_run(GIVE_BACK, EFFITRAIN_ALLOCATOR=kind)
     assert out.returncode == 0, out.stderr
-    served, returned = json.loads(out.stdout)
-    assert served == kind and returned > 200 * 2**20
+    served, kept, left = json.loads(out.stdout)
+    assert served == kind and left < 32 * 2**20
+    if kind == "tcmalloc":  # it keeps freed memory until asked
+        assert kept > 200 * 2**20
 
 
 def test_planner_overhead_follows_the_allocator(monkeypatch):
@@ -185,3 +190,28 @@ def test_the_environment_for_a_child_keeps_the_users_preloads_first(monkeypatch)
     assert all(chosen[name] == value for name, value in allocator.SETTINGS["tcmalloc"].items())
     jemalloc = allocator.preloaded_environment({allocator.ALLOCATOR: "jemalloc"})
     assert jemalloc["MALLOC_CONF"] == allocator.SETTINGS["jemalloc"]["MALLOC_CONF"]
+
+
+def test_a_copy_the_linker_cannot_preload_is_passed_over(tmp_path, monkeypatch):
+    """A broken libtcmalloc found first (here: an empty file) would make ld.so print its error on every
+    command and run glibc anyway: the next copy that preloads is taken, else none."""
+    broken = tmp_path / allocator.LIBRARIES["tcmalloc"][0]
+    broken.write_bytes(b"")
+    real = allocator.find("tcmalloc")
+    folders = allocator._folders()
+    monkeypatch.setattr(allocator, "_folders", lambda: [str(tmp_path), *folders])
+    assert allocator.find("tcmalloc") == real and not allocator._preloads(str(broken))
+    monkeypatch.setattr(allocator, "_folders", lambda: [str(tmp_path)])
+    assert allocator.find("tcmalloc") is None
+
+
+def test_an_allocator_asked_for_by_name_is_not_silently_replaced_by_the_users_preload(monkeypatch):
+    monkeypatch.delenv(allocator.PRELOADING, raising=False)
+    monkeypatch.setattr(allocator, "serving", lambda: ("jemalloc", "/opt/libjemalloc.so.2"))
+    monkeypatch.setenv(allocator.ALLOCATOR, "tcmalloc")
+    with pytest.raises(UserError, match=r"EFFITRAIN_ALLOCATOR=tcmalloc, but this process already runs jemalloc's "
+                                        r"malloc \(/opt/libjemalloc.so.2\), through LD_PRELOAD"):
+        allocator.preloading()
+    for kept in ("auto", "jemalloc", "system"):  # the user's own preload stays: nothing to re-execute
+        monkeypatch.setenv(allocator.ALLOCATOR, kept)
+        assert allocator.preloading() is None

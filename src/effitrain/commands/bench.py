@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the matrix, print the table, write bench.json and bench.png. 0 when every variant ran, else 1."""
     from effitrain.outputs import files, run_folder
 
-    check(args)  # the CLI checked them already; bench.main is also called directly
+    check_flags(args)  # the CLI checked them already; bench.main is also called directly
     extra = parse_extra(args.extra)
     explicit = args.variants is not None
     if getattr(args, "optimizers", False) and explicit:
@@ -147,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
 
 # --- choosing and building the matrix -----------------------------------------------------------
 
-def check(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> None:
     """The flags shared with train by train's rules, and --extra's split (a mistake answers before any run
     starts)."""
     cfg.check_value("steps", args.steps, {"positive": True})

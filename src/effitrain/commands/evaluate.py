@@ -145,7 +145,7 @@ def add_parser(commands) -> None:
                   {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
 
 
-def check(args) -> None:
+def check_flags(args) -> None:
     """Each data flag by train's rules, and --output: before any model or library loads."""
     for key in DATA_KEYS:
         cfg.check_value(key, getattr(args, key, None))

@@ -49,7 +49,7 @@ def add_parser(commands) -> None:
     plan.add_argument("--debug", action="store_true")
 
 
-def check(args) -> None:
+def check_flags(args) -> None:
     from effitrain.planning import sizes
 
     cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
@@ -110,7 +110,7 @@ def main(args) -> int:
 
 
 def _optimizers(args: argparse.Namespace) -> list[str]:
-    """The optimizers to plan: those asked for (`check` refused those `train` would), else the everyday ones
+    """The optimizers to plan: those asked for (`check_flags` refused those `train` would), else the everyday ones
     that `train` accepts with these settings."""
     return args.optim or [name for name in ("adamw", "adamw-8bit", "adafactor", "sgd")
                           if cfg.optimizer_refusal(name, args.strategy, args.peft) is None]

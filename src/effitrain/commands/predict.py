@@ -102,7 +102,7 @@ def add_parser(commands) -> None:
     predict.add_argument("--debug", action="store_true")
 
 
-def check(args) -> None:
+def check_flags(args) -> None:
     for name in ("max_length", "max_duration", "seed"):  # train's rules (predict's own defaults)
         cfg.check_value(name, getattr(args, name))
     for name in ("max_new_tokens", "temperature"):

@@ -101,7 +101,7 @@ def configured(args) -> tuple[TrainConfig, str | None]:
     return cfg.build(file_values, values), config_file
 
 
-def check(args) -> None:
+def check_flags(args) -> None:
     configured(args)
 
 

@@ -18,12 +18,12 @@ allocator that keeps small objects apart from large blocks (tcmalloc's size clas
 holds the tensors plus a near-constant, at glibc's speed or better. `preload` re-executes the `effitrain`
 command once with one of them in LD_PRELOAD, before torch is loaded (a library cannot replace malloc in a
 running process): tcmalloc where installed, else glibc with the settings above; jemalloc only when asked
-for by name (EFFITRAIN_ALLOCATOR=jemalloc), set never to purge (its default purging re-faults every
-step's pages: steps 27-34% slower). Not jemalloc by default: never purging, it grew a BERT-base-sized
-model's bf16 run by ~30 MiB of resident memory a step without end (3.1 -> 7.7 GiB over 150 steps: the
-freed blocks of the batches' many widths kept, not reused), where tcmalloc stayed flat at 3.5 GiB and
-ran 1.4x faster; on the default job tcmalloc is as fast or faster (bf16 +4-7%) in 5-7% less peak
-memory (benchmarks/results/allocator_xeon2c_2026-12-05.md).
+for by name (EFFITRAIN_ALLOCATOR=jemalloc), with its freed pages purged after 5 s. Never purging (faster:
+purging re-faults every step's pages) grew a BERT-base-sized model's bf16 run by ~30 MiB of resident
+memory a step without end (3.1 -> 7.7 GiB over 150 steps: the freed blocks of the batches' many widths
+kept, not reused); the 5 s decay stopped the growth but ran 0.75x tcmalloc's speed, which stayed flat at
+3.5 GiB. On the default job tcmalloc is as fast or faster (bf16 +4-7%) in 5-7% less peak memory
+(benchmarks/results/allocator_xeon2c_2026-12-05.md).
 EFFITRAIN_ALLOCATOR chooses (`system`: no preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
 
 `bound_primitive_cache` caps oneDNN's cache of compiled kernels ("primitives"), through which CPU bf16
@@ -57,10 +57,10 @@ LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtc
                           "libtcmalloc.so"),
              "jemalloc": ("libjemalloc.so.2", "libjemalloc.so")}
 AUTO = ("tcmalloc",)  # what `auto` preloads where installed (jemalloc's growth: the module's doc)
-# Set unless the user set them. jemalloc: never purge freed pages (its decay purges re-fault every step's
-# pages, and 5.3 purges blocks >= 8 MiB at once whatever the decay); tcmalloc: no "large alloc" report
-# on stderr for blocks over 1 GiB (one-line errors stay one line).
-SETTINGS = {"jemalloc": {"MALLOC_CONF": "background_thread:false,dirty_decay_ms:-1,muzzy_decay_ms:-1"},
+# Set unless the user set them. jemalloc: purge freed pages after 5 s, not jemalloc's default 10 s nor never
+# (never purging grew a bf16 run without end; 5 s stopped the growth, at 0.75x tcmalloc's speed: the
+# module's doc); tcmalloc: no "large alloc" report on stderr for blocks over 1 GiB (one line stays one).
+SETTINGS = {"jemalloc": {"MALLOC_CONF": "background_thread:false,dirty_decay_ms:5000,muzzy_decay_ms:0"},
             "tcmalloc": {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60)}}
 JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
 PRIMITIVES = 64
@@ -128,18 +128,38 @@ def requested(environ=os.environ) -> str:
 
 
 def find(kind: str) -> str | None:
-    """The path of the allocator library `kind`, looked for where its packages install it."""
+    """The path of the allocator library `kind` that the dynamic linker can preload, looked for where its
+    packages install it (a broken copy found first is passed over: preloaded, ld.so would print its error
+    on every command and run glibc's malloc)."""
+    for name in LIBRARIES[kind]:
+        for folder in _folders():
+            for found in sorted(glob.glob(os.path.join(folder, name))):
+                if _preloads(found):
+                    return found
+    return None
+
+
+def _folders() -> list[str]:
     folders = [os.path.join(sys.prefix, "lib"), os.environ.get("CONDA_PREFIX", "") and
                os.path.join(os.environ["CONDA_PREFIX"], "lib"), "/usr/local/lib"]
     multiarch = sysconfig.get_config_var("MULTIARCH")
     folders += [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
-    folders += ["/usr/lib64", "/usr/lib"]
-    for name in LIBRARIES[kind]:
-        for folder in filter(None, folders):
-            found = glob.glob(os.path.join(folder, name))
-            if found:
-                return found[0]
-    return None
+    return [folder for folder in folders + ["/usr/lib64", "/usr/lib"] if folder]
+
+
+@functools.cache
+def _preloads(path: str) -> bool:
+    """Whether a program starts with `path` preloaded, ld.so saying nothing (a few milliseconds: `true`)."""
+    import shutil
+    import subprocess
+
+    program = shutil.which("true") or sys.executable
+    try:
+        started = subprocess.run([program] if program != sys.executable else [program, "-S", "-c", ""],
+                                 env={**os.environ, "LD_PRELOAD": path}, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return started.returncode == 0 and not started.stderr
 
 
 def preloading() -> dict | None:
@@ -147,9 +167,18 @@ def preloading() -> dict | None:
     same command with, jemalloc or tcmalloc preloaded (as EFFITRAIN_ALLOCATOR asks), when this process runs
     glibc's malloc on Linux and the library is installed; else None. UserError when the allocator asked
     for by name is not installed, or for a value effitrain does not know."""
-    requested()  # a value it does not know is refused, preloaded or not
-    if os.environ.get(PRELOADING) or serving()[0] != "glibc" or not sys.executable:
-        return None  # tried once already (a preload the linker refused), already preloaded, or embedded
+    wanted = requested()  # a value it does not know is refused, preloaded or not
+    if os.environ.get(PRELOADING) or not sys.executable:
+        return None  # tried once already (a preload the linker refused), or embedded
+    kind, file = serving()
+    if kind != "glibc":  # the user's own LD_PRELOAD put another malloc in place: it stays, unless asked otherwise
+        if wanted in LIBRARIES and kind != wanted:
+            from effitrain.errors import UserError
+
+            raise UserError(f"{ALLOCATOR}={wanted}, but this process already runs {kind}'s malloc "
+                            f"({file or 'preloaded'}), through LD_PRELOAD", f"take it out of LD_PRELOAD, or set "
+                            f"{ALLOCATOR}=auto to keep it")
+        return None
     return preloaded_environment(os.environ)
 
 
