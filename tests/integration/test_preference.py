@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from effitrain.data import preferences
+from effitrain.errors import UserError
 from effitrain.speedups import chunked_lm_loss
 from effitrain.tasks import preference
 from test_distributed import torchrun
@@ -314,3 +315,30 @@ def test_conversations_with_a_shared_prompt_encode_as_explicit_message_pairs(tok
     end = chat.convert_tokens_to_ids("<|im_end|>")
     assert [label for label in explicit["chosen_labels"] if label != -100] == \
         chat("no", add_special_tokens=False)["input_ids"] + [end]
+
+
+@pytest.mark.parametrize("damage", ["edited", "truncated", "garbage", "no-digest"])
+def test_a_stored_reference_that_is_not_what_the_run_wrote_is_refused_on_resume(tmp_path, damage):
+    """reference_logps.safetensors carries the digest of its values: a resume never trains against edited,
+    cut or foreign log-probs, and says so in one line."""
+    from effitrain.tasks import reference
+    from safetensors.torch import save_file
+
+    stored = {"train": -torch.rand(6, 2, dtype=torch.float64), "validation": -torch.rand(2, 2, dtype=torch.float64)}
+    reference._write(tmp_path, stored)
+    sizes = {"train": 6, "validation": 2}
+    assert all(torch.equal(reference._read(tmp_path, sizes)[k], stored[k]) for k in stored)
+    path = tmp_path / reference.FILE
+    if damage == "edited":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x10  # one bit of the last value
+        path.write_bytes(bytes(data))
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-9])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00garbage" * 20)
+    else:
+        save_file(stored, str(path))  # the same values, written by something that kept no digest
+    with pytest.raises(UserError, match=r"DPO's precomputed reference .* (cannot be read|is not what this run wrote)"
+                                        r".*fix: delete it"):
+        reference._read(tmp_path, sizes)

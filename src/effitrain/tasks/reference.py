@@ -128,15 +128,46 @@ def compute_shared(model, split, collate, batch_size: int, answer_logps) -> torc
 
 
 def _read(out_dir: Path | None, sizes: dict[str, int]) -> dict | None:
-    """The log-probs an earlier start of this run stored, when they fit the splits (a resume)."""
+    """The log-probs an earlier start of this run stored, when they fit the splits (a resume); refused when
+    the file is not what was written (its digest, kept in its metadata, differs: edited, cut, or not ours)."""
     if out_dir is None or not (Path(out_dir) / FILE).is_file():
         return None
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
-    stored = load_file(str(Path(out_dir) / FILE))
+    path = Path(out_dir) / FILE
+    try:
+        with safe_open(str(path), framework="pt") as stored_file:
+            recorded = (stored_file.metadata() or {}).get(DIGEST)
+            stored = {name: stored_file.get_tensor(name) for name in stored_file.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise _changed(path, f"cannot be read ({' '.join(str(err).split())[:200]})") from None
+    if recorded is None or recorded != digest(stored):
+        raise _changed(path, "is not what this run wrote (its digest differs: edited, or written by something else)")
     if {name: len(values) for name, values in stored.items()} != sizes:
         return None
     return stored
+
+
+DIGEST = "effitrain_sha256"  # the metadata key of the stored log-probs' digest
+
+
+def digest(stored: dict) -> str:
+    """sha256 over each split's name, shape, dtype and bytes, in name order."""
+    import hashlib
+
+    hashed = hashlib.sha256()
+    for name in sorted(stored):
+        values = stored[name].contiguous()
+        hashed.update(f"{name}|{tuple(values.shape)}|{values.dtype}|".encode())
+        hashed.update(values.view(torch.uint8).numpy().tobytes() if values.numel() else b"")
+    return hashed.hexdigest()
+
+
+def _changed(path: Path, problem: str):
+    from effitrain.errors import UserError
+
+    return UserError(f"DPO's precomputed reference {path} {problem}", f"delete it (a resumed run computes it again "
+                     "from the starting model), or start a new --output-dir")
 
 
 def _write(out_dir: Path | None, stored: dict) -> None:
@@ -150,9 +181,10 @@ def _write(out_dir: Path | None, stored: dict) -> None:
         return
     path = Path(out_dir) / FILE
     partial = path.with_name(FILE + ".tmp")
+    stored = {name: values.contiguous() for name, values in stored.items()}
     try:
         with files.writing(partial):
-            save_file({name: values.contiguous() for name, values in stored.items()}, str(partial))
+            save_file(stored, str(partial), metadata={DIGEST: digest(stored)})
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
