@@ -126,6 +126,23 @@ def test_resume_refuses_a_checkpoint_of_other_settings(dropout_model_dir, tmp_pa
     assert (tmp_path / "o" / "config.yaml").read_text() == before  # nothing written before the refusal
 
 
+def test_a_checkpoint_whose_optimizer_state_is_not_its_recorded_optims_is_refused(dropout_model_dir, tmp_path,
+                                                                                  cli_here):
+    """optimizer.bin swapped for an SGD run's (one state a weight, not AdamW's two): one line, exit 2."""
+    common = ["--model", dropout_model_dir, "--max-train-samples", 16, "--max-eval-samples", 8, "--batch-size", 4,
+              "--max-steps", 4, "--save-every", 2]
+    for name in ("adamw", "sgd"):
+        done = cli_here("train", *common, "--optim", name, "--output-dir", tmp_path / name)
+        assert done.returncode == 0, done.stderr[-3000:]
+    (tmp_path / "adamw" / "metrics.json").unlink()  # as if killed after its step-2 checkpoint
+    checkpoint = tmp_path / "adamw" / "checkpoints" / "step-2"
+    shutil.copy(tmp_path / "sgd" / "checkpoints" / "step-2" / "optimizer.bin", checkpoint / "optimizer.bin")
+    result = cli_here("train", *common, "--optim", "adamw", "--output-dir", tmp_path / "adamw", "--resume", "auto")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert f"checkpoint {checkpoint} does not fit the model and --optim adamw" in lines[0] and "fix:" in lines[0]
+
+
 def test_launch_restarts_a_killed_worker_and_resumes_bitwise(dropout_model_dir, tmp_path):
     """2 processes; one worker is killed once; --max-restarts 1 restarts both, they resume from the latest
     checkpoint, and the run ends with the weights of a 2-process run that was never stopped."""

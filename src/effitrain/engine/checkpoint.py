@@ -133,8 +133,20 @@ class Checkpointer:
 
     def restore(self, path: Path, state, world: int, trainer_state: dict) -> None:
         """Weights, optimizer, scheduler, scaler and RNG from `path`; counters into `state`; the log
-        cut back to the checkpoint's step (what a killed run logged after it runs again)."""
-        self.strategy.load_checkpoint(path, *self.trained)
+        cut back to the checkpoint's step (what a killed run logged after it runs again). Files that do not
+        fit the model and optimizer their trainer state records (swapped, edited) are refused in one line."""
+        import pickle
+
+        from safetensors import SafetensorError
+
+        try:
+            self.strategy.load_checkpoint(path, *self.trained)
+        except (ValueError, KeyError, IndexError, RuntimeError, pickle.UnpicklingError, SafetensorError) as err:
+            made_with = trainer_state.get("config", {})
+            said = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            raise UserError(f"checkpoint {path} does not fit the model and --optim {made_with.get('optim')} its "
+                            f"trainer_state.json records ({said})", "resume from another checkpoint (--resume "
+                            "PATH), or start a new --output-dir") from err
         state.load_state_dict(trainer_state, world)
         if self.strategy.accelerator.is_main_process:
             trim_log(self.out_dir / "log.jsonl", state.step)
