@@ -240,3 +240,19 @@ def test_a_template_that_never_ends_is_stopped_and_the_alarm_put_back(bpe, monke
     # a template that renders in time is untouched by the limit
     plain = answers.encode(with_template(bpe, CHATML), {"messages": CONVERSATION}, conversations.MESSAGES)
     assert plain.input_ids == with_template(bpe, CHATML).apply_chat_template(CONVERSATION)["input_ids"]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_templates_that_prompt_the_assistant_pass_the_generation_prompt_check(bpe, name):
+    answers.check_generation_prompt(with_template(bpe, TEMPLATES[name]), name)
+
+
+def test_a_template_that_ignores_add_generation_prompt_is_refused_and_a_headerless_one_is_not(bpe):
+    """Without its {% if add_generation_prompt %} block, ChatML's "<|im_start|>assistant\\n" would sit inside
+    every answer (trained on, then printed by predict); a template whose turns have no header loses nothing."""
+    blind = CHATML.split("{% if add_generation_prompt %}")[0]
+    with pytest.raises(UserError, match=r"ignores add_generation_prompt: the assistant's turn starts with "
+                                        r"'<\|im_start\|>assistant'.*fix: add \{% if add_generation_prompt %\}"):
+        answers.check_generation_prompt(with_template(bpe, blind), "blind")
+    headerless = "{% for message in messages %}{{ message['content'] + '<|endoftext|>' }}{% endfor %}"
+    answers.check_generation_prompt(with_template(bpe, headerless), "headerless")

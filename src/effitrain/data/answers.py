@@ -97,6 +97,39 @@ def _conversation(tokenizer, messages: list[dict], first_answer: int) -> tuple[l
     return ids, answer
 
 
+PROBE_ANSWER = "effitrain-probe-answer"
+
+
+def check_generation_prompt(tokenizer, model: str) -> None:
+    """The template (`templates.require`d) renders an assistant turn as its generation prompt promised: nothing
+    but the answer after the text `add_generation_prompt=True` gives. A template that ignores the flag would
+    put the assistant's header ("<|im_start|>assistant") inside every answer: the loss would train the model
+    to write it, and `predict` would print it."""
+    templates.require(tokenizer, model)
+    user = {"role": "user", "content": "Hi"}
+    prompted = _render(tokenizer, [user], tokenize=False, add_generation_prompt=True)
+    whole = _render(tokenizer, [user, {"role": conversations.ANSWER, "content": PROBE_ANSWER}], tokenize=False)
+    if not whole.startswith(prompted) or PROBE_ANSWER not in whole[len(prompted):]:
+        return  # templates that render otherwise are checked per conversation (Unlocatable)
+    header = whole[len(prompted):].split(PROBE_ANSWER)[0]
+    if header.strip():
+        raise UserError(f"the chat template of {model} ignores add_generation_prompt: the assistant's turn starts "
+                        f"with {header.strip()[:80]!r}, which the generation prompt does not give, so every answer "
+                        "would include it", "add {% if add_generation_prompt %}...{% endif %} with that header at "
+                        "the template's end, or pass --chat-template chatml")
+
+
+def prompt_render_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation to answer, as generation sees it: rendered with the generation prompt, under the same
+    limits as training's renders."""
+    try:
+        return list(_render(tokenizer, messages, add_generation_prompt=True, tokenize=True,
+                            return_dict=True)["input_ids"])
+    except Unlocatable as err:
+        raise UserError(f"a conversation cannot be rendered by the chat template of {tokenizer.name_or_path}: {err}",
+                        "give conversations the template accepts (roles, order), or use another model") from None
+
+
 RENDER_SECONDS = 10  # one conversation renders in milliseconds; a template still running loops without end
 
 
@@ -112,7 +145,7 @@ def _render(tokenizer, messages: list[dict], **options):
         raise UserError("the chat template renders one conversation for more than "
                         f"{RENDER_SECONDS} s (a loop that does not end?)", "fix the template's loops, or pass "
                         "--chat-template chatml") from None
-    except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as err:
+    except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError, MemoryError) as err:
         # the template's own code failing (the sandbox's range limit, an {% include %} with no loader, ...)
         message = str(err).splitlines()[0][:200] if str(err) else ""
         raise UserError("the chat template fails on a conversation "

@@ -116,7 +116,7 @@ class CausalLM(Task):
         if config.chat_template is not None:
             templates.install(processor, config.chat_template)
         if fmt in conversations.CONVERSATIONAL:
-            templates.require(processor, config.model)
+            answers.check_generation_prompt(processor, config.model)
         # Evaluation measures the answers (loss, perplexity, exact match), whatever --loss-on trains on.
         encoded = answers.encode_splits(type(splits)(train=splits["train"]), processor, fmt, config.loss_on,
                                         config.max_length)
@@ -320,10 +320,9 @@ class CausalLM(Task):
         prompts = [r["prompt"] for r in records if "prompt" in r]
         tokenised = iter(processor(prompts)["input_ids"] if prompts else [])
         if len(prompts) < len(records):
-            templates.require(processor, processor.name_or_path)
+            answers.check_generation_prompt(processor, processor.name_or_path)
         rows = [answers.prompt_ids(processor, next(tokenised)) if "prompt" in r else
-                list(processor.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]) for r in records]
+                answers.prompt_render_ids(processor, r["messages"]) for r in records]
         return [row[-options.max_length:] for row in rows] if options.max_length else rows
 
     def prediction_size(self, encoding) -> int:

@@ -89,7 +89,7 @@ class Preference(CausalLM):
         return sources.load(config, columns, bad_rows=preferences.bad_rows)
 
     def preprocess(self, splits, processor, config, base_dir):
-        from effitrain.data import preferences, templates
+        from effitrain.data import answers, preferences, templates
 
         fmt = preferences.of_data(splits["train"])
         if config.chat_template is not None and fmt == preferences.STRINGS:
@@ -98,7 +98,7 @@ class Preference(CausalLM):
         if config.chat_template is not None:
             templates.install(processor, config.chat_template)
         if fmt != preferences.STRINGS:
-            templates.require(processor, config.model)
+            answers.check_generation_prompt(processor, config.model)
         return preferences.encode_splits(splits, processor, config.max_length)
 
     UNTRAINABLE = "pair(s) of --data {data} keep no token of the chosen or the rejected answer"
