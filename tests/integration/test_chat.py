@@ -56,6 +56,12 @@ def test_model_folder_renders_the_ids_trained_on(tmp_path):
             assert [label for label in labels if label != answers.IGNORE] == [t for w in wanted for t in w]
             examples += 1
     assert examples == 3 * 4
+    from effitrain.commands.evaluate import evaluate
+
+    csv = tmp_path / "spam.csv"  # classification data: a chat model's loss on it would be of raw text
+    csv.write_text("text,label\n" + "".join(f"message {n},{['ham', 'spam'][n % 2]}\n" for n in range(10)))
+    with pytest.raises(effitrain.UserError, match="the model was trained on conversations, and --data .* holds text"):
+        evaluate(str(tmp_path / "run" / "model"), {"data": str(csv)})
 
 
 def test_first_line_names_the_format_and_answer_cut_away_is_skipped(tmp_path):

@@ -295,6 +295,15 @@ def test_evaluate_with_the_starting_model_as_reference_gives_trains_test_metrics
         assert got[key] == pytest.approx(wanted[key], abs=1e-5), key
     itself = json.loads(cli_here(*common, "--reference-model", tmp_path / "run" / "model").stdout)
     assert itself["reward_margin"] == 0 and itself["loss"] == pytest.approx(0.6931472)
+    import copy
+    import shutil
+
+    shutil.copytree(tmp_path / "start", tmp_path / "other")  # the same model, a token more in its vocabulary
+    grown = copy.deepcopy(tokenizer)
+    grown.add_special_tokens({"extra_special_tokens": ["<|im_end|>"]}, replace_extra_special_tokens=False)
+    grown.save_pretrained(tmp_path / "other")
+    refused = cli_here(*common, "--reference-model", tmp_path / "other")
+    assert refused.returncode == 2 and "has another vocabulary than the model" in refused.stderr, refused.stderr
 
 
 def test_conversations_with_a_shared_prompt_encode_as_explicit_message_pairs(tokenizer):

@@ -55,6 +55,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     loaded = task.load_data(config)
     label_names = saved.label_names(model_config) if task.has_labels else None
     data = loaded.splits[split]
+    _check_conversations(processor, data, config, split)
     if label_names is not None:
         data = _model_labels(data, label_names, f"--data {config.data} ({split} split)")
     from datasets import DatasetDict
@@ -76,6 +77,18 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
         raise UserError(f"model {path} gives non-finite outputs (loss {metrics['loss']}) on --data {config.data}: "
                         "its weights are broken", "evaluate a model whose training ended without an error")
     return metrics
+
+
+def _check_conversations(processor, data, config, split: str) -> None:
+    """A model trained on conversations (its tokenizer's record) is measured on conversations: on text data
+    its loss would be of raw text, not of answers, and say nothing of the model."""
+    from effitrain.data import conversations, templates
+
+    if config.preference is None and templates.trained_on_conversations(processor) \
+            and conversations.of_data(data) not in conversations.CONVERSATIONAL:
+        raise UserError(f"the model was trained on conversations, and --data {config.data} ({split} split) holds "
+                        f"text (columns: {', '.join(data.column_names[:8])})", "evaluate it on conversations (a "
+                        "`messages` column, or prompt/completion as message lists)")
 
 
 def _preference_task(task, config, reference_model: str | None):
@@ -101,8 +114,15 @@ def _with_reference(task, encoded, processor, config, reference_model: str | Non
         return encoded
     from datasets import DatasetDict
 
+    from effitrain.models import loading
+
     path, _ = saved.locate(reference_model, allow_pickle, task.name)
-    model = saved.build(path, task, processor).to(device)
+    own = task.load_processor(loading.ModelSource(path))
+    if own.get_vocab() != processor.get_vocab():  # its log-probs would be of other tokens (or of resized rows)
+        raise UserError(f"--reference-model {reference_model} has another vocabulary than the model ({len(own)} "
+                        f"tokens, the model {len(processor)})", "pass the model the policy was trained from (the "
+                        "same tokenizer, chat template tokens included)")
+    model = saved.build(path, task, own).to(device)
     return task.before_training(model, DatasetDict(train=encoded), processor, config, None)["train"]
 
 
