@@ -489,20 +489,25 @@ def test_a_run_moved_with_its_base_finds_the_base_beside_it(relative_run, tmp_pa
 
 
 def test_an_adapter_without_a_record_loads_as_before_but_never_over_a_base_of_other_shapes(relative_run, tmp_path):
-    """adapter/ folders saved before the record: peft's base path as it is; a base that does not fit is now
-    refused (it loaded as random weights, exit 0, with ignore_mismatched_sizes): 2 layers x the intermediate
-    weight and bias and the output weight."""
+    """Inside an effitrain run an adapter without its record had it removed: refused (the digest check would
+    be bypassed). Out of a run (peft's own folders, or saved before the record): peft's base path as it is;
+    a base that does not fit is refused (it loaded as random weights, exit 0, with ignore_mismatched_sizes):
+    2 layers x the intermediate weight and bias and the output weight."""
     from transformers import BertConfig, BertForSequenceClassification
 
     work, before = relative_run
     (work / "run" / "adapter" / adapter_base.RECORD).unlink()
-    assert predict("run/adapter", TEXTS) == before
+    with pytest.raises(UserError, match=r"the adapter in run/adapter is in an effitrain run but has no "
+                                        r"effitrain_base.json .* fix: use the merged model run/model"):
+        predict("run/adapter", TEXTS)
+    shutil.copytree(work / "run" / "adapter", work / "loose")
+    assert predict("loose", TEXTS) == before
     config = BertConfig.from_pretrained(work / "base")
     config.intermediate_size = 48
     BertForSequenceClassification(config).save_pretrained(work / "base")
-    with pytest.raises(UserError, match=r"the base model .*base does not fit the adapter in run/adapter: 6 of another "
+    with pytest.raises(UserError, match=r"the base model .*base does not fit the adapter in loose: 6 of another "
                                         r"shape \(bert.encoder.layer.0.intermediate.dense.bias, "):
-        predict("run/adapter", TEXTS)
+        predict("loose", TEXTS)
 
 
 def test_predict_evaluate_and_train_treat_an_adapter_folder_alike(relative_run):

@@ -456,6 +456,13 @@ def base_of(path: Path, weights: bool = True) -> Path:
     content = adapter_base.read(path)
     if content is not None:
         return adapter_base.find(path, content, weights)
+    from effitrain.outputs.run_folder import MARKER
+
+    if (Path(path).resolve().parent / MARKER).is_file():  # effitrain wrote it with its record: removed since
+        raise UserError(f"the adapter in {path} is in an effitrain run but has no {adapter_base.RECORD} (which base "
+                        "it belongs to, with its weights' digest), so its base cannot be checked",
+                        f"use the merged model {adapter_base.merged_model(path)}; or, to apply it to the base peft "
+                        "names unchecked, copy the adapter folder out of the run")
     try:
         base = json.loads((Path(path) / ADAPTER_MARK).read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
