@@ -751,6 +751,8 @@ CASES = [
     (["plan", "--optim", "muon", "--strategy", "fsdp"], "it needs each weight whole"),
     (["plan", "--optim", "adam-8bit", "--strategy", "fsdp"], "--optim adam-8bit with --strategy fsdp"),
     (["evaluate", "--model", "prev/model", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "chatml", "--validation-file", "d.csv",
+      "--output-dir", "new"], "has no column `messages` (columns: text, label); fix: give it a `messages` column"),
 ]
 
 

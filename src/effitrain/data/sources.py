@@ -204,18 +204,30 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
+def column_flag(canonical: str) -> str | None:
+    """The flag that names the data's column for `canonical` (--text-column, ...); None for the columns read
+    by their own name (messages, prompt, completion, chosen, rejected)."""
+    from effitrain import config
+
+    name = f"{canonical}_column"
+    return config.flag(name) if name in {field.name for field in config.fields()} else None
+
+
 def select_columns(data, columns: dict[str, str], where: str):
     for canonical, user in columns.items():
         other = next((c for c, u in columns.items() if u == user and c != canonical), None)
         if other is not None:  # e.g. --label-column text: one column cannot be both the input and the label
             first, second = (flag.replace("_", "-") for flag in (canonical, other))
+            flags = [flag for flag in (column_flag(other), column_flag(canonical)) if flag]
             raise UserError(f"{where}: column `{user}` is both the {first} column and the {second} column",
-                            f"pass --{second}-column or --{first}-column naming another column")
+                            f"pass {' or '.join(flags)} naming another column")
     missing = [user for user in columns.values() if user not in data.column_names]
     if missing:
         canonical = next(c for c, user in columns.items() if user == missing[0])
+        flag = column_flag(canonical)
         raise UserError(f"{where} has no column `{missing[0]}` (columns: {', '.join(data.column_names)})",
-                        f"pass --{canonical.replace('_', '-')}-column with one of them")
+                        f"pass {flag} with one of them" if flag else
+                        f"give it a `{canonical}` column, as the training data has")
     data = data.select_columns(list(columns.values()))
     return data.rename_columns({user: canonical for canonical, user in columns.items() if user != canonical})
 
@@ -299,8 +311,8 @@ def check_types(data, columns: dict[str, str], where: str) -> None:
         t = data.data.column(canonical).type
         if not accepts(t):
             raise UserError(f"{where}: column `{columns[canonical]}` ({canonical.replace('_', ' ')}) holds {_kind(t)}, "
-                            f"not {wanted}", f"pass --{canonical.replace('_', '-')}-column naming a column of "
-                            f"{wanted}, or convert that column")
+                            f"not {wanted}", f"pass {column_flag(canonical)} naming a column of {wanted}, or convert "
+                            "that column")
 
 
 def labels_as_classes(data, user_column: str, where: str):

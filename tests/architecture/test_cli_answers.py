@@ -1,6 +1,6 @@
-"""`effitrain --help`, every command's --help and every flag or config mistake answer without torch,
-transformers, numpy, datasets or accelerate (an import of any of them fails here), and before the
-allocator re-executes the command: a mistake costs one light process."""
+"""What the CLI answers: `effitrain --help`, every command's --help and every flag or config mistake without
+torch, transformers, numpy, datasets or accelerate (an import of any of them fails here), and before the
+allocator re-executes the command (a mistake costs one light process); and fixes that name only real flags."""
 
 from __future__ import annotations
 
@@ -80,3 +80,36 @@ def test_a_mistake_is_answered_before_the_allocator_reexecutes(monkeypatch, caps
     monkeypatch.setattr("effitrain.cli.main", lambda: 0)  # what runs after the re-execution: not here
     monkeypatch.setattr("gc.freeze", lambda: None)
     assert entry.run() == 0 and started == [{"LD_PRELOAD": "/lib/libtcmalloc.so"}]
+
+
+# Flags of other programs that effitrain's messages name (torchrun's and Slurm's), and prefixes of flag families.
+OTHER_PROGRAMS = {"--nproc-per-node", "--ntasks-per-node", "--rdzv-conf", "--standalone", "--monitor-interval"}
+PREFIXES = {"--lora-", "--no-"}
+
+
+def test_every_flag_a_message_names_is_a_real_one():
+    """A fix that names a flag the user cannot pass (`--messages-column`) is a dead end: every --flag in the
+    source's strings is one of effitrain's commands' (or, named as theirs, torchrun's and Slurm's)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from effitrain import cli
+
+    flags = set()
+
+    def collect(parser):
+        for action in parser._actions:
+            flags.update(option for option in action.option_strings if option.startswith("--"))
+            for sub in (action.choices or {}).values() if isinstance(action.choices, dict) else ():
+                collect(sub)
+
+    collect(cli.build_parser())
+    unknown = {}
+    for path in (Path(__file__).resolve().parents[2] / "src" / "effitrain").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for name in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", node.value):
+                    if name not in flags | OTHER_PROGRAMS | PREFIXES:
+                        unknown.setdefault(name, path.name)
+    assert not unknown, unknown
