@@ -27,6 +27,8 @@ def workdir(tiny_model_dir, tmp_path_factory):
     (root / "prev" / "metrics.json").write_text('{"test": {"accuracy": 0.99}}\n')
     (root / "prev" / "log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
     (root / "empty.csv").write_text("")
+    (root / "empty.jinja").write_text(" \n")
+    (root / "dangling").symlink_to("nowhere/run")
     rows = "\n".join(f"message {i},{['ham', 'spam'][i % 2]}" for i in range(20))
     (root / "d.csv").write_text("text,label\n" + rows + "\n")
     (root / "badrow.csv").write_text("text,label\n" + rows + "\ntoo,many,fields\n")
@@ -535,7 +537,7 @@ CASES = [
     (["train", *TINY, "--data", "latin.csv", "--output-dir", "new"], "is not UTF-8 text"),
     (["train", *TINY, "--data", "latin.csv", "--skip-bad-rows", "--output-dir", "new"], "is not UTF-8 text"),
     (["train", *TINY, "--data", "semi.csv", "--output-dir", "new"], "looks separated by semicolons"),
-    pytest.param(["train", *TINY, "--data", "bad.jsonl", "--output-dir", "new"], "cannot be read as json",
+    pytest.param(["train", *TINY, "--data", "bad.jsonl", "--output-dir", "new"], "bad.jsonl: line 2 is not valid JSON",
                  marks=FRESH),  # no datasets log
     (["train", *TINY, "--data", "pipe.csv", "--output-dir", "new"], "is not a regular file"),
     (["train", *TINY, "--data", "/dev/zero", "--output-dir", "new"], "is not a regular file"),
@@ -751,6 +753,10 @@ CASES = [
     (["plan", "--optim", "muon", "--strategy", "fsdp"], "it needs each weight whole"),
     (["plan", "--optim", "adam-8bit", "--strategy", "fsdp"], "--optim adam-8bit with --strategy fsdp"),
     (["evaluate", "--model", "prev/model", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["train", "--output-dir", "dangling"], "--output-dir dangling is a symbolic link to nowhere/run, which does not "
+                                           "exist; fix: create the folder it points to"),
+    (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "empty.jinja", "--output-dir", "new"],
+     "--chat-template empty.jinja is an empty file"),
     (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "chatml", "--validation-file", "d.csv",
       "--output-dir", "new"], "has no column `messages` (columns: text, label); fix: give it a `messages` column"),
 ]

@@ -155,9 +155,14 @@ def test_missing_value_is_named_or_skipped_and_counted(tmp_path):
     assert loaded.skipped_rows == 2 and sum(len(s) for s in loaded.splits.values()) == len(ROWS)
 
 
-def test_bad_json_line_names_the_file(tmp_path):
+def test_bad_json_line_names_the_file_and_the_line(tmp_path):
+    """pyarrow counts rows within the block it read ("row 0" of a later block): the file's own line is named."""
     (tmp_path / "d.jsonl").write_text('{"text": "a", "label": "x"}\n{not json\n')
-    check("cannot be read as json", tmp_path / "d.jsonl")
+    check("d.jsonl: line 2 is not valid JSON", tmp_path / "d.jsonl")
+    rows = [f'{{"text": "message {n}", "label": "{["ham", "spam"][n % 2]}"}}\n' for n in range(5000)]
+    rows[4100] = '{"text": "broken, "label": "ham"}\n'
+    (tmp_path / "long.jsonl").write_text("".join(rows))
+    check("long.jsonl: line 4101 is not valid JSON (Expecting ',' delimiter at column 20)", tmp_path / "long.jsonl")
 
 
 def test_data_set_from_the_local_hub_cache_offline(tmp_path):
@@ -289,7 +294,7 @@ def test_datasets_error_log_is_silenced(tmp_path, capsys):
     handler = logging.StreamHandler()  # what a user's terminal would get from datasets' logger
     logging.getLogger("datasets").addHandler(handler)
     try:
-        with pytest.raises(UserError, match="cannot be read as json"):
+        with pytest.raises(UserError, match="line 2 is not valid JSON"):
             load(path)
     finally:
         logging.getLogger("datasets").removeHandler(handler)

@@ -104,8 +104,35 @@ def _read_file(path: Path, skip_bad_rows: bool):
         cause = err.__cause__ or err
         if isinstance(cause, UnicodeDecodeError):
             raise _not_utf8(path, cause)
+        line = _first_bad_json_line(path) if kind == "json" else None
+        if line is not None:  # pyarrow counts rows within a block it read: "row 0" of a later block
+            number, problem = line
+            raise UserError(f"data file {path}: line {number} is not valid JSON ({problem})",
+                            "fix that line (one JSON object per line), or remove it")
         raise UserError(f"data file {path} cannot be read as {kind}: {_first_line(cause)}",
                         f"check that every line is valid {kind}")
+
+
+def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
+    """(number, json's words) of the first non-blank line of a JSON Lines file that is not one JSON value; None
+    where every line is, or where the file is not line by line (a .json document over several lines whose
+    first line does not parse alone)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, text in enumerate(lines, 1):
+                if not text.strip():
+                    continue
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as err:
+                    if number == 1 and path.suffix.lower() != ".jsonl":
+                        return None
+                    return number, f"{err.msg} at column {err.colno}"
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None
 
 
 def _not_utf8(path: Path, err: UnicodeDecodeError | None) -> UserError:

@@ -29,6 +29,9 @@ def read(value: str) -> str:
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"--chat-template {value} cannot be read ({type(err).__name__})",
                         "pass a readable UTF-8 Jinja file")
+    if not text.strip():
+        raise UserError(f"--chat-template {value} is an empty file", "write the template into it, or pass "
+                        "--chat-template chatml")
     check_parses(text, f"--chat-template {value}")
     return text
 

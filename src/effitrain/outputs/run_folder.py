@@ -131,6 +131,9 @@ class RunDir:
         folder is locked and any killed replacement is settled (None: a fresh start)."""
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"{self.flag} {self.path} is a file", f"pass a folder path to {self.flag}")
+        if self.path.is_symlink() and not self.path.exists():
+            raise UserError(f"{self.flag} {self.path} is a symbolic link to {os.readlink(self.path)}, which does not "
+                            "exist", f"create the folder it points to, or pass another {self.flag}")
         self._make_folder()
         try:
             self._lock()
