@@ -739,6 +739,9 @@ CASES = [
     (["plan", "--task", "causal-lm", "--preference", "orpo", "--reference", "copy"],
      "--reference applies to --preference dpo"),
     (["evaluate", "--model", "prev/model", "--reference-model", "prev/model"], "--reference-model is DPO's reference"),
+    (["evaluate", "--model", "lm-chat", "--data", "pairs.jsonl", "--preference", "dpo", "--reference-model",
+      "prev/model"], "--reference-model prev/model: --task causal-lm does not fit the model in prev/model: it is a "
+                     "sequence-classification model (BertForSequenceClassification); fix: pass the causal-lm model"),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

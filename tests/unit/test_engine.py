@@ -376,3 +376,17 @@ def test_a_checkpoint_resumed_with_another_loss_mask_template_data_filter_or_cli
     older = {k: v for k, v in made.items() if k != key}  # a checkpoint from before the setting: its default
     (tmp_path / "trainer_state.json").write_text(json.dumps({"config": older, "world_size": 1, "plan": {"grad_accum": 1}}))
     assert checkpoint.check(tmp_path, made, 1, 1)["world_size"] == 1
+
+
+def test_a_diverged_preference_run_names_beta_beside_the_lr():
+    """--beta 1e30 makes DPO's loss terms overflow: the fix names it, not only --lr."""
+    import types
+
+    from effitrain.config import TrainConfig
+    from effitrain.engine.run import non_finite_fix
+
+    dpo = types.SimpleNamespace(config=TrainConfig(task="causal-lm", preference="dpo", beta=1e30, lr=1e-4),
+                                adapted=False)
+    assert non_finite_fix(dpo).startswith("lower --lr or --beta (1e+30 now: it scales every dpo loss term)")
+    plain = types.SimpleNamespace(config=TrainConfig(), adapted=False)
+    assert "--beta" not in non_finite_fix(plain)

@@ -116,7 +116,11 @@ def _with_reference(task, encoded, processor, config, reference_model: str | Non
 
     from effitrain.models import loading
 
-    path, _ = saved.locate(reference_model, allow_pickle, task.name)
+    try:
+        path, _ = saved.locate(reference_model, allow_pickle, task.name)
+    except UserError as err:  # its words are for --model ("drop --task"): these are for the reference
+        raise UserError(f"--reference-model {reference_model}: {err.problem}", f"pass the {task.name} model the "
+                        "policy was trained from as --reference-model") from None
     own = task.load_processor(loading.ModelSource(path))
     if own.get_vocab() != processor.get_vocab():  # its log-probs would be of other tokens (or of resized rows)
         raise UserError(f"--reference-model {reference_model} has another vocabulary than the model ({len(own)} "

@@ -256,11 +256,13 @@ def non_finite_fix(job: Run) -> str:
     """What to change when training stopped being finite: with adapters, the adapters' settings (their
     own default lr is 10x full fine-tuning's, and lora_alpha / lora_r scales every update they make).
     The model's own weights were finite at the start (setup.check_finite_weights)."""
+    config = job.config
+    beta = f" or --beta ({config.beta:g} now: it scales every {config.preference} loss term)" if config.preference else ""
     if job.adapted:
-        config = job.config
-        return (f"lower --lr ({config.lr:g} now) or --lora-alpha (alpha/r = {config.lora_alpha:g}/{config.lora_r} "
-                f"scales the adapters' updates), use --precision fp32, or check the data for extreme values")
-    return "lower --lr, use --precision fp32, or check the data for extreme values"
+        return (f"lower --lr ({config.lr:g} now){beta} or --lora-alpha (alpha/r = {config.lora_alpha:g}/"
+                f"{config.lora_r} scales the adapters' updates), use --precision fp32, or check the data for extreme "
+                "values")
+    return f"lower --lr{beta}, use --precision fp32, or check the data for extreme values"
 
 
 def check_trained(job: Run, state: TrainState) -> None:
