@@ -66,6 +66,7 @@ def write_chat_cases(root):
     a turn with a special token, and a causal LM whose tokenizer has neither a pad nor an EOS token."""
     import json
 
+    from effitrain.data import templates
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -80,6 +81,13 @@ def write_chat_cases(root):
     jsonl("chat_role.jsonl", good[:5] + [chat(5, ("robot", "hi"), ("assistant", "hello"))] + good[6:])
     jsonl("chat_user_end.jsonl", good[:3] + [chat(3, ("user", "hi"), ("assistant", "hello"), ("user", "bye"))])
     jsonl("chat_long.jsonl", [chat(n, ("user", "word " * 40), ("assistant", "hello")) for n in range(12)])
+    jsonl("chat_answer_first.jsonl", good[:6] + [chat(6, ("assistant", "first"), ("user", "x"), ("assistant", "y"))]
+          + good[7:])
+    jsonl("chat_refused.jsonl", good[:9] + [chat(9, ("user", "REFUSE"), ("assistant", "hello"))] + good[10:])
+    (root / "picky.jinja").write_text(  # ChatML ending turns with [SEP] (the tokenizer's), refusing one content
+        templates.CHATML.replace("<|im_end|>", "[SEP]").replace(
+            "{% for message in messages %}", "{% for message in messages %}{% if message['content'].startswith("
+            "'REFUSE') %}{{ raise_exception('no refusals') }}{% endif %}"))
     jsonl("pc_empty.jsonl", [{"prompt": f"hi {n}", "completion": "" if n == 2 else "hello"} for n in range(12)])
     jsonl("mixed.jsonl", good[:6] + [{"text": f"plain text {n}"} for n in range(6)])
     jsonl("chat_num.jsonl", good[:3] + [{"messages": [{"role": "user", "content": 5}, {"role": "assistant",
@@ -758,6 +766,12 @@ CASES = [
     (["evaluate", "--model", "prev/model", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
     (["train", "--output-dir", "dangling"], "--output-dir dangling is a symbolic link to nowhere/run, which does not "
                                            "exist; fix: create the folder it points to"),
+    (["train", *LLAMA, "--data", "chat_answer_first.jsonl", "--chat-template", "chatml", "--output-dir", "new"],
+     "the conversation in row 7 of the data cannot be located in its templated token ids: the conversation starts "
+     "with an assistant turn, which has no prompt before it; fix: correct that conversation"),
+    (["train", *LLAMA, "--data", "chat_refused.jsonl", "--chat-template", "picky.jinja", "--output-dir", "new"],
+     "the conversation in row 10 of the data cannot be located in its templated token ids: the chat template "
+     "refuses it: no refusals; fix: use a template with {% generation %} blocks, or pass --chat-template chatml"),
     (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "empty.jinja", "--output-dir", "new"],
      "--chat-template empty.jinja is an empty file"),
     (["train", *LLAMA, "--data", "chat.jsonl", "--chat-template", "chatml", "--validation-file", "d.csv",

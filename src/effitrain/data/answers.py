@@ -234,26 +234,38 @@ def _through_end_of_turn(ids: list[int], group: list[int], special: set[int], ma
 
 def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
     """input_ids, attention_mask and labels per example, truncated to `max_length` (the start kept),
-    unpadded. A conversation whose answers cannot be located is refused with its split and index."""
+    unpadded. A conversation whose answers cannot be located is refused with its row in the data file."""
     template = getattr(tokenizer, "chat_template", None)
+    fix = ("correct that conversation (its roles and their order), or remove it" if template == templates.CHATML else
+           "use a template with {% generation %} blocks, or pass --chat-template chatml")
 
-    def encode_batch(batch, indices):
+    def encode_batch(batch, indices, split):
+        rows = data_rows(split)
         out = {"input_ids": [], "attention_mask": [], "labels": []}
         for offset, values in enumerate(zip(*batch.values())):
             try:
                 example = encode(tokenizer, dict(zip(batch, values)), fmt, loss_on)
             except Unlocatable as err:
-                raise UserError(f"the assistant turns of example {indices[offset] + 1} cannot be located in its "
-                                f"templated token ids: {err}", "use a template with {% generation %} blocks, or "
-                                "pass --chat-template chatml") from None
+                raise UserError(f"the assistant turns of the conversation in row {rows(indices[offset]) + 1} of the "
+                                f"data cannot be located in its templated token ids: {err}", fix) from None
             out["input_ids"].append(example.input_ids[:max_length])
             out["labels"].append(example.labels[:max_length])
             out["attention_mask"].append([1] * len(out["input_ids"][-1]))
         return out
 
     key = ["answers", tokenizer.name_or_path, len(tokenizer), max_length, fmt, loss_on, str(template)]
-    return cache.map_splits(splits, encode_batch, key, batched=True, with_indices=True,
+    return cache.map_splits(splits, encode_batch, key, per_split=True, batched=True, with_indices=True,
                             remove_columns=next(iter(splits.values())).column_names)
+
+
+def data_rows(split):
+    """Row i of a split -> its row in the data as read (0-based): the split and every selection before it
+    (bad rows dropped, the seeded shuffle, --max-*-samples) are an indices mapping over the table read."""
+    mapping = getattr(split, "_indices", None)
+    if mapping is None:
+        return lambda i: i
+    column = mapping.column(0)
+    return lambda i: column[i].as_py()
 
 
 def end_of_turn_id(tokenizer, fmt: str) -> int:
