@@ -256,3 +256,39 @@ def test_a_template_that_ignores_add_generation_prompt_is_refused_and_a_headerle
         answers.check_generation_prompt(with_template(bpe, blind), "blind")
     headerless = "{% for message in messages %}{{ message['content'] + '<|endoftext|>' }}{% endfor %}"
     answers.check_generation_prompt(with_template(bpe, headerless), "headerless")
+
+
+TOOLS_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] %}"
+                "{{ message['content'] }}{% endif %}{% for call in message.get('tool_calls') or [] %}{{ '<tool_call>' + "
+                "call['function']['name'] + ' ' + (call['function']['arguments'] | tojson) + '</tool_call>' }}"
+                "{% endfor %}{{ '<|im_end|>' + '\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+    {"role": "tool", "name": "add", "content": "4"},
+    {"role": "assistant", "content": "It is four."},
+]
+
+
+def test_tool_calling_conversations_train_on_the_calls_and_the_answer(bpe, tmp_path):
+    """TRL's tool-calling format (an assistant turn of tool_calls, a `tool` turn with a `name`): read from JSON
+    Lines (datasets types such messages as JSON objects), checked row by row, and trained on with a template
+    that renders calls: the loss covers the call turn and the answer, not the tool's result."""
+    import json
+
+    from datasets import load_dataset
+
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": TOOL_CONVERSATION}) + "\n" + json.dumps({"messages": CONVERSATION}) + "\n")
+    data = load_dataset("json", data_files=str(path), split="train")
+    assert conversations.bad_rows(data, "tools.jsonl", skip=False) == []
+    tokenizer = with_template(bpe, TOOLS_CHATML)
+    encoded = answers.encode(tokenizer, {"messages": TOOL_CONVERSATION}, conversations.MESSAGES)
+    learnt = tokenizer.decode([i for i in encoded.labels if i != answers.IGNORE])
+    assert learnt == '<tool_call>add {"a": 2, "b": 2}</tool_call><|im_end|>It is four.<|im_end|>'
+    with pytest.raises(UserError, match="the data has tool calls .* does not render them"):
+        answers.encode(with_template(bpe, CHATML), {"messages": TOOL_CONVERSATION}, conversations.MESSAGES)
+    broken = [TOOL_CONVERSATION[0], {"role": "assistant", "tool_calls": [{"name": "add"}]}]
+    assert "has tool_calls that are not the assistant's list" in conversations._problem({"messages": broken},
+                                                                                        conversations.MESSAGES)[0]

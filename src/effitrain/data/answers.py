@@ -74,6 +74,10 @@ def _prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[list[in
 
 def _conversation(tokenizer, messages: list[dict], first_answer: int) -> tuple[list[int], list[bool]]:
     template = templates.require(tokenizer, tokenizer.name_or_path)
+    if conversations.has_tool_calls(messages) and "tool_calls" not in template:
+        raise UserError(f"the data has tool calls (assistant messages' tool_calls), and the chat template of "
+                        f"{tokenizer.name_or_path} does not render them (it never reads `tool_calls`)",
+                        "pass a --chat-template that renders tool calls (the model's own, if it was made for tools)")
     marked = templates.has_generation_blocks(template)
     out = _render(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked,
                   tokenizer_kwargs={"return_offsets_mapping": True})

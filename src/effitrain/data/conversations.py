@@ -55,8 +55,14 @@ def of_data(data) -> str:
 
 
 def _is_messages(feature) -> bool:
+    """A list of messages: of structs with a role and a content or tool calls, or of JSON objects (datasets'
+    type for messages whose keys differ between rows: tool calls, a tool's `name`), each checked by `_problem`."""
+    from datasets import Json
+
     inner = getattr(feature, "feature", None)  # datasets' List (or Sequence) of structs
-    return isinstance(inner, dict) and {"role", "content"} <= set(inner)
+    if isinstance(inner, Json):
+        return True
+    return isinstance(inner, dict) and "role" in inner and bool({"content", "tool_calls"} & set(inner))
 
 
 def check_types(data, where: str) -> None:
@@ -112,9 +118,19 @@ def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
     if fmt == CHAT_PROMPT_COMPLETION and not row["completion"]:
         return "has an empty completion", "give it the assistant's answer"
     for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            return f"message {number} is {_kind(message)}, not a {{role, content}} object", \
+                'give each message as {"role": ..., "content": ...}'
         role = message.get("role")
         if role not in ROLES:
             return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != ANSWER or not _are_tool_calls(calls):
+                return (f"message {number} has tool_calls that are not the assistant's list of {{type, function: "
+                        "{name, arguments}}", "give tool calls as TRL's and transformers' formats do")
+            if not message.get("content"):
+                continue  # a call is the answer of that turn
         content = message.get("content")
         if content is not None and not isinstance(content, str):  # a number, a list of parts, an object
             return (f"message {number} has content that is {_kind(content)}, not text",
@@ -128,6 +144,16 @@ def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
         return (f"ends on a {messages[-1]['role']} turn (nothing for the model to answer there)",
                 "end each conversation with the assistant's answer")
     return None
+
+
+def _are_tool_calls(calls) -> bool:
+    return isinstance(calls, list) and bool(calls) and all(
+        isinstance(call, dict) and isinstance(call.get("function"), dict)
+        and isinstance(call["function"].get("name"), str) for call in calls)
+
+
+def has_tool_calls(messages: list[dict]) -> bool:
+    return any(isinstance(m, dict) and m.get("tool_calls") for m in messages)
 
 
 def _kind(value) -> str:
@@ -152,9 +178,19 @@ def prompt_problem(messages) -> tuple[str, str] | None:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         return "is not a non-empty list of {role, content} messages", f"give `messages` as {shape}"
     for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            return f"message {number} is {_kind(message)}, not a {{role, content}} object", \
+                'give each message as {"role": ..., "content": ...}'
         role = message.get("role")
         if role not in ROLES:
             return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != ANSWER or not _are_tool_calls(calls):
+                return (f"message {number} has tool_calls that are not the assistant's list of {{type, function: "
+                        "{name, arguments}}", "give tool calls as TRL's and transformers' formats do")
+            if not message.get("content"):
+                continue  # a call is the answer of that turn
         content = message.get("content")
         if not isinstance(content, str) or not content.strip():
             return f"message {number} has no text content", "give every message some content"
