@@ -18,6 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # equivalence checks compare in fp32 to 1e-5, so auto stays fp32 here (tests of bf16 ask for it).
 os.environ.setdefault("EFFITRAIN_CPU_AUTO_PRECISION", "fp32")
 OFFLINE_HOOK = Path(__file__).parent / "hooks" / "offline"  # sitecustomize.py: no network
+# Inductor's kernel cache does not tell kernels built under ATEN_CPU_CAPABILITY from those built without it:
+# a suite run under a restricted instruction set, after one without on the same machine, would load the
+# others' kernels and fail inside them ("returned a result with an exception set"). One cache per limit.
+_LIMITS = "-".join(os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")).strip("-")
+if _LIMITS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_LIMITS}")
 
 
 def pytest_report_header(config):

@@ -642,6 +642,11 @@ def _check_optimizer(config: TrainConfig) -> None:
 UNSHARDED_STATE_OPTIMIZERS = ("adafactor", "adamw-8bit", "adam-8bit")
 
 
+def accepted_optimizers(names, strategy: str = "ddp", peft: str = "none") -> list[str]:
+    """Those of `names` that `train` accepts with these settings (`plan`'s defaults, the budget's lighter ones)."""
+    return [name for name in names if optimizer_refusal(name, strategy, peft) is None]
+
+
 def optimizer_refusal(name: str, strategy: str = "ddp", peft: str = "none", local_sgd_steps: int | None = None):
     """Why `train` refuses --optim `name` with these settings (a UserError to raise), or None: the one rule
     that `train`, `plan` and the planner's lighter optimizers all follow."""

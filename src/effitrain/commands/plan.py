@@ -112,8 +112,7 @@ def main(args) -> int:
 def _optimizers(args: argparse.Namespace) -> list[str]:
     """The optimizers to plan: those asked for (`check_flags` refused those `train` would), else the everyday ones
     that `train` accepts with these settings."""
-    return args.optim or [name for name in ("adamw", "adamw-8bit", "adafactor", "sgd")
-                          if cfg.optimizer_refusal(name, args.strategy, args.peft) is None]
+    return cfg.accepted_optimizers(args.optim or ("adamw", "adamw-8bit", "adafactor", "sgd"), args.strategy, args.peft)
 
 
 def _plan_peft(args: argparse.Namespace):

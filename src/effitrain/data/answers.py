@@ -264,7 +264,7 @@ def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
 
 def data_rows(split):
     """Row i of a split -> its row in the data as read (0-based): the split and every selection before it
-    (bad rows dropped, the seeded shuffle, --max-*-samples) are an indices mapping over the table read."""
+    (bad rows dropped, the seeded shuffle, the samples kept) are an indices mapping over the table read."""
     mapping = getattr(split, "_indices", None)
     if mapping is None:
         return lambda i: i

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from effitrain import tasks
-from effitrain.config import optimizer_refusal, shards_weights
+from effitrain.config import accepted_optimizers, shards_weights
 from effitrain.errors import UserError
 from effitrain.models import adapters, blocks, loading
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
@@ -400,7 +400,7 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
     choices = [(checkpointing, optimizer)]
     if not techniques_fixed:
         can = (checkpointing, True) if planner.shapes.supports_checkpointing else (checkpointing,)
-        lighter = [name for name in LIGHTER[optimizer] if optimizer_refusal(name, planner.strategy) is None]
+        lighter = accepted_optimizers(LIGHTER[optimizer], planner.strategy)
         choices += [(ckpt, optimizer) for ckpt in can[1:]] + [(ckpt, name) for name in lighter for ckpt in can]
     for ckpt, optim_name in choices:
         for micro in micro_batches(batch):
