@@ -2,6 +2,8 @@
 data/templates.py, data/answers.py), over token ids, with templates as data and a byte-level BPE
 tokenizer trained here (no download)."""
 
+import re
+
 import pytest
 import torch
 from effitrain.data import answers, conversations, templates
@@ -225,21 +227,75 @@ def test_the_end_of_turn_token_is_what_ends_the_answers(bpe, name):
     assert answers.end_of_turn_id(tokenizer, conversations.PROMPT_COMPLETION) == tokenizer.eos_token_id
 
 
-def test_a_template_that_never_ends_is_stopped_and_the_alarm_put_back(bpe, monkeypatch):
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+# No call, attribute or output inside the inner loop: only an exception raised in the thread stops it.
+SILENT_ENDLESS = "{% set r = range(100000) | list %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template", [ENDLESS, SILENT_ENDLESS], ids=["calls", "silent"])
+def test_a_template_that_never_ends_is_stopped_in_any_thread(bpe, monkeypatch, template):
+    """The time limit stops the render whichever thread runs it (the Python API from a thread, evaluate's
+    workers): no signal, no alarm left behind."""
     import signal
+    import threading
     import time
 
-    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-    monkeypatch.setattr(answers, "RENDER_SECONDS", 0.3)
+    from effitrain.data import chat_render
+
+    monkeypatch.setattr(chat_render, "SECONDS", 0.3)
     before = signal.getsignal(signal.SIGALRM)
-    start = time.monotonic()
-    with pytest.raises(UserError, match=r"renders one conversation for more than 0.3 s"):
-        answers.encode(with_template(bpe, endless), {"messages": CONVERSATION}, conversations.MESSAGES)
-    assert time.monotonic() - start < 5
-    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-    # a template that renders in time is untouched by the limit
+    tokenizer = with_template(bpe, template)
+    outcome = {}
+
+    def encode():
+        start = time.monotonic()
+        try:
+            answers.encode(tokenizer, {"messages": CONVERSATION}, conversations.MESSAGES)
+        except UserError as err:
+            outcome["error"], outcome["seconds"] = str(err), time.monotonic() - start
+
+    for thread in ("main", "another"):
+        outcome.clear()
+        if thread == "main":
+            encode()
+        else:
+            worker = threading.Thread(target=encode)
+            worker.start()
+            worker.join(30)
+        assert "was stopped on a conversation: it ran more than 0.3 s" in outcome["error"], (thread, outcome)
+        assert outcome["seconds"] < 5
+    assert signal.getsignal(signal.SIGALRM) is before
+    time.sleep(0.5)  # a limit that expired after its render ended raises nothing later
     plain = answers.encode(with_template(bpe, CHATML), {"messages": CONVERSATION}, conversations.MESSAGES)
     assert plain.input_ids == with_template(bpe, CHATML).apply_chat_template(CONVERSATION)["input_ids"]
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{% set s = namespace(v='x') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v }}",
+     "it builds a value of"),
+    ("{% set s = namespace(v='x') %}{% for i in range(40) %}{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
+     "it builds a value of"),
+    ("{{ 'x' * 100000000 }}", "it builds a value of 1 x 100,000,000"),
+    ("{{ 10 ** (10 ** 8) }}", "it computes 10 ** 100000000"),
+    ("{{ '%0999999999d' % 1 }}", "it builds a formatted field 999,999,999 wide"),
+    ("{{ 'x' | center(999999999) }}", "it passes 999,999,999 to the filter center"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "it builds an output of more than"),
+], ids=["tilde", "plus", "repeat", "power", "format", "filter", "output"])
+def test_a_template_that_builds_gigabytes_is_stopped_before_it_does(bpe, template, said):
+    """Sizes are checked before each operation that could build a huge value (and Jinja's compiler no longer
+    computes constant ones while it compiles: `10 ** (10 ** 8)` took minutes there)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(UserError, match="was stopped on a conversation: " + re.escape(said)):
+        answers.encode(with_template(bpe, template), {"messages": CONVERSATION}, conversations.MESSAGES)
+    assert time.monotonic() - start < 5
+
+
+def test_a_template_file_is_compiled_within_the_limits(tmp_path):
+    path = tmp_path / "fold.jinja"
+    path.write_text("{{ 10 ** (10 ** 8) }}")
+    templates.read(str(path))  # compiled without folding the constant: it is computed (and refused) at render
 
 
 @pytest.mark.parametrize("name", TEMPLATES)

@@ -11,12 +11,9 @@ texts to be prefixes of the whole."""
 
 from __future__ import annotations
 
-import signal
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from effitrain.data import cache, conversations, templates
+from effitrain.data import cache, chat_render, conversations, templates
 from effitrain.errors import UserError
 
 IGNORE = -100  # the label of a position the loss skips
@@ -134,50 +131,22 @@ def prompt_render_ids(tokenizer, messages: list[dict]) -> list[int]:
                         "give conversations the template accepts (roles, order), or use another model") from None
 
 
-RENDER_SECONDS = 10  # one conversation renders in milliseconds; a template still running loops without end
-
-
 def _render(tokenizer, messages: list[dict], **options):
     import jinja2
 
     try:
-        with _time_limit(RENDER_SECONDS):
-            return tokenizer.apply_chat_template(messages, **options)
+        return chat_render.render(tokenizer, messages, **options)
     except jinja2.TemplateError as err:  # a template's raise_exception, e.g. roles that must alternate
         raise Unlocatable(f"the chat template refuses it: {str(err)[:200]}")
-    except _TooSlow:
-        raise UserError("the chat template renders one conversation for more than "
-                        f"{RENDER_SECONDS} s (a loop that does not end?)", "fix the template's loops, or pass "
-                        "--chat-template chatml") from None
+    except chat_render.TemplateLimit as err:
+        raise UserError(f"the chat template of {tokenizer.name_or_path} was stopped on a conversation: {err}",
+                        "fix the template (its loops, the sizes it builds), or pass --chat-template chatml") from None
     except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError, MemoryError) as err:
         # the template's own code failing (the sandbox's range limit, an {% include %} with no loader, ...)
         message = str(err).splitlines()[0][:200] if str(err) else ""
         raise UserError("the chat template fails on a conversation "
                         f"({type(err).__name__}: {message})", "fix the template, or pass --chat-template chatml") \
             from None
-
-
-class _TooSlow(Exception):
-    pass
-
-
-@contextmanager
-def _time_limit(seconds: float):
-    """Raises _TooSlow in the block after `seconds` (SIGALRM: the main thread only; elsewhere unbounded)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise _TooSlow()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _text_before(tokenizer, messages: list[dict], index: int) -> int:

@@ -37,16 +37,21 @@ def read(value: str) -> str:
 
 
 def check_parses(text: str, where: str) -> None:
-    """Compiled as transformers compiles chat templates (its {% generation %} tag included)."""
+    """Compiled as transformers compiles chat templates (its {% generation %} tag included), within
+    chat_render's limits (Jinja's compiler computes constant expressions)."""
     import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from effitrain.data import chat_render
 
     try:
-        _compile_jinja_template(text)
+        chat_render.compile_template(text)
     except jinja2.TemplateError as err:
         line = f"line {err.lineno}: " if getattr(err, "lineno", None) else ""
         raise UserError(f"{where} does not parse as a Jinja template ({line}{err.message or type(err).__name__})",
                         "fix the template's syntax ({{ ... }} for values, {% ... %} for statements)")
+    except chat_render.TemplateLimit as err:
+        raise UserError(f"{where} was stopped while it compiled: {err}", "fix the template (the constants it "
+                        "computes), or pass --chat-template chatml") from None
 
 
 def install(tokenizer, value: str) -> None:

@@ -1,0 +1,232 @@
+"""The one way effitrain renders a chat template (training's encoding, the generation-prompt check, `predict`,
+`evaluate`): transformers' `apply_chat_template`, with a time and a size limit in any thread.
+
+A chat template is code from a model folder or a user's file. transformers runs it in Jinja's immutable
+sandbox (no attribute escapes, `range` capped at 100,000), which bounds neither time nor memory: a loop
+over loops runs for hours, a string doubled 40 times asks for a terabyte, and Jinja's compiler folds
+constant expressions (`10 ** 10 ** 8`) while it compiles. Here:
+
+- the environment transformers builds is `BoundedEnvironment` (`bounded()` puts it in the place of the
+  sandbox class transformers names): `*`, `**`, `+`, `%` and `~` are computed only when their result stays
+  under MAX_CHARS characters (or MAX_BITS bits), which also keeps the compiler from folding them; filters
+  refuse a width or count above MAX_CHARS; the output of one render stops at MAX_CHARS;
+- a render that runs longer than SECONDS is stopped by an exception raised in its own thread (CPython's
+  PyThreadState_SetAsyncExc, from one watchdog thread): any thread, main or not, the sandbox's loops
+  included (they are Python code). A single C call still finishes first, which the size limits keep small.
+
+Each limit ends the render with `TemplateLimit`, which the callers say in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import heapq
+import itertools
+import threading
+import time
+
+SECONDS = 10  # one conversation renders in milliseconds; a template still running loops without end
+MAX_CHARS = 16 * 2**20  # of one value or of one render's output: 16 Mi characters (a conversation is far less)
+MAX_BITS = 4096  # of an integer a template computes
+
+
+class TemplateLimit(Exception):
+    """A render stopped at a limit: `str(err)` says which."""
+
+
+class TooSlow(TemplateLimit):
+    def __init__(self):
+        super().__init__(f"it ran more than {SECONDS} s (a loop that does not end?)")
+
+
+def _too_large(what: str) -> TemplateLimit:
+    return TemplateLimit(f"it builds {what}, over the limit of {MAX_CHARS:,} characters")
+
+
+def _size(value) -> int | None:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+def _check_binop(operator: str, left, right) -> None:
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        if right * max(abs(left).bit_length() - 1, 1) > MAX_BITS:
+            raise TemplateLimit(f"it computes {left} ** {right}, over the limit of {MAX_BITS} bits")
+    if operator == "*":
+        if isinstance(left, int) and isinstance(right, int):
+            if abs(left).bit_length() + abs(right).bit_length() > MAX_BITS:
+                raise TemplateLimit(f"it multiplies integers over the limit of {MAX_BITS} bits")
+            return
+        for sized, count in ((left, right), (right, left)):
+            if _size(sized) is not None and isinstance(count, int) and _size(sized) * count > MAX_CHARS:
+                raise _too_large(f"a value of {_size(sized):,} x {count:,}")
+    if operator == "+" and _size(left) is not None and _size(right) is not None \
+            and _size(left) + _size(right) > MAX_CHARS:
+        raise _too_large(f"a value of {_size(left) + _size(right):,}")
+    if operator == "%" and isinstance(left, str) and any(char.isdigit() for char in left):
+        widths = [int(run) for run in "".join(c if c.isdigit() else " " for c in left).split()]
+        if widths and max(widths) > MAX_CHARS:
+            raise _too_large(f"a formatted field {max(widths):,} wide")
+
+
+def _checked_join(values) -> str:
+    parts = [str(value) for value in values]
+    total = sum(len(part) for part in parts)
+    if total > MAX_CHARS:
+        raise _too_large(f"a value of {total:,}")
+    return "".join(parts)
+
+
+def _bounded_filter(name: str, function):
+    """A filter that refuses a number above MAX_CHARS among its arguments (a width, a count) and a result
+    over MAX_CHARS."""
+    @functools.wraps(function)  # keeps jinja's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        for value in itertools.chain(args[1:], kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CHARS:
+                raise TemplateLimit(f"it passes {value:,} to the filter {name}, over the limit of {MAX_CHARS:,}")
+        result = function(*args, **kwargs)
+        if _size(result) is not None and _size(result) > MAX_CHARS:
+            raise _too_large(f"a value of {_size(result):,}")
+        return result
+    return bounded
+
+
+def _environment_class():
+    """BoundedEnvironment, made on first use (jinja2 is imported with transformers, not before)."""
+    from jinja2.compiler import CodeGenerator
+    from jinja2.environment import Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedCodeGenerator(CodeGenerator):
+        def visit_Concat(self, node, frame):  # `a ~ b`: through the environment's checked join
+            self.write("environment.checked_join((")
+            for argument in node.nodes:
+                self.visit(argument, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedTemplate(Template):
+        @classmethod
+        def _from_namespace(cls, environment, namespace, globals):
+            template = super()._from_namespace(environment, namespace, globals)
+            render = template.root_render_func
+
+            def root(context):  # every render and generate goes through it: the output counted
+                written = 0
+                for chunk in render(context):
+                    written += len(chunk)
+                    if written > MAX_CHARS:
+                        raise _too_large(f"an output of more than {written:,}")
+                    yield chunk
+
+            template.root_render_func = root
+            return template
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        code_generator_class = BoundedCodeGenerator
+        template_class = BoundedTemplate
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+            self.checked_join = _checked_join
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedEnvironment
+
+
+@functools.cache
+def bounded():
+    """transformers' chat templates compiled in BoundedEnvironment from now on (idempotent): the class it
+    names `ImmutableSandboxedEnvironment` when it builds each template's environment is this subclass, and
+    the templates it compiled before are forgotten. Returns the class."""
+    from transformers.utils import chat_template_utils
+
+    environment = _environment_class()
+    chat_template_utils.ImmutableSandboxedEnvironment = environment
+    chat_template_utils._compile_jinja_template.cache_clear()
+    return environment
+
+
+def render(tokenizer, messages: list[dict], **options):
+    """`tokenizer.apply_chat_template(messages, **options)` within SECONDS and MAX_CHARS; TemplateLimit at a
+    limit, the template's own errors as they are."""
+    bounded()
+    with time_limit(SECONDS):
+        return tokenizer.apply_chat_template(messages, **options)
+
+
+def compile_template(text: str):
+    """The template compiled as `apply_chat_template` compiles it (bounded, its {% generation %} tag known),
+    within SECONDS."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    bounded()
+    with time_limit(SECONDS):
+        return _compile_jinja_template(text)
+
+
+# -- the time limit, in any thread ----------------------------------------------------------------------
+class _Watchdog:
+    """One daemon thread that raises TooSlow in a thread still inside `time_limit` at its deadline."""
+
+    def __init__(self):
+        self.lock = threading.Condition()
+        self.deadlines: list[tuple[float, int, int]] = []  # (deadline, ticket, thread id), a heap
+        self.inside: dict[int, int] = {}  # ticket -> thread id, while its block runs
+        self.tickets = itertools.count()
+        threading.Thread(target=self._watch, name="effitrain-template-watchdog", daemon=True).start()
+
+    def enter(self, seconds: float) -> int:
+        ticket, thread = next(self.tickets), threading.get_ident()
+        with self.lock:
+            self.inside[ticket] = thread
+            heapq.heappush(self.deadlines, (time.monotonic() + seconds, ticket, thread))
+            self.lock.notify()
+        return ticket
+
+    def leave(self, ticket: int) -> None:
+        with self.lock:
+            thread = self.inside.pop(ticket)
+            _raise_in(thread, None)  # an exception set but not yet raised is withdrawn
+
+    def _watch(self) -> None:
+        with self.lock:
+            while True:
+                while self.deadlines and self.deadlines[0][1] not in self.inside:
+                    heapq.heappop(self.deadlines)  # left in time
+                if not self.deadlines:
+                    self.lock.wait()
+                    continue
+                deadline, ticket, thread = self.deadlines[0]
+                if time.monotonic() < deadline:
+                    self.lock.wait(deadline - time.monotonic())
+                    continue
+                heapq.heappop(self.deadlines)
+                _raise_in(thread, TooSlow)
+
+
+def _raise_in(thread: int, exception) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                               ctypes.py_object(exception) if exception is not None else None)
+
+
+@functools.cache
+def _watchdog() -> _Watchdog:
+    return _Watchdog()
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """TooSlow raised in the block (whatever thread runs it) once it has run `seconds`."""
+    watchdog = _watchdog()
+    ticket = watchdog.enter(seconds)
+    try:
+        yield
+    finally:
+        watchdog.leave(ticket)
