@@ -348,3 +348,12 @@ def test_tool_calling_conversations_train_on_the_calls_and_the_answer(bpe, tmp_p
     broken = [TOOL_CONVERSATION[0], {"role": "assistant", "tool_calls": [{"name": "add"}]}]
     assert "has tool_calls that are not the assistant's list" in conversations._problem({"messages": broken},
                                                                                         conversations.MESSAGES)[0]
+
+
+def test_the_generation_prompt_check_leaves_a_template_that_refuses_its_probe_to_the_data(bpe):
+    """A template that requires a system turn refuses the check's bare user turn: the check passes it to the
+    conversations themselves, which it renders (or refuses with their row) one by one."""
+    picky = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}" + CHATML
+    answers.check_generation_prompt(with_template(bpe, picky), "picky")
+    encoded = answers.encode(with_template(bpe, picky), {"messages": CONVERSATION}, conversations.MESSAGES)
+    assert runs(encoded.labels) == expected_answers(bpe, CONVERSATION, "<|im_end|>")

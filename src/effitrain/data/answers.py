@@ -108,8 +108,11 @@ def check_generation_prompt(tokenizer, model: str) -> None:
     to write it, and `predict` would print it."""
     templates.require(tokenizer, model)
     user = {"role": "user", "content": "Hi"}
-    prompted = _render(tokenizer, [user], tokenize=False, add_generation_prompt=True)
-    whole = _render(tokenizer, [user, {"role": conversations.ANSWER, "content": PROBE_ANSWER}], tokenize=False)
+    try:
+        prompted = _render(tokenizer, [user], tokenize=False, add_generation_prompt=True)
+        whole = _render(tokenizer, [user, {"role": conversations.ANSWER, "content": PROBE_ANSWER}], tokenize=False)
+    except Unlocatable:  # the template refuses the probe (a system turn it requires, say): the data's own
+        return  # conversations are rendered, and checked, one by one
     if not whole.startswith(prompted) or PROBE_ANSWER not in whole[len(prompted):]:
         return  # templates that render otherwise are checked per conversation (Unlocatable)
     header = whole[len(prompted):].split(PROBE_ANSWER)[0]
