@@ -351,3 +351,15 @@ def test_a_stored_reference_that_is_not_what_the_run_wrote_is_refused_on_resume(
     with pytest.raises(UserError, match=r"DPO's precomputed reference .* (cannot be read|is not what this run wrote)"
                                         r".*fix: delete it"):
         reference._read(tmp_path, sizes)
+
+
+def test_conversations_that_differ_before_their_last_answer_are_told_so():
+    """The implicit prompt is the two conversations' shared start: differing at a user turn leaves a user turn
+    in an answer. Said as that, with the two fixes, not as a completion's rule ("keep only assistant turns")."""
+    user, answer = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"})
+    pair = {"chosen": [user, answer, {"role": "user", "content": "and you?"}, {"role": "assistant", "content": "fine"}],
+            "rejected": [user, answer, {"role": "user", "content": "bye"}, {"role": "assistant", "content": "no"}]}
+    problem, fix = preferences.problem_of(pair, preferences.CONVERSATIONS)
+    assert problem == ("its chosen and rejected conversations differ from message 3 on, and the chosen one has a "
+                       "user turn after that: only the final assistant answer may differ")
+    assert "give the pair a `prompt` column" in fix

@@ -8,7 +8,7 @@ and every piece of one, holds both sides of its pairs."""
 
 from __future__ import annotations
 
-from effitrain.data import answers, cache, conversations
+from effitrain.data import answers, cache, conversations, templates
 from effitrain.errors import UserError
 
 STRINGS = "prompt/chosen/rejected"
@@ -116,6 +116,14 @@ def problem_of(row: dict, fmt: str) -> tuple[str, str] | None:
     for side, sft_row in zip(SIDES, (chosen, rejected)):
         if not sft_row["completion"]:
             return f"has an empty {side} answer", f"give every pair a {side} answer"
+        other = next((m for m in sft_row["completion"] if isinstance(m, dict) and m.get("role") != conversations.ANSWER),
+                     None)
+        if fmt == CONVERSATIONS and other is not None:  # the implicit prompt ends where the two first differ
+            number = len(chosen["prompt"]) + 1
+            return (f"its chosen and rejected conversations differ from message {number} on, and the {side} one has "
+                    f"a {other.get('role')} turn after that: only the final assistant answer may differ",
+                    "make the two conversations the same up to their last answer, or give the pair a `prompt` "
+                    "column of its shared messages")
         problem = conversations._problem(sft_row, sft)
         if problem is not None:
             return f"({side}) {problem[0]}", problem[1]
@@ -137,22 +145,24 @@ def encode_splits(splits, tokenizer, max_length: int):
     located is refused with its index."""
     fmt = of_data(splits["train"])
     template = getattr(tokenizer, "chat_template", None)
+    fix = ("correct that pair's conversations (their roles and order), or remove it" if template == templates.CHATML
+           else "use a template with {% generation %} blocks, or pass --chat-template chatml")
 
-    def encode_batch(batch, indices):
+    def encode_batch(batch, indices, split):
+        rows = answers.data_rows(split)
         out = {f"{side}_{key}": [] for side in SIDES for key in ("input_ids", "labels")}
         for offset, values in enumerate(zip(*batch.values())):
             try:
                 pair = encode(tokenizer, dict(zip(batch, values)), fmt, max_length)
             except answers.Unlocatable as err:
-                raise UserError(f"the assistant turns of pair {indices[offset] + 1} cannot be located in its "
-                                f"templated token ids: {err}", "use a template with {% generation %} blocks, or "
-                                "pass --chat-template chatml") from None
+                raise UserError(f"the assistant turns of the pair in row {rows(indices[offset]) + 1} of the data cannot "
+                                f"be located in its templated token ids: {err}", fix) from None
             for key, value in pair.items():
                 out[key].append(value)
         return out
 
     key = ["preferences", tokenizer.name_or_path, len(tokenizer), max_length, fmt, str(template)]
-    return cache.map_splits(splits, encode_batch, key, batched=True, with_indices=True,
+    return cache.map_splits(splits, encode_batch, key, per_split=True, batched=True, with_indices=True,
                             remove_columns=next(iter(splits.values())).column_names)
 
 
