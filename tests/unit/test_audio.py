@@ -174,3 +174,21 @@ def test_a_clip_shorter_than_the_minimum_is_named(tmp_path):
     with pytest.raises(UserError, match=r"short.wav is 0.00275 s \(44 samples at 16000 Hz\), shorter than the "
                                         r"model's receptive field of 45 samples"):
         audio.decode(path, 16000, None, min_samples=45)
+
+
+def test_skip_bad_rows_leaves_out_a_clip_shorter_than_the_receptive_field(tmp_path):
+    """--skip-bad-rows skips what preprocessing would refuse: a clip the model's convolutions make no frame of
+    (decoded at the extractor's rate, as preprocessing decodes it), beside files that do not decode."""
+    from datasets import Dataset
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+
+    model = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,conv_dim=[8,8],"
+             "conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,num_conv_pos_embeddings=4,"
+             "num_conv_pos_embedding_groups=2")  # a receptive field of 45 samples
+    clips = [tone(tmp_path / "long.wav", 16000, 0.05), tone(tmp_path / "short.wav", 16000, 44 / 16000),
+             tone(tmp_path / "short_44k.wav", 44100, 100 / 44100)]  # 36 samples once at 16 kHz
+    (tmp_path / "broken.wav").write_bytes(b"not audio")
+    data = Dataset.from_dict({"audio": [*map(str, clips), str(tmp_path / "broken.wav")]})
+    config = TrainConfig(task="audio-classification", model=model, audio_column="audio", skip_bad_rows=True)
+    assert tasks.for_config(config)._undecodable(config, data, None) == [1, 2, 3]

@@ -72,21 +72,30 @@ class Classification(Task):
 
         self.check_lengths(config)
         media = self.modality in ("image", "audio")
-        undecodable = functools.partial(self._undecodable, config.max_duration) if media else None
+        undecodable = functools.partial(self._undecodable, config) if media else None
         return sources.load(config, self.columns(config), undecodable)
 
-    def _undecodable(self, max_duration: float, data, base_dir) -> list[int]:
-        """Rows whose file does not decode: each decoded once more, here (the cost of skipping them)."""
+    def _undecodable(self, config, data, base_dir) -> list[int]:
+        """Rows whose file does not decode, or (audio) is shorter than the model's receptive field: each decoded
+        once more, here (the cost of skipping them)."""
         from datasets import Image
 
         from effitrain.data import audio, image
+
+        shortest, rate = 0, None
+        if self.modality == "audio":
+            source = loading.resolve_source(config.model, allow_pickle=True)
+            shortest = self.shortest_input(self.source_config(source))
+            rate = self.load_processor(source).sampling_rate if shortest else None
 
         def decodes(value) -> bool:
             try:
                 if self.modality == "image":
                     image.load_image(value, base_dir)
+                elif shortest:  # at the extractor's rate, as preprocessing decodes it
+                    audio.decode(audio.located(value, base_dir), rate, config.max_duration, shortest)
                 else:
-                    audio.check(audio.located(value, base_dir), max_duration)
+                    audio.check(audio.located(value, base_dir), config.max_duration)
                 return True
             except UserError:
                 return False
