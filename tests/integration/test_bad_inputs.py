@@ -219,6 +219,14 @@ def write_mismatched_media(root):
     one_channel = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_channels=1,
                             intermediate_size=8, image_size=16, patch_size=8)
     ViTForImageClassification(one_channel).save_pretrained(root / "vit1")
+    from effitrain.data.image import image_processor
+
+    three = ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8, image_size=16,
+                      patch_size=8, id2label={0: "a", 1: "b"}, label2id={"a": 0, "b": 1})
+    ViTForImageClassification(three).save_pretrained(root / "vit-resized")
+    processor = image_processor(None, three)
+    processor.size = {"height": 32, "width": 32}  # a processor saved for another size than the model's
+    processor.save_pretrained(root / "vit-resized")
 
 
 def write_report_cases(root):
@@ -621,6 +629,8 @@ CASES = [
       "vit:image_size=8,patch_size=4,hidden_size=8,num_hidden_layers=1,num_attention_heads=1,num_channels=1"],
      "takes 1-channel images (num_channels=1); effitrain decodes every image as RGB"),
     (["predict", "--model", "vit1", "--input", "gray.png"], "model vit1 takes 1-channel images"),
+    (["predict", "--model", "vit-resized", "--input", "gray.png"],
+     "model vit-resized: its image processor makes 32x32 images, and its config's image_size is 16x16"),
     pytest.param(["train", "--task", "audio-classification", "--data", "clips.csv", "--audio-column", "path",
                   "--model", WAV2VEC2, "--output-dir", "new"],
                  "clips/c3.wav is 0.00275 s (44 samples at 16000 Hz), shorter than the model's receptive field of "

@@ -18,7 +18,9 @@ def image_processor(model_dir, config):
     if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").is_file():
         # transformers 5 deprecates use_fast (it warns) in favour of backend="pil"; 4.x knows only use_fast.
         backend = {"backend": "pil"} if transformers_5 else {"use_fast": False}
-        return transformers.AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True, **backend)
+        processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True, **backend)
+        check_size(processor, config, f"model {model_dir}")
+        return processor
     if transformers_5:
         # In 5.x ViTImageProcessor is the torchvision backend; without torchvision it warns and falls back to this.
         from transformers import ViTImageProcessorPil as Processor
@@ -30,6 +32,23 @@ def image_processor(model_dir, config):
     # A randomly initialised model has no statistics to match: mean/std 0.5 map pixels to [-1, 1].
     return Processor(size={"height": int(size), "width": int(size)}, do_resize=True, do_normalize=True,
                      image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+
+
+def check_size(processor, model_config, where: str) -> None:
+    """The images the processor makes are the size the model's position embeddings were made for (its config's
+    image_size, ViT-style models): another size fails the first forward, or is interpolated silently."""
+    wanted = getattr(model_config, "image_size", None)
+    wanted = tuple(wanted) if isinstance(wanted, (list, tuple)) else (wanted, wanted) if isinstance(wanted, int) else None
+    made = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
+    made = made or getattr(processor, "size", None) or {}
+    made = dict(made) if hasattr(made, "keys") else vars(made) if hasattr(made, "__dict__") else {}  # a SizeDict
+    made = (made.get("height"), made.get("width"))
+    if wanted is None or None in made or made == wanted or not getattr(processor, "do_resize", True):
+        return
+    raise UserError(f"{where}: its image processor makes {made[0]}x{made[1]} images, and its config's image_size is "
+                    f"{wanted[0]}x{wanted[1]} (the size its position embeddings were made for)",
+                    "make preprocessor_config.json's size (or crop_size) the config's image_size, or the other way "
+                    "round")
 
 
 def check_channels(model_config, where: str) -> None:
