@@ -25,7 +25,8 @@ import _common
 # is set in the process it re-executes: execve keeps the pid).
 PROBE = ("import os, sys\nfrom effitrain import __main__ as entry\nfrom effitrain.speedups import allocator\n"
          "code = None\ntry:\n    code = entry.run()\nexcept SystemExit as e:\n    code = e.code\n"
-         "sys.stderr.write(f'\\nPROBE torch={\"torch\" in sys.modules} same={allocator.PRELOADING not in os.environ}\\n')\n"
+         "same = allocator.PRELOADING not in os.environ\n"
+         "sys.stderr.write(f'\\nPROBE torch={\"torch\" in sys.modules} same={same}\\n')\n"
          "sys.exit(code or 0)\n")
 
 

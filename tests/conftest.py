@@ -25,7 +25,8 @@ _LIMITS = "-".join(os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", 
 if _LIMITS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_LIMITS}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                         f"torchinductor-{os.getuid()}-{_LIMITS}")
 
 
 def pytest_report_header(config):

@@ -655,7 +655,8 @@ def optimizer_refusal(name: str, strategy: str = "ddp", peft: str = "none", loca
                          "weight whole, and the strategy shards them)", "use --strategy ddp, or another --optim")
     if name in UNSHARDED_STATE_OPTIMIZERS and strategy == "fsdp":
         return UserError(f"--optim {name} with --strategy fsdp is not supported by effitrain (its states are plain "
-                         "tensors, the sharded weights DTensors)", "use --optim adamw or sgd with fsdp, or --strategy ddp")
+                         "tensors, the sharded weights DTensors)",
+                         "use --optim adamw or sgd with fsdp, or --strategy ddp")
     if name == "schedule-free-adamw" and local_sgd_steps:
         return UserError("--optim schedule-free-adamw with --local-sgd-steps: local SGD averages the training "
                          "weights but each process would keep its own averaged point, so the evaluated weights "

@@ -768,7 +768,8 @@ CASES = [
     (["train", "--report-to", "tensorboard,"], "has an empty name"),
     (["train", "--report-to", "tensorboard", "--run-name", " "], "--run-name is empty"),
     # the fourth hostile pass (issue 41)
-    (["train", "--optim", "adafactor", "--strategy", "fsdp"], "--optim adafactor with --strategy fsdp is not supported"),
+    (["train", "--optim", "adafactor", "--strategy", "fsdp"],
+     "--optim adafactor with --strategy fsdp is not supported"),
     (["train", "--optim", "adamw-8bit", "--strategy", "fsdp"], "--optim adamw-8bit with --strategy fsdp"),
     (["plan", "--optim", "galore-adamw", "--peft", "lora"], "an alternative to --peft lora's adapters"),
     (["plan", "--optim", "muon", "--strategy", "fsdp"], "it needs each weight whole"),

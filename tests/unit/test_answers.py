@@ -315,13 +315,15 @@ def test_a_template_that_ignores_add_generation_prompt_is_refused_and_a_headerle
 
 
 TOOLS_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] %}"
-                "{{ message['content'] }}{% endif %}{% for call in message.get('tool_calls') or [] %}{{ '<tool_call>' + "
+                "{{ message['content'] }}{% endif %}{% for call in message.get('tool_calls') or [] %}"
+                "{{ '<tool_call>' + "
                 "call['function']['name'] + ' ' + (call['function']['arguments'] | tojson) + '</tool_call>' }}"
                 "{% endfor %}{{ '<|im_end|>' + '\n' }}{% endfor %}"
                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TOOL_CONVERSATION = [
     {"role": "user", "content": "What is two plus two?"},
-    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+    {"role": "assistant",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
     {"role": "tool", "name": "add", "content": "4"},
     {"role": "assistant", "content": "It is four."},
 ]

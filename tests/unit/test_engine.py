@@ -368,13 +368,14 @@ def test_a_checkpoint_resumed_with_another_loss_mask_template_data_filter_or_cli
     from effitrain.errors import UserError
 
     made = cfg.build(None, {"task": "causal-lm"}).to_dict()
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": made, "world_size": 1, "plan": {"grad_accum": 1}}))
+    state = {"world_size": 1, "plan": {"grad_accum": 1}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": made, **state}))
     now = cfg.build(None, {"task": "causal-lm", **changed}).to_dict()
     key = next(iter(changed))
     with pytest.raises(UserError, match=f"made with {key}="):
         checkpoint.check(tmp_path, now, 1, 1)
     older = {k: v for k, v in made.items() if k != key}  # a checkpoint from before the setting: its default
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": older, "world_size": 1, "plan": {"grad_accum": 1}}))
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": older, **state}))
     assert checkpoint.check(tmp_path, made, 1, 1)["world_size"] == 1
 
 

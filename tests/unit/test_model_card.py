@@ -72,7 +72,8 @@ def test_words_from_the_data_are_escaped_as_the_report_escapes_them():
 def test_a_path_with_line_breaks_stays_inside_its_code_span():
     """A blank line would end the code span's paragraph and let the rest be read as HTML (a live <img onerror>
     in model/README.md): line breaks and control characters are shown as escapes, on the span's one line."""
-    config = TrainConfig(data="x\n\n<img src=x onerror=alert(1)>\r\x1b.csv", output_dir="o", model="m\u2028<b>").to_dict()
+    config = TrainConfig(data="x\n\n<img src=x onerror=alert(1)>\r\x1b.csv", output_dir="o",
+                         model="m\u2028<b>").to_dict()
     card = model_card.render(config, result(test={"accuracy": 0.9}, validation={}, best={}),
                              {**facts(), "pipeline_tag": "text-classification"})
     assert "- data: `x\\n\\n<img src=x onerror=alert(1)>\\r\\x1b.csv`:" in card

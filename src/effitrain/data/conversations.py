@@ -118,20 +118,12 @@ def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
     if fmt == CHAT_PROMPT_COMPLETION and not row["completion"]:
         return "has an empty completion", "give it the assistant's answer"
     for number, message in enumerate(messages, 1):
-        if not isinstance(message, dict):
-            return f"message {number} is {_kind(message)}, not a {{role, content}} object", \
-                'give each message as {"role": ..., "content": ...}'
-        role = message.get("role")
-        if role not in ROLES:
-            return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
-        calls = message.get("tool_calls")
-        if calls is not None:
-            if role != ANSWER or not _are_tool_calls(calls):
-                return (f"message {number} has tool_calls that are not the assistant's list of {{type, function: "
-                        "{name, arguments}}", "give tool calls as TRL's and transformers' formats do")
-            if not message.get("content"):
-                continue  # a call is the answer of that turn
-        content = message.get("content")
+        problem = _message_problem(number, message)
+        if problem is not None:
+            return problem
+        if message.get("tool_calls") and not message.get("content"):
+            continue  # a call is the answer of that turn
+        role, content = message["role"], message.get("content")
         if content is not None and not isinstance(content, str):  # a number, a list of parts, an object
             return (f"message {number} has content that is {_kind(content)}, not text",
                     'give each message\'s "content" as a string')
@@ -143,6 +135,22 @@ def _problem(row: dict, fmt: str) -> tuple[str, str] | None:
     if messages[-1]["role"] != ANSWER:
         return (f"ends on a {messages[-1]['role']} turn (nothing for the model to answer there)",
                 "end each conversation with the assistant's answer")
+    return None
+
+
+def _message_problem(number: int, message) -> tuple[str, str] | None:
+    """What is wrong with one message itself: not an object, an unknown role, tool calls that are not the
+    assistant's list of calls (TRL's and transformers' format); None where it is sound."""
+    if not isinstance(message, dict):
+        return f"message {number} is {_kind(message)}, not a {{role, content}} object", \
+            'give each message as {"role": ..., "content": ...}'
+    role = message.get("role")
+    if role not in ROLES:
+        return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
+    calls = message.get("tool_calls")
+    if calls is not None and (role != ANSWER or not _are_tool_calls(calls)):
+        return (f"message {number} has tool_calls that are not the assistant's list of {{type, function: "
+                "{name, arguments}}", "give tool calls as TRL's and transformers' formats do")
     return None
 
 
@@ -178,19 +186,11 @@ def prompt_problem(messages) -> tuple[str, str] | None:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         return "is not a non-empty list of {role, content} messages", f"give `messages` as {shape}"
     for number, message in enumerate(messages, 1):
-        if not isinstance(message, dict):
-            return f"message {number} is {_kind(message)}, not a {{role, content}} object", \
-                'give each message as {"role": ..., "content": ...}'
-        role = message.get("role")
-        if role not in ROLES:
-            return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
-        calls = message.get("tool_calls")
-        if calls is not None:
-            if role != ANSWER or not _are_tool_calls(calls):
-                return (f"message {number} has tool_calls that are not the assistant's list of {{type, function: "
-                        "{name, arguments}}", "give tool calls as TRL's and transformers' formats do")
-            if not message.get("content"):
-                continue  # a call is the answer of that turn
+        problem = _message_problem(number, message)
+        if problem is not None:
+            return problem
+        if message.get("tool_calls") and not message.get("content"):
+            continue  # a call is the answer of that turn
         content = message.get("content")
         if not isinstance(content, str) or not content.strip():
             return f"message {number} has no text content", "give every message some content"

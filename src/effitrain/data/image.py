@@ -38,7 +38,9 @@ def check_size(processor, model_config, where: str) -> None:
     """The images the processor makes are the size the model's position embeddings were made for (its config's
     image_size, ViT-style models): another size fails the first forward, or is interpolated silently."""
     wanted = getattr(model_config, "image_size", None)
-    wanted = tuple(wanted) if isinstance(wanted, (list, tuple)) else (wanted, wanted) if isinstance(wanted, int) else None
+    if isinstance(wanted, int):
+        wanted = (wanted, wanted)
+    wanted = tuple(wanted) if isinstance(wanted, (list, tuple)) else None
     made = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
     made = made or getattr(processor, "size", None) or {}
     made = dict(made) if hasattr(made, "keys") else vars(made) if hasattr(made, "__dict__") else {}  # a SizeDict

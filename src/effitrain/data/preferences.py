@@ -116,8 +116,8 @@ def problem_of(row: dict, fmt: str) -> tuple[str, str] | None:
     for side, sft_row in zip(SIDES, (chosen, rejected)):
         if not sft_row["completion"]:
             return f"has an empty {side} answer", f"give every pair a {side} answer"
-        other = next((m for m in sft_row["completion"] if isinstance(m, dict) and m.get("role") != conversations.ANSWER),
-                     None)
+        other = next((m for m in sft_row["completion"]
+                      if isinstance(m, dict) and m.get("role") != conversations.ANSWER), None)
         if fmt == CONVERSATIONS and other is not None:  # the implicit prompt ends where the two first differ
             number = len(chosen["prompt"]) + 1
             return (f"its chosen and rejected conversations differ from message {number} on, and the {side} one has "
@@ -155,8 +155,8 @@ def encode_splits(splits, tokenizer, max_length: int):
             try:
                 pair = encode(tokenizer, dict(zip(batch, values)), fmt, max_length)
             except answers.Unlocatable as err:
-                raise UserError(f"the assistant turns of the pair in row {rows(indices[offset]) + 1} of the data cannot "
-                                f"be located in its templated token ids: {err}", fix) from None
+                raise UserError(f"the assistant turns of the pair in row {rows(indices[offset]) + 1} of the data "
+                                f"cannot be located in its templated token ids: {err}", fix) from None
             for key, value in pair.items():
                 out[key].append(value)
         return out

@@ -257,7 +257,9 @@ def non_finite_fix(job: Run) -> str:
     own default lr is 10x full fine-tuning's, and lora_alpha / lora_r scales every update they make).
     The model's own weights were finite at the start (setup.check_finite_weights)."""
     config = job.config
-    beta = f" or --beta ({config.beta:g} now: it scales every {config.preference} loss term)" if config.preference else ""
+    beta = ""
+    if config.preference:
+        beta = f" or --beta ({config.beta:g} now: it scales every {config.preference} loss term)"
     if job.adapted:
         return (f"lower --lr ({config.lr:g} now){beta} or --lora-alpha (alpha/r = {config.lora_alpha:g}/"
                 f"{config.lora_r} scales the adapters' updates), use --precision fp32, or check the data for extreme "

@@ -166,7 +166,7 @@ def digest(stored: dict) -> str:
 def _changed(path: Path, problem: str):
     from effitrain.errors import UserError
 
-    return UserError(f"DPO's precomputed reference {path} {problem}", f"delete it (a resumed run computes it again "
+    return UserError(f"DPO's precomputed reference {path} {problem}", "delete it (a resumed run computes it again "
                      "from the starting model), or start a new --output-dir")
 
 
