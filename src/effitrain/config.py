@@ -370,9 +370,12 @@ def _example(kind: type) -> str:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
+    if not str(path).strip():
+        raise UserError("--config is empty", "pass the path of a YAML file to --config, or leave the flag out")
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"config file {path} does not exist", "pass the path of a YAML file to --config")
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        raise UserError(f"config file {path} {what}", "pass the path of a YAML file to --config")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -441,6 +444,9 @@ def from_any(config: TrainConfig | dict[str, Any] | str | Path | None) -> TrainC
 # The rules a field's metadata may hold: (is this value refused?, the problem, the fix). A field's own
 # `problem=` / `fix=` replace the words; {flag} {value} {default} {either} {one_of} {at_least} {range} are
 # filled in. A command checks its own flags with the same rules (check_value with `rules`).
+# Integers no setting needs above (what torch, gloo and the C library take as an int): larger ones would fail
+# deep inside them (islice, a C int timeout, a tensor's size). A field's `at_most` or `within` says otherwise.
+INT_LIMIT = 2**31 - 1
 RULES = {
     "choices": (lambda v, r: v not in r["choices"], "unknown {flag} `{value}`", "pass {flag} {either}"),
     "positive": (lambda v, r: r["positive"] and v <= 0, "{flag} must be > 0, got {value}",
@@ -464,6 +470,9 @@ def check_value(name: str, value: Any, rules: typing.Mapping[str, Any] | None = 
     if isinstance(value, float) and not math.isfinite(value):  # a NaN passes every comparison
         raise UserError(f"{flag(name)} must be a finite number, got {value}",
                         f"pass e.g. {flag(name)} {rules.get('example', default if default is not None else 1.0)}")
+    limit = rules.get("at_most", INT_LIMIT)
+    if isinstance(value, int) and not isinstance(value, bool) and "within" not in rules and abs(value) > limit:
+        raise UserError(f"{flag(name)} must be at most {limit:,}, got {value}", f"pass a smaller {flag(name)}")
     for rule, (refused, problem, fix) in RULES.items():
         if rule in rules and refused(value, rules):
             words = _words(name, value, rules, default)

@@ -60,6 +60,23 @@ class Misspelt:
         pass
 
 
+class CamelCase:
+    def onStepEnd(self, state, result):
+        pass
+
+
+class NotAMethod:
+    on_step_end = 5
+
+    def on_evaluate(self, state):
+        pass
+
+
+class WrongArguments:
+    def on_step_end(self):
+        pass
+
+
 @pytest.mark.parametrize("callbacks, refused", [
     ([object()], r"callback object\(\) has none of the hooks; fix: name its methods"),
     (print, r"callbacks=print is not a list of callback objects; fix: pass a list of objects"),
@@ -68,7 +85,14 @@ class Misspelt:
     ([Misspelt], r"callback Misspelt is a class; fix: pass an instance: Misspelt\(\)"),
     ([Misspelt()], r"has a method on_evaluation, which is no hook; fix: rename it on_evaluate"),
     ([lambda state: None], r"callback <lambda> has none of the hooks"),
-], ids=["no-hooks", "function", "lone-object", "string", "class", "misspelt", "lambda"])
+    ([CamelCase()], r"has a method onStepEnd, which is no hook; fix: rename it on_step_end"),
+    ([NotAMethod()], r"has on_step_end = 5, which is not a method"),
+    ([WrongArguments()], r"has on_step_end\(\), which cannot take the hook's arguments; fix: define it as "
+                         r"on_step_end\(self, state, result\)"),
+    ({Misspelt(): 1}, r"callbacks=dict\(\) is not a list"),
+    ((c for c in [Misspelt()]), r"callbacks=<genexpr> is not a list"),
+], ids=["no-hooks", "function", "lone-object", "string", "class", "misspelt", "lambda", "camel-case", "not-a-method",
+        "wrong-arguments", "mapping", "generator"])
 def test_what_is_not_a_list_of_callbacks_is_refused_before_anything_is_written(callbacks, refused, tiny_model_dir,
                                                                                 tmp_path):
     with pytest.raises(UserError, match=refused):

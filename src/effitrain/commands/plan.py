@@ -53,8 +53,9 @@ def check_flags(args) -> None:
     from effitrain.planning import sizes
 
     cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
-    for name in ("seq_len", "world_size", "num_labels"):
+    for name in ("seq_len", "world_size"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
+    cfg.check_value("num_labels", args.num_labels, {"positive": True, "at_most": 1_000_000})  # a head per label
     for name in args.optim or []:  # what `train` would refuse with these settings
         problem = cfg.optimizer_refusal(name, args.strategy, args.peft)
         if problem is not None:

@@ -97,7 +97,7 @@ def configured(args) -> tuple[TrainConfig, str | None]:
     values = vars(args).copy()
     values.pop("command")
     config_file = values.pop("config", None)
-    file_values = cfg.load_yaml(config_file) if config_file else {}
+    file_values = cfg.load_yaml(config_file) if config_file is not None else {}
     return cfg.build(file_values, values), config_file
 
 
