@@ -244,22 +244,22 @@ def test_a_template_that_never_ends_is_stopped_in_any_thread(bpe, monkeypatch, t
 
     monkeypatch.setattr(chat_render, "SECONDS", 0.3)
     before = signal.getsignal(signal.SIGALRM)
-    tokenizer = with_template(bpe, template)
     outcome = {}
 
-    def encode():
+    def encode(tokenizer):
         start = time.monotonic()
         try:
             answers.encode(tokenizer, {"messages": CONVERSATION}, conversations.MESSAGES)
         except UserError as err:
             outcome["error"], outcome["seconds"] = str(err), time.monotonic() - start
 
-    for thread in ("main", "another"):
+    for thread in ("main", "another"):  # a template of each (a template stopped once is refused at once after)
         outcome.clear()
+        tokenizer = with_template(bpe, template + "{# " + thread + " #}")
         if thread == "main":
-            encode()
+            encode(tokenizer)
         else:
-            worker = threading.Thread(target=encode)
+            worker = threading.Thread(target=encode, args=(tokenizer,))
             worker.start()
             worker.join(30)
         assert "was stopped on a conversation: it ran more than 0.3 s" in outcome["error"], (thread, outcome)
@@ -280,7 +280,15 @@ def test_a_template_that_never_ends_is_stopped_in_any_thread(bpe, monkeypatch, t
     ("{{ '%0999999999d' % 1 }}", "it builds a formatted field 999,999,999 wide"),
     ("{{ 'x' | center(999999999) }}", "it passes 999,999,999 to the filter center"),
     ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "it builds an output of more than"),
-], ids=["tilde", "plus", "repeat", "power", "format", "filter", "output"])
+    ("{{ 'x'.ljust(10000000000) }}", "it passes 10,000,000,000 to ljust"),
+    ("{{ '{:>{}}'.format('x', 10000000000) }}", "it passes 10,000,000,000 to format"),
+    ("{{ '%*d' % (10000000000, 1) }}", "it builds a formatted field 10,000,000,000 wide"),
+    ("{% set a = 'x' * 10000000 %}{{ a | replace('x', 'yyyy') }}", "it builds a replacement of 40,000,000"),
+    ("{% set a = 'x' * 10000000 %}{{ a.replace('x', 'yyyy') }}", "it builds a replacement of 40,000,000"),
+    ("{% set a = 'x' * 1000000 %}{{ range(100) | join(a) }}", "it builds a join of 99,000,190"),
+    ("{% set a = 'x' * 1000000 %}{{ a.join(range(100) | map('string')) }}", "it builds a join of"),
+], ids=["tilde", "plus", "repeat", "power", "format", "filter", "output", "ljust", "str-format", "star-width",
+        "replace-filter", "replace-method", "join-filter", "join-method"])
 def test_a_template_that_builds_gigabytes_is_stopped_before_it_does(bpe, template, said):
     """Sizes are checked before each operation that could build a huge value (and Jinja's compiler no longer
     computes constant ones while it compiles: `10 ** (10 ** 8)` took minutes there)."""
@@ -290,6 +298,28 @@ def test_a_template_that_builds_gigabytes_is_stopped_before_it_does(bpe, templat
     with pytest.raises(UserError, match="was stopped on a conversation: " + re.escape(said)):
         answers.encode(with_template(bpe, template), {"messages": CONVERSATION}, conversations.MESSAGES)
     assert time.monotonic() - start < 5
+
+
+def test_a_template_slow_on_every_conversation_is_stopped_and_a_stopped_one_refused_at_once(bpe, monkeypatch):
+    """Under the limit one by one, renders that add up (0.1 s and more each, past the limit in all) are
+    stopped: a data set's conversations would take hours. A template stopped once is refused at once after
+    (predict renders three times: one wait, not three)."""
+    import time
+
+    from effitrain.data import chat_render
+
+    monkeypatch.setattr(chat_render, "SECONDS", 1.0)
+    slow = "{% for i in range(200) %}{% for j in range(30000) %}{% endfor %}{% endfor %}" + CHATML  # ~0.2 s
+    tokenizer = with_template(bpe, slow)
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"was stopped on a conversation: it takes \d\.\d\d s a conversation"):
+        for _ in range(200):
+            answers.encode(tokenizer, {"messages": CONVERSATION}, conversations.MESSAGES)
+    assert time.monotonic() - start < 10
+    start = time.monotonic()
+    with pytest.raises(UserError, match="it takes"):
+        answers.check_generation_prompt(tokenizer, "slow")
+    assert time.monotonic() - start < 0.5
 
 
 def test_a_template_file_is_compiled_within_the_limits(tmp_path):

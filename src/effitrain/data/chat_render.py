@@ -63,10 +63,36 @@ def _check_binop(operator: str, left, right) -> None:
     if operator == "+" and _size(left) is not None and _size(right) is not None \
             and _size(left) + _size(right) > MAX_CHARS:
         raise _too_large(f"a value of {_size(left) + _size(right):,}")
-    if operator == "%" and isinstance(left, str) and any(char.isdigit() for char in left):
+    if operator == "%" and isinstance(left, str):
         widths = [int(run) for run in "".join(c if c.isdigit() else " " for c in left).split()]
+        widths += [abs(v) for v in (right if isinstance(right, tuple) else (right,)) if _is_int(v)]  # `%*d`
         if widths and max(widths) > MAX_CHARS:
             raise _too_large(f"a formatted field {max(widths):,} wide")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_counts(what: str, values) -> None:
+    """A width or count above MAX_CHARS passed to a filter or a method (`ljust`, `center`, `format`)."""
+    for value in values:
+        if _is_int(value) and abs(value) > MAX_CHARS:
+            raise TemplateLimit(f"it passes {value:,} to {what}, over the limit of {MAX_CHARS:,}")
+
+
+def _check_replace(text, old, new, count=None) -> None:
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        times = text.count(old) if old else len(text) + 1
+        times = min(times, count) if _is_int(count) and count >= 0 else times
+        if len(text) + times * (len(new) - len(old)) > MAX_CHARS:
+            raise _too_large(f"a replacement of {len(text) + times * (len(new) - len(old)):,}")
+
+
+def _check_join(separator, items: list) -> None:
+    total = sum(len(str(item)) for item in items) + max(len(items) - 1, 0) * len(str(separator))
+    if total > MAX_CHARS:
+        raise _too_large(f"a join of {total:,}")
 
 
 def _checked_join(values) -> str:
@@ -78,13 +104,19 @@ def _checked_join(values) -> str:
 
 
 def _bounded_filter(name: str, function):
-    """A filter that refuses a number above MAX_CHARS among its arguments (a width, a count) and a result
-    over MAX_CHARS."""
+    """A filter that refuses a number above MAX_CHARS among its arguments (a width, a count), a `replace` or
+    `join` whose result would be over MAX_CHARS before it is built, and any result over MAX_CHARS."""
+    first = 1 if hasattr(function, "jinja_pass_arg") else 0  # the context jinja passes first, for some
+
     @functools.wraps(function)  # keeps jinja's pass_context / pass_environment marks
     def bounded(*args, **kwargs):
-        for value in itertools.chain(args[1:], kwargs.values()):
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CHARS:
-                raise TemplateLimit(f"it passes {value:,} to the filter {name}, over the limit of {MAX_CHARS:,}")
+        _check_counts(f"the filter {name}", itertools.chain(args[first + 1:], kwargs.values()))
+        if name == "replace":
+            _check_replace(*args[first:first + 4])
+        if name == "join" and len(args) > first:
+            items = list(args[first])  # a generator is read once, here
+            _check_join(args[first + 1] if len(args) > first + 1 else kwargs.get("d", ""), items)
+            args = (*args[:first], items, *args[first + 1:])
         result = function(*args, **kwargs)
         if _size(result) is not None and _size(result) > MAX_CHARS:
             raise _too_large(f"a value of {_size(result):,}")
@@ -137,6 +169,21 @@ def _environment_class():
             _check_binop(operator, left, right)
             return super().call_binop(context, operator, left, right)
 
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            """A method the template calls (`'x'.ljust(n)`, `sep.join(...)`, `s.replace(...)`, `format`): a
+            width or count above MAX_CHARS, or a join or replacement over it, refused before it runs."""
+            name, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
+            _check_counts(f"{name or 'a call'}", itertools.chain(args, kwargs.values()))
+            if isinstance(owner, str) and name == "replace":
+                _check_replace(owner, *args[:3])
+            if isinstance(owner, str) and name == "join" and args:
+                args = (list(args[0]), *args[1:])
+                _check_join(owner, args[0])
+            result = super().call(__context, __obj, *args, **kwargs)
+            if _size(result) is not None and _size(result) > MAX_CHARS:
+                raise _too_large(f"a value of {_size(result):,}")
+            return result
+
     return BoundedEnvironment
 
 
@@ -155,10 +202,34 @@ def bounded():
 
 def render(tokenizer, messages: list[dict], **options):
     """`tokenizer.apply_chat_template(messages, **options)` within SECONDS and MAX_CHARS; TemplateLimit at a
-    limit, the template's own errors as they are."""
+    limit, the template's own errors as they are. A template stopped once is refused at once after that (a
+    command renders several times: a second 10 s wait would say nothing new), and so is one whose renders
+    have taken SECONDS in all at more than SLOW each on average: under the limit one by one, a data set's
+    thousands of conversations would take hours."""
     bounded()
-    with time_limit(SECONDS):
-        return tokenizer.apply_chat_template(messages, **options)
+    template = str(getattr(tokenizer, "chat_template", None))
+    if template in _STOPPED:
+        raise TemplateLimit(_STOPPED[template])
+    started = time.monotonic()
+    try:
+        with time_limit(SECONDS):
+            result = tokenizer.apply_chat_template(messages, **options)
+    except TemplateLimit as err:
+        _STOPPED[template] = str(err)
+        raise
+    renders, seconds = _SPENT.get(template, (0, 0.0))
+    renders, seconds = renders + 1, seconds + time.monotonic() - started
+    _SPENT[template] = (renders, seconds)
+    if seconds > SECONDS and seconds / renders > SLOW:
+        _STOPPED[template] = (f"it takes {seconds / renders:.2f} s a conversation ({renders} rendered in "
+                              f"{seconds:.0f} s; a template renders one in milliseconds)")
+        raise TemplateLimit(_STOPPED[template])
+    return result
+
+
+SLOW = 0.1  # seconds a render on average, past SECONDS in all
+_STOPPED: dict[str, str] = {}  # template -> why it was stopped, in this process
+_SPENT: dict[str, tuple[int, float]] = {}  # template -> (renders, seconds), in this process
 
 
 def compile_template(text: str):
