@@ -29,6 +29,10 @@ class Unlocatable(ValueError):
     """The answers of one conversation cannot be told apart from the rest of its templated ids."""
 
 
+class Refused(Unlocatable):
+    """The chat template itself refuses the conversation (its raise_exception, a sandbox rule)."""
+
+
 def encode(tokenizer, row: dict, fmt: str, loss_on: str = "completion") -> Encoded:
     """One row of `fmt` data (conversations.PROMPT_COMPLETION or one of conversations.CONVERSATIONAL)
     as token ids and labels, untruncated. Raises Unlocatable, or UserError for a template that drops
@@ -72,8 +76,8 @@ def _prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[list[in
 def _conversation(tokenizer, messages: list[dict], first_answer: int) -> tuple[list[int], list[bool]]:
     template = templates.require(tokenizer, tokenizer.name_or_path)
     if conversations.has_tool_calls(messages) and "tool_calls" not in template:
-        raise UserError(f"the data has tool calls (assistant messages' tool_calls), and the chat template of "
-                        f"{tokenizer.name_or_path} does not render them (it never reads `tool_calls`)",
+        raise UserError("the data has tool calls (assistant messages' tool_calls), and the chat template does not "
+                        "render them (it never reads `tool_calls`)",
                         "pass a --chat-template that renders tool calls (the model's own, if it was made for tools)")
     marked = templates.has_generation_blocks(template)
     out = _render(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked,
@@ -130,7 +134,7 @@ def prompt_render_ids(tokenizer, messages: list[dict]) -> list[int]:
         return list(_render(tokenizer, messages, add_generation_prompt=True, tokenize=True,
                             return_dict=True)["input_ids"])
     except Unlocatable as err:
-        raise UserError(f"a conversation cannot be rendered by the chat template of {tokenizer.name_or_path}: {err}",
+        raise UserError(f"a conversation cannot be rendered by the model's chat template: {err}",
                         "give conversations the template accepts (roles, order), or use another model") from None
 
 
@@ -140,16 +144,28 @@ def _render(tokenizer, messages: list[dict], **options):
     try:
         return chat_render.render(tokenizer, messages, **options)
     except jinja2.TemplateError as err:  # a template's raise_exception, e.g. roles that must alternate
-        raise Unlocatable(f"the chat template refuses it: {str(err)[:200]}")
-    except chat_render.TemplateLimit as err:
-        raise UserError(f"the chat template of {tokenizer.name_or_path} was stopped on a conversation: {err}",
-                        "fix the template (its loops, the sizes it builds), or pass --chat-template chatml") from None
+        raise Refused(f"the chat template refuses it: {str(err)[:200]}")
+    except chat_render.TemplateLimit as err:  # the template (--chat-template's, or the model folder's) named
+        raise UserError(f"the chat template was stopped on a conversation: {err}", TEMPLATE_FIX) from None
     except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError, MemoryError) as err:
         # the template's own code failing (the sandbox's range limit, an {% include %} with no loader, ...)
         message = str(err).splitlines()[0][:200] if str(err) else ""
         raise UserError("the chat template fails on a conversation "
-                        f"({type(err).__name__}: {message})", "fix the template, or pass --chat-template chatml") \
-            from None
+                        f"({type(err).__name__}: {message})", TEMPLATE_FIX) from None
+
+
+# Said for a template's own failure, by train (where --chat-template replaces it), predict and evaluate (where
+# the template is the model folder's chat_template.jinja).
+TEMPLATE_FIX = "fix the template (--chat-template's file, or the model folder's chat_template.jinja); train can " \
+               "pass --chat-template chatml instead"
+
+
+def unlocatable_fix(err: Unlocatable, template) -> str:
+    """What to do about a conversation whose answers cannot be located: a refusal by the template is about the
+    conversation; under ChatML, so is anything else; else the template's way of marking answers."""
+    if isinstance(err, Refused) or template == templates.CHATML:
+        return "correct that conversation (what the template accepts: its roles and their order), or remove it"
+    return "use a template with {% generation %} blocks, or pass --chat-template chatml"
 
 
 def _text_before(tokenizer, messages: list[dict], index: int) -> int:
@@ -212,8 +228,6 @@ def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
     """input_ids, attention_mask and labels per example, truncated to `max_length` (the start kept),
     unpadded. A conversation whose answers cannot be located is refused with its row in the data file."""
     template = getattr(tokenizer, "chat_template", None)
-    fix = ("correct that conversation (its roles and their order), or remove it" if template == templates.CHATML else
-           "use a template with {% generation %} blocks, or pass --chat-template chatml")
 
     def encode_batch(batch, indices, split):
         rows = data_rows(split)
@@ -223,7 +237,8 @@ def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
                 example = encode(tokenizer, dict(zip(batch, values)), fmt, loss_on)
             except Unlocatable as err:
                 raise UserError(f"the assistant turns of the conversation in row {rows(indices[offset]) + 1} of the "
-                                f"data cannot be located in its templated token ids: {err}", fix) from None
+                                f"data cannot be located in its templated token ids: {err}",
+                                unlocatable_fix(err, template)) from None
             out["input_ids"].append(example.input_ids[:max_length])
             out["labels"].append(example.labels[:max_length])
             out["attention_mask"].append([1] * len(out["input_ids"][-1]))

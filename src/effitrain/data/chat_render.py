@@ -173,6 +173,7 @@ def _environment_class():
             """A method the template calls (`'x'.ljust(n)`, `sep.join(...)`, `s.replace(...)`, `format`): a
             width or count above MAX_CHARS, or a join or replacement over it, refused before it runs."""
             name, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
+            name = "range" if name == "safe_range" else name  # the sandbox's own range, as the template says it
             _check_counts(f"{name or 'a call'}", itertools.chain(args, kwargs.values()))
             if isinstance(owner, str) and name == "replace":
                 _check_replace(owner, *args[:3])

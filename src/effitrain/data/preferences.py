@@ -8,7 +8,7 @@ and every piece of one, holds both sides of its pairs."""
 
 from __future__ import annotations
 
-from effitrain.data import answers, cache, conversations, templates
+from effitrain.data import answers, cache, conversations
 from effitrain.errors import UserError
 
 STRINGS = "prompt/chosen/rejected"
@@ -145,8 +145,6 @@ def encode_splits(splits, tokenizer, max_length: int):
     located is refused with its index."""
     fmt = of_data(splits["train"])
     template = getattr(tokenizer, "chat_template", None)
-    fix = ("correct that pair's conversations (their roles and order), or remove it" if template == templates.CHATML
-           else "use a template with {% generation %} blocks, or pass --chat-template chatml")
 
     def encode_batch(batch, indices, split):
         rows = answers.data_rows(split)
@@ -156,7 +154,8 @@ def encode_splits(splits, tokenizer, max_length: int):
                 pair = encode(tokenizer, dict(zip(batch, values)), fmt, max_length)
             except answers.Unlocatable as err:
                 raise UserError(f"the assistant turns of the pair in row {rows(indices[offset]) + 1} of the data "
-                                f"cannot be located in its templated token ids: {err}", fix) from None
+                                f"cannot be located in its templated token ids: {err}",
+                                answers.unlocatable_fix(err, template)) from None
             for key, value in pair.items():
                 out[key].append(value)
         return out
