@@ -133,6 +133,11 @@ def test_the_garbage_collector_is_left_as_it_was_found(tiny_model_dir, tmp_path)
     assert gc.isenabled() and gc.get_freeze_count() == 0
     effitrain.train(tiny_run(tiny_model_dir, tmp_path / "ok", max_steps=1))
     assert gc.isenabled() and gc.get_freeze_count() == 0
+    from safetensors.torch import load_file
+
+    start, trained = load_file(str(tiny_model_dir / "model.safetensors")), read_weights(tmp_path / "ok")
+    assert not torch.equal(start["bert.encoder.layer.0.attention.self.query.weight"],
+                           trained["bert.encoder.layer.0.attention.self.query.weight"])  # the one step trained
     with pytest.raises(UserError):
         effitrain.train(tiny_run(tiny_model_dir, tmp_path / "bad", max_steps=1, metric_for_best="no-such-metric"))
     assert gc.isenabled() and gc.get_freeze_count() == 0

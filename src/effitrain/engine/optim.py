@@ -127,7 +127,10 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
-    return math.ceil(total_steps * warmup_ratio)
+    """transformers' ceil(total x ratio), short of every step: a warm-up starts at lr 0, so one that took every
+    step of a 1-step run would train nothing, and one that took all steps of a longer run would never reach
+    the peak lr."""
+    return min(math.ceil(total_steps * warmup_ratio), max(total_steps - 1, 0))
 
 
 def decays(name: str) -> bool:
