@@ -550,6 +550,9 @@ def _check_strategy(config: TrainConfig) -> None:
     if not config.fsdp_reshard_after_forward and config.strategy != "fsdp":
         raise UserError(f"--no-fsdp-reshard-after-forward applies to --strategy fsdp, not {config.strategy}",
                         "drop it, or pass --strategy fsdp")
+    if config.zero_stage != TrainConfig.zero_stage and config.strategy != "deepspeed":
+        raise UserError(f"--zero-stage applies to --strategy deepspeed, not {config.strategy}",
+                        "drop it, or pass --strategy deepspeed")
     if config.local_sgd_steps and config.strategy != "ddp":
         raise UserError(f"--local-sgd-steps works with --strategy ddp, not {config.strategy}",
                         "drop --local-sgd-steps, or use --strategy ddp")

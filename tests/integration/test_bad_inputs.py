@@ -775,6 +775,10 @@ CASES = [
     (["plan", "--optim", "muon", "--strategy", "fsdp"], "it needs each weight whole"),
     (["plan", "--optim", "adam-8bit", "--strategy", "fsdp"], "--optim adam-8bit with --strategy fsdp"),
     (["evaluate", "--model", "prev/model", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["train", "--zero-stage", "3"], "--zero-stage applies to --strategy deepspeed, not ddp"),
+    (["train", "--batch-size", "99999999999999999999"], "--batch-size must be at most 2,147,483,647"),
+    (["plan", "--num-labels", "99999999999999999999"], "--num-labels must be at most 1,000,000"),
+    (["train", "--config", ""], "--config is empty"),
     (["train", "--output-dir", "dangling"], "--output-dir dangling is a symbolic link to nowhere/run, which does not "
                                            "exist; fix: create the folder it points to"),
     (["train", *LLAMA, "--data", "chat_answer_first.jsonl", "--chat-template", "chatml", "--output-dir", "new"],

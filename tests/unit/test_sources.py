@@ -163,6 +163,9 @@ def test_bad_json_line_names_the_file_and_the_line(tmp_path):
     rows[4100] = '{"text": "broken, "label": "ham"}\n'
     (tmp_path / "long.jsonl").write_text("".join(rows))
     check("long.jsonl: line 4101 is not valid JSON (Expecting ',' delimiter at column 20)", tmp_path / "long.jsonl")
+    rows[4100] = "[1, 2]\n"  # valid JSON, and no row
+    (tmp_path / "list.jsonl").write_text("".join(rows))
+    check("list.jsonl: line 4101 is a JSON list, not an object (a row)", tmp_path / "list.jsonl")
 
 
 def test_data_set_from_the_local_hub_cache_offline(tmp_path):

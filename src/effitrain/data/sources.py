@@ -107,16 +107,16 @@ def _read_file(path: Path, skip_bad_rows: bool):
         line = _first_bad_json_line(path) if kind == "json" else None
         if line is not None:  # pyarrow counts rows within a block it read: "row 0" of a later block
             number, problem = line
-            raise UserError(f"data file {path}: line {number} is not valid JSON ({problem})",
+            raise UserError(f"data file {path}: line {number} {problem}",
                             "fix that line (one JSON object per line), or remove it")
         raise UserError(f"data file {path} cannot be read as {kind}: {_first_line(cause)}",
                         f"check that every line is valid {kind}")
 
 
 def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
-    """(number, json's words) of the first non-blank line of a JSON Lines file that is not one JSON value; None
-    where every line is, or where the file is not line by line (a .json document over several lines whose
-    first line does not parse alone)."""
+    """(number, what is wrong) of the first non-blank line of a JSON Lines file that is not one JSON object (a
+    row); None where every line is one, or where the file is not line by line (a .json document over several
+    lines whose first line does not parse alone)."""
     import json
 
     try:
@@ -125,11 +125,15 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
                 if not text.strip():
                     continue
                 try:
-                    json.loads(text)
+                    value = json.loads(text)
                 except json.JSONDecodeError as err:
                     if number == 1 and path.suffix.lower() != ".jsonl":
                         return None
-                    return number, f"{err.msg} at column {err.colno}"
+                    return number, f"is not valid JSON ({err.msg} at column {err.colno})"
+                if not isinstance(value, dict):
+                    kind = {"str": "string", "int": "number", "float": "number"}.get(type(value).__name__,
+                                                                                     type(value).__name__)
+                    return number, f"is a JSON {kind}, not an object (a row)"
     except (OSError, UnicodeDecodeError):
         return None
     return None

@@ -154,9 +154,11 @@ def _preloads(path: str) -> bool:
     import subprocess
 
     program = shutil.which("true") or sys.executable
+    # The library alone: the allocators' own settings (a MALLOC_CONF jemalloc complains of) are the run's matter
+    environment = {k: v for k, v in os.environ.items() if k not in ("MALLOC_CONF", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD")}
     try:
         started = subprocess.run([program] if program != sys.executable else [program, "-S", "-c", ""],
-                                 env={**os.environ, "LD_PRELOAD": path}, capture_output=True, timeout=30)
+                                 env={**environment, "LD_PRELOAD": path}, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
     return started.returncode == 0 and not started.stderr
