@@ -43,7 +43,8 @@ def checked(callbacks) -> list:
             raise UserError(f"callback {callback.__name__} is a class", f"pass an instance: {callback.__name__}()")
         problem = _hook_problem(callback)
         if problem is not None:
-            raise UserError(f"callback {_named(callback)} {problem[0]}", f"{problem[1]} (the hooks: {', '.join(HOOKS)})")
+            raise UserError(f"callback {_named(callback)} {problem[0]}",
+                            f"{problem[1]} (the hooks: {', '.join(HOOKS)})")
     return list(callbacks)
 
 

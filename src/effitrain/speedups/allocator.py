@@ -155,7 +155,8 @@ def _preloads(path: str) -> bool:
 
     program = shutil.which("true") or sys.executable
     # The library alone: the allocators' own settings (a MALLOC_CONF jemalloc complains of) are the run's matter
-    environment = {k: v for k, v in os.environ.items() if k not in ("MALLOC_CONF", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD")}
+    settings = {name for kind in SETTINGS.values() for name in kind}
+    environment = {k: v for k, v in os.environ.items() if k not in settings}
     try:
         started = subprocess.run([program] if program != sys.executable else [program, "-S", "-c", ""],
                                  env={**environment, "LD_PRELOAD": path}, capture_output=True, timeout=30)
