@@ -171,6 +171,7 @@ def add_parser(commands) -> None:
 
 def check_flags(args) -> None:
     """Each data flag by train's rules, and --output: before any model or library loads."""
+    cfg.check_value("model", args.model)
     for key in DATA_KEYS:
         cfg.check_value(key, getattr(args, key, None))
     check_output_file(args.output)

@@ -60,6 +60,8 @@ def check_flags(args) -> None:
         problem = cfg.optimizer_refusal(name, args.strategy, args.peft)
         if problem is not None:
             raise problem
+    cfg.validate(_peft_config(args))  # --peft, --lora-* and --preference by train's rules (before torch loads)
+    cfg.validate(_reference_config(args))
     if args.memory is not None and sizes.parse_size(args.memory) <= 0:
         raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
                         "for what is free on the device now")
@@ -120,20 +122,24 @@ def _plan_peft(args: argparse.Namespace):
     """`plan --peft` and the --lora-* flags, checked as `train` checks them."""
     from effitrain.planning import planner as plan
 
-    config = cfg.TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_dropout=args.lora_dropout,
-                             lora_target_modules=args.lora_target_modules, strategy=args.strategy,
-                             zero_stage=args.zero_stage)
-    cfg.validate(config)
-    return plan.Peft.of(config)
+    return plan.Peft.of(_peft_config(args))
+
+
+def _peft_config(args: argparse.Namespace) -> cfg.TrainConfig:
+    return cfg.TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_dropout=args.lora_dropout,
+                           lora_target_modules=args.lora_target_modules, strategy=args.strategy,
+                           zero_stage=args.zero_stage)
+
+
+def _reference_config(args: argparse.Namespace) -> cfg.TrainConfig:
+    return cfg.TrainConfig(task=args.task, peft=args.peft, preference=args.preference, reference=args.reference)
 
 
 def _plan_reference(args: argparse.Namespace) -> str | None:
     """`plan --preference/--reference`, checked and defaulted as `train` does them (the reference it holds)."""
     from effitrain import tasks
 
-    config = cfg.TrainConfig(task=args.task, peft=args.peft, preference=args.preference, reference=args.reference)
-    cfg.validate(config)
-    config = cfg.resolved(config)
+    config = cfg.resolved(_reference_config(args))
     if config.preference is not None:
         tasks.for_config(config)  # --preference on a task that has no such form: refused with its name
     return config.reference

@@ -103,6 +103,8 @@ def add_parser(commands) -> None:
 
 
 def check_flags(args) -> None:
+    cfg.check_value("model", args.model)
+    cfg.check_value("batch_size", args.batch_size, {"positive": True, "example": BATCH_SIZE})
     for name in ("max_length", "max_duration", "seed"):  # train's rules (predict's own defaults)
         cfg.check_value(name, getattr(args, name))
     for name in ("max_new_tokens", "temperature"):
