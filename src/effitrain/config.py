@@ -348,12 +348,15 @@ def quoted(value: Any) -> str:
 
 
 def coerce(key: str, value: Any, where: str) -> Any:
-    """Check one YAML value against its field's type; ints are accepted for floats, nothing else converts."""
+    """Check one YAML value against its field's type; ints are accepted for floats, and so is a number in
+    exponent form without a dot (`lr: 2e-5`: YAML 1.1, PyYAML's, reads it as a string); nothing else converts."""
     kind, nullable = base_type(field_types()[key])
     if value is None and nullable:
         return None
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value.strip()):
         return float(value)
     if not ok:
         choices, shown = meta(key).get("choices"), meta(key).get("example") or _example(kind)

@@ -220,3 +220,15 @@ def test_messages_quote_user_values_within_bounds():
     assert len(str(caught.value)) < 2 * LONGEST + 20
     err = UserError("p" * 10**6, "f" * 10**6)
     assert len(err.problem) == LONGEST and err.problem.endswith("more characters)") and len(err.fix) == LONGEST
+
+
+def test_a_yaml_number_in_exponent_form_without_a_dot_is_a_float(tmp_path):
+    """PyYAML (YAML 1.1) reads `lr: 2e-5` as the string "2e-5"; `--lr 2e-5` is a float: the file means it too."""
+    from effitrain import config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 2e-5\nwarmup_ratio: 1E-1\n")
+    assert config.load_yaml(path) == {"lr": 2e-5, "warmup_ratio": 0.1}
+    path.write_text("lr: 2e-5x\n")
+    with pytest.raises(UserError, match="`lr` must be float or null, got str 2e-5x"):
+        config.load_yaml(path)

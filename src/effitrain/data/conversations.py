@@ -148,7 +148,7 @@ def _message_problem(number: int, message) -> tuple[str, str] | None:
     if role not in ROLES:
         return f"message {number} has the unknown role `{role}`", f"use the roles {', '.join(ROLES)}"
     calls = message.get("tool_calls")
-    if calls is not None and (role != ANSWER or not _are_tool_calls(calls)):
+    if calls not in (None, []) and (role != ANSWER or not _are_tool_calls(calls)):  # [] : no call (OpenAI's)
         return (f"message {number} has tool_calls that are not the assistant's list of {{type, function: "
                 "{name, arguments}}", "give tool calls as TRL's and transformers' formats do")
     return None
