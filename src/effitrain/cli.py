@@ -104,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         except (SystemExit, GeneratorExit):  # --help, --version
             raise
         except BaseException as err:
+            received.ending = True  # a signal now (the launcher's, as its other worker ended) waits for the report
             return _ended(err, debug, received)
+
+
+class _Received(list):
+    """The signals received; `ending` once the command has failed and its report is being made."""
+
+    ending = False
 
 
 FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
@@ -172,7 +179,7 @@ def _signals_unwind():
     from effitrain.errors import Terminated
     from effitrain.runtime import distributed
 
-    received: list[int] = []
+    received = _Received()
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
@@ -181,6 +188,8 @@ def _signals_unwind():
         if received and distributed.started_by_torchrun():
             return
         received.append(signum)
+        if received.ending:  # the command failed and is saying why (a worker importing torch's error file
+            return  # writer, say): the report is not cut short; the signal is counted
         raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
     previous = {sig: signal.signal(sig, unwind) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -135,6 +135,20 @@ def test_a_user_error_under_launch_is_one_line_and_exit_2(tmp_path):
                                    "`effitrain train --help`"], stderr[-3000:]
 
 
+def test_a_signal_while_a_failed_command_reports_does_not_cut_the_report(monkeypatch, capsys):
+    """A launched worker that met a user error records it for the launcher (importing torch's error file
+    writer: seconds, now that parsing imports nothing heavy), and the launcher SIGTERMs it meanwhile as its
+    other worker ended: the report finishes, one line and exit 2, no traceback."""
+    def record_slowly(err):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the signal is handled here, in the middle of the report
+
+    monkeypatch.setattr(cli, "_record_for_launcher", record_slowly)
+    assert cli.main(["train", "--lr", "fast"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "effitrain: error: argument --lr: invalid float value: 'fast'; fix: see `effitrain train --help`"]
+
+
 def test_one_process_commands_are_refused_by_launch():
     args = SimpleNamespace(nproc=2, nnodes=1, max_restarts=0, node_rank=0, master_port=None)
     for command in (["predict", "--text", "hi"], ["inspect"], ["plan"]):
