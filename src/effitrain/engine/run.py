@@ -60,7 +60,12 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
         optim_packages.use_evaluated_weights(job.optimizer)  # schedule-free: test and save its averaged weights
         console.close()  # before the test and the summary, which would print on the bar's line
         hooks.call("on_train_end", state)
-        return finish(job, state, stopped_early, hooks)
+        result = finish(job, state, stopped_early, hooks)
+        # Every process out of every collective before any tears gloo down (accelerate's end_training destroys
+        # the group at once): a 2-process fsdp run aborted at its end once ("terminate called without an
+        # active exception", SIGABRT after model/ was written). Not on a failure: a peer may be gone.
+        job.accelerator.wait_for_everyone()
+        return result
 
 
 @contextlib.contextmanager
