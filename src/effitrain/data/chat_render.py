@@ -124,6 +124,33 @@ def _bounded_filter(name: str, function):
     return bounded
 
 
+def _counted(render):
+    """A template's root render function whose output is counted: every render and generate goes through it."""
+    def root(context):
+        written = 0
+        for chunk in render(context):
+            written += len(chunk)
+            if written > MAX_CHARS:
+                raise _too_large(f"an output of more than {written:,}")
+            yield chunk
+    return root
+
+
+def _checked_call(function, args: tuple, kwargs: dict) -> tuple:
+    """A method the template calls (`'x'.ljust(n)`, `sep.join(...)`, `s.replace(...)`, `format`): a width or
+    count above MAX_CHARS, or a join or replacement over it, refused before it runs; the arguments to call
+    it with (a joined generator read once, here)."""
+    name, owner = getattr(function, "__name__", ""), getattr(function, "__self__", None)
+    name = "range" if name == "safe_range" else name  # the sandbox's own range, as the template says it
+    _check_counts(f"{name or 'a call'}", itertools.chain(args, kwargs.values()))
+    if isinstance(owner, str) and name == "replace":
+        _check_replace(owner, *args[:3])
+    if isinstance(owner, str) and name == "join" and args:
+        args = (list(args[0]), *args[1:])
+        _check_join(owner, args[0])
+    return args
+
+
 def _environment_class():
     """BoundedEnvironment, made on first use (jinja2 is imported with transformers, not before)."""
     from jinja2.compiler import CodeGenerator
@@ -142,17 +169,7 @@ def _environment_class():
         @classmethod
         def _from_namespace(cls, environment, namespace, globals):
             template = super()._from_namespace(environment, namespace, globals)
-            render = template.root_render_func
-
-            def root(context):  # every render and generate goes through it: the output counted
-                written = 0
-                for chunk in render(context):
-                    written += len(chunk)
-                    if written > MAX_CHARS:
-                        raise _too_large(f"an output of more than {written:,}")
-                    yield chunk
-
-            template.root_render_func = root
+            template.root_render_func = _counted(template.root_render_func)
             return template
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
@@ -170,17 +187,7 @@ def _environment_class():
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
-            """A method the template calls (`'x'.ljust(n)`, `sep.join(...)`, `s.replace(...)`, `format`): a
-            width or count above MAX_CHARS, or a join or replacement over it, refused before it runs."""
-            name, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
-            name = "range" if name == "safe_range" else name  # the sandbox's own range, as the template says it
-            _check_counts(f"{name or 'a call'}", itertools.chain(args, kwargs.values()))
-            if isinstance(owner, str) and name == "replace":
-                _check_replace(owner, *args[:3])
-            if isinstance(owner, str) and name == "join" and args:
-                args = (list(args[0]), *args[1:])
-                _check_join(owner, args[0])
-            result = super().call(__context, __obj, *args, **kwargs)
+            result = super().call(__context, __obj, *_checked_call(__obj, args, kwargs), **kwargs)
             if _size(result) is not None and _size(result) > MAX_CHARS:
                 raise _too_large(f"a value of {_size(result):,}")
             return result
