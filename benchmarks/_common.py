@@ -2,10 +2,14 @@
 memory readings, number formatting, tables, fresh-process runs where the sides take turns, and the
 `--dry-run` set-up.
 
-A script imports it with its own folder put first on sys.path:
+A script in a topic folder (speedups/, techniques/, planner/, peers/, gpu/) imports it with benchmarks/ put
+first on sys.path, and a sibling script as `topic.module` (`from speedups.dropout import make_step`):
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_common.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
     import _common  # noqa: E402
+
+Importing it takes the topic folders themselves off sys.path (Python puts a script's own folder first): a
+script's name may not shadow a library (benchmarks/peft.py once shadowed peft, hence peft_vs_full.py).
 
 Dry runs (`script.py --dry-run`, all of them through `pytest tests/integration/test_benchmarks.py`): `dry_run_model()`
 writes a tiny BERT (2 layers, hidden 32, random weights, the packaged all-MiniLM tokenizer: the tests'
@@ -29,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve().parent != BENCHMARKS]  # see above
 DRY_RUN_MODEL = "EFFITRAIN_BENCH_DRY_RUN_MODEL"  # the tiny model's folder, for the children of a dry run
 MiB = 2**20
 Side = TypeVar("Side")
@@ -273,7 +279,7 @@ def module_at(revision: str, path: str):
     import importlib.util
 
     shown = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
-                           cwd=Path(__file__).parent)
+                           cwd=BENCHMARKS)
     if shown.returncode:
         return None
     name = "previous_" + Path(path).stem

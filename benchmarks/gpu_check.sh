@@ -4,9 +4,9 @@
 #   2. the default job (`effitrain train`, its defaults) with --precision auto (bf16 on such GPUs):
 #      test accuracy, samples/s, peak memory from the run's metrics.json
 #   3. on all N GPUs (skipped when N == 1): 1 process with the whole batch vs N with --strategy ddp vs N with
-#      --strategy fsdp on a tiny model, same final weights and loss to 1e-5, fp32 (benchmarks/gpu_equivalence.py)
-#   4. benchmarks/memory_plan.py: the planner's prediction vs torch.cuda.max_memory_allocated
-#   5. benchmarks/mfu.py: MFU of a ~1B Llama-shaped model, bf16 autocast, with and without checkpointing
+#      --strategy fsdp on a tiny model, same final weights and loss to 1e-5, fp32 (benchmarks/gpu/gpu_equivalence.py)
+#   4. benchmarks/planner/memory_plan.py: the planner's prediction vs torch.cuda.max_memory_allocated
+#   5. benchmarks/gpu/mfu.py: MFU of a ~1B Llama-shaped model, bf16 autocast, with and without checkpointing
 # and writes the tables, the date, GPU, torch and CUDA versions and the exact commands to
 # benchmarks/gpu-results.md. Never run on a GPU yet: no GPU has been lent to this project.
 #
@@ -30,7 +30,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-HELPER=benchmarks/_gpu_check.py
+HELPER=benchmarks/gpu/_gpu_check.py
 TOTAL_SECONDS=${GPU_CHECK_SECONDS:-470}
 REPORT_SECONDS=20  # kept for writing the results
 DRY_RUN=0 WORK="" RESULTS="" ONLY=""
@@ -153,7 +153,7 @@ fi
 # 3. 1 process vs N with ddp vs N with fsdp (the dry run validates the commands for 2 processes).
 NPROC=$N
 if ((DRY_RUN && N < 2)); then NPROC=2; fi
-EQUIVALENCE=(benchmarks/gpu_equivalence.py --nproc "$NPROC" --work-dir "$WORK/equivalence"
+EQUIVALENCE=(benchmarks/gpu/gpu_equivalence.py --nproc "$NPROC" --work-dir "$WORK/equivalence"
              --json "$WORK/equivalence.json")
 if wanted equivalence; then
     begin equivalence "3. 1 process vs N = $NPROC with --strategy ddp vs N with --strategy fsdp (tiny model, fp32)" \
@@ -169,7 +169,7 @@ if wanted equivalence; then
 fi
 
 # 4. Memory planner vs CUDA (memory_plan.py has no --dry-run: its own parser checks its arguments).
-MEMORY=(benchmarks/memory_plan.py --json "$WORK/memory_plan.json")
+MEMORY=(benchmarks/planner/memory_plan.py --json "$WORK/memory_plan.json")
 if wanted memory_plan; then
     begin memory_plan "4. Memory plan: predicted vs measured (torch.cuda.max_memory_allocated)" "$PYTHON" "${MEMORY[@]}"
     if ((DRY_RUN)); then
@@ -181,7 +181,7 @@ if wanted memory_plan; then
 fi
 
 # 5. MFU of a ~1B Llama-shaped model.
-MFU=(benchmarks/mfu.py --json "$WORK/mfu.json" ${EXTRA_MFU[@]+"${EXTRA_MFU[@]}"})
+MFU=(benchmarks/gpu/mfu.py --json "$WORK/mfu.json" ${EXTRA_MFU[@]+"${EXTRA_MFU[@]}"})
 if wanted mfu; then
     begin mfu "5. MFU of a ~1B Llama-shaped model (bf16 autocast, fused AdamW, seq 2048)" "$PYTHON" "${MFU[@]}"
     if ((DRY_RUN)); then validate "$PYTHON" "${MFU[@]}" --dry-run; else execute 100 "$PYTHON" "${MFU[@]}"; fi

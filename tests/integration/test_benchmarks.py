@@ -1,6 +1,6 @@
-"""benchmarks/ as a suite: every script runs with --dry-run (a tiny model, 1-2 steps, a few examples, one
-thread; nothing written to benchmarks/) in a fresh process and exits 0, so that a rename in the engine
-breaks this test rather than a benchmark weeks later. The list of scripts is read from the folder: a new
+"""benchmarks/ as a suite: every script (benchmarks/<topic>/<name>.py) runs with --dry-run (a tiny model, 1-2
+steps, a few examples, one thread; nothing written to benchmarks/) in a fresh process and exits 0, so that a
+rename in the engine breaks this test rather than a benchmark weeks later. The list of scripts is read from the folder: a new
 script without --dry-run fails here. Nothing here checks a figure: the dry runs measure a tiny model on
 a busy machine.
 
@@ -17,13 +17,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-HELPERS = {"_common.py", "memory_plan_runs.py"}  # imported by the scripts (memory_plan.py --runs), not run
+TOPICS = {"speedups", "techniques", "planner", "peers", "gpu"}
+# Imported by the scripts, not run: memory_plan.py --runs's rows; what the peer comparisons share.
+HELPERS = {"planner/memory_plan_runs", "peers/_same_start", "peers/_report"}
+
+
+def modules() -> list[str]:
+    """benchmarks/<topic>/*.py as `topic/name`, the packages' __init__ and the helpers left out."""
+    found = (path.relative_to(BENCHMARKS).with_suffix("").as_posix() for path in BENCHMARKS.glob("*/*.py"))
+    return sorted(name for name in found if not name.endswith("/__init__") and name not in HELPERS)
 
 
 def scripts() -> list[str]:
-    """benchmarks/*.py that run as scripts (an `if __name__ == "__main__":` block), the helpers left out."""
-    return sorted(path.stem for path in BENCHMARKS.glob("*.py")
-                  if path.name not in HELPERS and '\nif __name__ == "__main__":' in path.read_text())
+    """The modules that run as scripts (an `if __name__ == "__main__":` block)."""
+    return [name for name in modules() if '\nif __name__ == "__main__":' in (BENCHMARKS / f"{name}.py").read_text()]
 
 
 def written(folder: Path) -> tuple[set[str], dict[str, float]]:
@@ -33,11 +40,21 @@ def written(folder: Path) -> tuple[set[str], dict[str, float]]:
             {str(p): p.stat().st_mtime for p in files if p.parent.name == "results"})
 
 
+def test_every_script_sits_in_a_topic_folder():
+    """benchmarks/ holds the shared helpers, the GPU entry point, the README and results/; scripts live in
+    the topic packages (importable as `topic.module` by their siblings)."""
+    assert {p.name for p in BENCHMARKS.iterdir() if p.is_file()} >= {"_common.py", "gpu_check.sh", "README.md"}
+    assert {p.name for p in BENCHMARKS.glob("*.py")} == {"_common.py"}
+    folders = {p.name for p in BENCHMARKS.iterdir() if p.is_dir() and p.name != "__pycache__"
+               and not p.name.startswith(".")}
+    assert folders == TOPICS | {"results"}
+    assert all((BENCHMARKS / topic / "__init__.py").is_file() for topic in TOPICS)
+
+
 def test_every_script_is_listed_and_has_a_dry_run():
     found = scripts()
-    assert len(found) >= 17 and "vs_trainer" in found and "_gpu_check" in found
-    modules = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS)
-    assert found == modules, f"not scripts (no __main__ block): {sorted(set(modules) - set(found))}"
+    assert len(found) >= 17 and "peers/vs_trainer" in found and "gpu/_gpu_check" in found
+    assert found == modules(), f"not scripts (no __main__ block): {sorted(set(modules()) - set(found))}"
     missing = [name for name in found if "--dry-run" not in (BENCHMARKS / f"{name}.py").read_text()]
     assert not missing, f"scripts without --dry-run: {missing}"
 

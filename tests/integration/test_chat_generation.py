@@ -1,7 +1,7 @@
 """Evaluation by generation and prediction of chat models (issue 29, item 6): metrics.json's exact_match
 and end_of_turn_share are those of generating each test prompt alone with plain transformers; `effitrain
 evaluate` gives them again; `effitrain predict` renders JSONL `messages` with the saved template and stops
-at the end of turn. The sms-spam-chat accuracy target is benchmarks/chat_accuracy.py (8 minutes)."""
+at the end of turn. The sms-spam-chat accuracy target is benchmarks/techniques/chat_accuracy.py (8 minutes)."""
 
 import json
 

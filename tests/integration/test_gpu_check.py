@@ -19,9 +19,9 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 
 def load(name: str):
-    """A script of benchmarks/ as a module, without putting that folder on sys.path (its scripts may not
-    shadow libraries)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    """A script of benchmarks/gpu/ as a module; sys.path as it was afterwards (the scripts put benchmarks/ on it
+    to import their shared helpers)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / "gpu" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     saved = list(sys.path)
     spec.loader.exec_module(module)
@@ -84,9 +84,9 @@ def test_the_validator_uses_effitrains_parser_and_config_checks():
                 ["train", "--effective-batch-size", "32", "--grad-accum", "2"]):
         with pytest.raises(UserError):
             check.validate_effitrain(bad)
-    check.validate_script(str(ROOT / "benchmarks" / "memory_plan.py"), ["--json", "x.json"])
+    check.validate_script(str(ROOT / "benchmarks" / "planner" / "memory_plan.py"), ["--json", "x.json"])
     with pytest.raises(SystemExit) as exited:
-        check.validate_script(str(ROOT / "benchmarks" / "memory_plan.py"), ["--only", "bogus"])
+        check.validate_script(str(ROOT / "benchmarks" / "planner" / "memory_plan.py"), ["--only", "bogus"])
     assert exited.value.code == 2
 
 

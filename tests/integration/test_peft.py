@@ -424,7 +424,7 @@ def test_a_tied_lm_head_is_refused_as_a_target(tmp_path):
 def test_a_causal_lm_from_a_config_learns_under_lora(tmp_path):
     """Issue 13's bar: LoRA alone (the output layer's adapter included) halves a random Llama-shaped
     model's validation perplexity on a real text set in a short run. Over all-linear only it cannot:
-    the frozen random output layer bounds the logits (benchmarks/peft_causal_lm.py)."""
+    the frozen random output layer bounds the logits (benchmarks/techniques/peft_causal_lm.py)."""
     base_dir = random_llama_dir(tmp_path / "base", hidden=64)
     data = {"data": "bbc-news", "max_eval_samples": 32, "max_length": 32}
     before = evaluate(base_dir, data, split="validation")["perplexity"]

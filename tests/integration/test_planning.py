@@ -357,10 +357,10 @@ def test_two_processes_agree_when_one_runs_out_of_memory(tiny_model_dir, tmp_pat
 
 
 def test_the_benchmark_script_runs_one_configuration():
-    """benchmarks/memory_plan.py's measuring child, on the smallest configuration (the full table is
+    """benchmarks/planner/memory_plan.py's measuring child, on the smallest configuration (the full table is
     the benchmark, not a test)."""
     config = ["gpt2:n_layer=2,n_embd=32,n_head=2", "causal-lm", 2, 32, "fp32", "adamw", False, 1]
-    out = subprocess.run([sys.executable, "benchmarks/memory_plan.py", "--child", json.dumps(config)],
+    out = subprocess.run([sys.executable, "benchmarks/planner/memory_plan.py", "--child", json.dumps(config)],
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])

@@ -193,7 +193,7 @@ def test_an_example_hashes_the_same_in_any_micro_batch():
 
 def test_the_planner_counts_whole_gradients_held_while_fsdp_accumulates():
     """Under fsdp the micro-batches before a step's last keep their gradients whole (no reduce-scatter):
-    measured -15.4% without this term (benchmarks/fsdp_memory.py, accumulation 2)."""
+    measured -15.4% without this term (benchmarks/planner/fsdp_memory.py, accumulation 2)."""
     from effitrain.planning import planner as plan
 
     shapes = plan.model_shapes("causal-lm", TINY_GPT2)

@@ -20,7 +20,7 @@ NOTHING = ("nothing to predict", "pass --text \"...\" (classifiers, repeatable),
                                  "or --input FILE (a JSONL/CSV of texts or prompts, an image or audio file, a folder)")
 
 
-# Inputs per forward pass. Measured on 10,000 SMS texts with all-MiniLM-L6-v2 (benchmarks/predict_speed.py).
+# Inputs per forward pass. Measured on 10,000 SMS texts with all-MiniLM-L6-v2 (benchmarks/peers/predict_speed.py).
 BATCH_SIZE = 64
 
 

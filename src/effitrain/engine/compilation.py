@@ -11,7 +11,7 @@ of the plain model.
 
 Shapes: batches are padded to a multiple of 8 as without --compile, and dynamo's automatic dynamic
 shapes turn the sequence and batch sizes into symbols at the first size that changes, so a run
-compiles a few graphs whatever its lengths (benchmarks/compile.py measured it against padding to
+compiles a few graphs whatever its lengths (benchmarks/techniques/compile.py measured it against padding to
 power-of-two buckets with static graphs: those compiled more graphs, for longer, and ran slower).
 Evaluation stays eager (engine/evaluator.py). Dynamo's counters give the graphs and seconds, reported
 apart from the training time."""

@@ -19,7 +19,7 @@ def gather_outputs(accelerator, task, model, dataloader, in_pieces: bool = True,
     """The task's per-example eval outputs over the whole split, on the CPU of every process;
     gather_for_metrics drops the samples padded in to even out shards. Eager even where --compile compiled
     the blocks: inference-mode graphs would be compiled apart, and on a CPU they measured no faster than
-    eager (benchmarks/compile.py), so they would only add compile seconds. `in_pieces`: the strategy's
+    eager (benchmarks/techniques/compile.py), so they would only add compile seconds. `in_pieces`: the strategy's
     `evaluates_in_pieces` (see batch_outputs)."""
     was_training = model.training
     model.eval()

@@ -128,7 +128,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
 
 def in_use_bytes(device: torch.device) -> int:
     """What this process holds before the model is built, which the planner's peak does not count: the
-    bytes allocated on a GPU; on a CPU the resident set (benchmarks/memory_plan.py measures the CPU
+    bytes allocated on a GPU; on a CPU the resident set (benchmarks/planner/memory_plan.py measures the CPU
     predictions from there), so that the run's measured peak compares with this plus the prediction."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))

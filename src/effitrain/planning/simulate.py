@@ -80,7 +80,7 @@ class _Timeline(TorchDispatchMode):
     def __init__(self, flop_counter, trace: list | None = None):
         super().__init__()
         # `trace`: where to record the ordered allocations (id, bytes) and frees (id, 0) of the step's
-        # storages, for a replay through the C allocator (benchmarks/memory_overhead.py); None: not recorded.
+        # storages, for a replay through the C allocator (benchmarks/planner/memory_overhead.py); None: not recorded.
         self.trace = trace
         self._next_id = 0
         self.held = 0  # activations and temporaries

@@ -99,7 +99,7 @@ class _AdaptedLinear(torch.autograd.Function):
     """out = x W^T + b + ((x * mask) A^T * scaling) B^T for a frozen W and b, as one autograd node whose
     backward picks the fast form of each product: the adapter's input gradient added into the base's in
     place (one addmm), B's gradient as (a^T g)^T, which reads g by rows (2.5-3x faster than g^T a in
-    fp32, benchmarks/lora_step.py). Inputs are 2-D and in the compute dtype; autocast is off inside."""
+    fp32, benchmarks/speedups/lora_step.py). Inputs are 2-D and in the compute dtype; autocast is off inside."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_a, weight_b, scaling: float, p: float, lean: bool):

@@ -8,7 +8,7 @@ kernel faults their pages in and zeroes them anew: 10-25% of the default model's
 
 `keep_freed_memory` makes glibc serve every block from its heap (M_MMAP_MAX 0) and keep up to
 KEEP bytes freed at the heap's top (M_TRIM_THRESHOLD), so a step reuses the pages of the one before.
-benchmarks/allocator.py measures it: the training step's time, evaluation's, and peak resident memory.
+benchmarks/speedups/allocator.py measures it: the training step's time, evaluation's, and peak resident memory.
 `restore` puts glibc's defaults back when a run ends (effitrain.train may run inside a longer program).
 
 glibc keeps pages, but not in shape: small C++ objects land in the holes freed large tensors leave and

@@ -4,7 +4,7 @@ Each element is kept with probability 1 - p and scaled by 1 / (1 - p), as torch'
 the way the draw is made differs (torch's CPU `bernoulli_` was ~15% of the default model's fp32
 training step, 23% in bf16): `keep_mask` draws 16 random bits per element with numpy's PCG64 on torch's
 threads, and compares and scales a cache-sized block at a time, p taken to the nearest multiple of 2^-16
-(see benchmarks/dropout.py).
+(see benchmarks/speedups/dropout.py).
 The mask is kept for the backward as torch's CPU dropout keeps it: scaled floats (a boolean mask
 would save memory, but multiplying by booleans measured slower than the draw it saves).
 
@@ -50,7 +50,7 @@ CHUNK = 1 << 20  # draws per generator: a fixed split, so the draws do not depen
 # Draws made, compared and turned into mask values at a time: they stay in cache (128K: under 1 MiB), and
 # few enough that each block's numpy calls (which hold the GIL between them) do not make two threads
 # wait on each other: 16K blocks made a 3M-value mask 1.5x slower on two threads than on one, 128K
-# blocks 2.1x faster than 16K (benchmarks/dropout_draws.py). A multiple of 4: the draws do not depend on it.
+# blocks 2.1x faster than 16K (benchmarks/speedups/dropout_draws.py). A multiple of 4: the draws do not depend on it.
 BLOCK = 1 << 17
 _POOL = None
 # The mask's values written as the bits of x's dtype (numpy has no bf16): a signed integer of its size.
@@ -62,7 +62,7 @@ def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     least p * 2^16 rounded to the nearest integer, else 0. So p is taken to the nearest multiple of 2^-16
     (0.1 drops with probability 0.100006; the scale 1 / (1 - p) is rounded to x's dtype, 0.16% in bf16,
     as torch's is): 16 random bits per element instead of 32, which halves the draw, most of the mask's
-    cost (numpy's generators make ~1.7 ns a 64-bit word here; benchmarks/dropout_draws.py). Built a BLOCK at a
+    cost (numpy's generators make ~1.7 ns a 64-bit word here; benchmarks/speedups/dropout_draws.py). Built a BLOCK at a
     time on torch's threads (draw, compare, write in cache) instead of three passes over memory and, for
     bf16, a cast."""
     import numpy as np
@@ -180,7 +180,7 @@ class Dropout(torch.nn.Dropout):
 
 def apply(model: torch.nn.Module, layers: bool = True, attention: bool = True) -> int:
     """Every plain torch.nn.Dropout of `model` becomes a `Dropout` (`layers`), and a model on
-    transformers' SDPA attention moves to `effitrain_sdpa` (`attention`; benchmarks/dropout.py measures
+    transformers' SDPA attention moves to `effitrain_sdpa` (`attention`; benchmarks/speedups/dropout.py measures
     each alone). Returns the number of dropout layers swapped."""
     swapped = 0
     for parent in list(model.modules()) if layers else []:

@@ -5,7 +5,7 @@ that is not Intel's, MKL takes its generic code path (MKL_VERBOSE names no instr
 Architecture processors"); on this project's AMD EPYC (AVX-512) oneDNN's fp32 linear is 1.08-1.17x
 MKL's for the forward product and for the input's gradient, and no faster for the weight's gradient (a
 sum over every token, which stays on MKL): 3-7% of the default model's fp32 training step
-(benchmarks/onednn_linear.py).
+(benchmarks/speedups/onednn_linear.py).
 
 The arithmetic is the same, fp32 products summed in fp32, in another order: results agree with MKL's to
 float rounding, not bit for bit, and a run stays deterministic on its machine. `apply` gives every

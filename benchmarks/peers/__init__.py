@@ -1,0 +1,1 @@
+"""effitrain against its peers (transformers' Trainer, TRL, a plain transformers loop) on the same job."""

@@ -1,0 +1,469 @@
+"""effitrain.train against TRL's SFTTrainer: chat fine-tuning of the same causal LM on the same data.
+
+Both sides fine-tune the same Llama-shaped model (4 layers, hidden 256, random weights from a config,
+saved once to a temporary folder) with the same byte-level BPE tokenizer (trained here on the SMS
+messages, ChatML's special tokens added) and the same ChatML template, whose {% generation %} blocks mark
+each assistant turn through its <|im_end|>: TRL's `assistant_only_loss=True` and effitrain's default loss
+on the assistant turns then cover the same tokens. Data: effitrain's training split of the built-in
+`sms-spam-chat` (TRL is given those very rows), nothing truncated (max_length 512 is above the longest
+conversation); the same micro-batch, seed, lr, weight decay, warm-up, max grad norm and fused AdamW;
+the same batch order (the Trainer's LengthGroupedSampler seeded as effitrain seeds its own, which gives
+the same order index for index), so that the padded sides train on the same batches. Each run then
+evaluates the first EVAL_SAMPLES validation and test conversations and saves the model.
+
+Sides (`--sides`):
+  trl                SFTTrainer, padded batches
+  trl-padding-free   SFTTrainer, padding_free=True (the batch's examples in one row); TRL refuses it with a
+                     max_length, so max_length=None (the same: nothing is cut at 512)
+  trl-packing        SFTTrainer, packing=True (best-fit decreasing into rows of PACK_LENGTH tokens, padding-free
+                     within the batch), PACK_BATCH rows a step: about the tokens of a padded step
+  effitrain          effitrain.train with its defaults (padded, length-grouped)
+  effitrain-packing  the same with --packing (each micro-batch's examples in one row)
+TRL at its best CPU settings: gradient_checkpointing=False (SFTConfig turns it on by default: memory for
+speed), the length-grouped sampler, optim adamw_torch_fused; its fused LM head (no whole logits) is always on.
+
+The first step's loss (the mean over answer tokens of the step) is recorded on every side, with a digest
+of its batch's examples (token ids and labels, padding removed): the parent checks that the padded sides
+saw the same batch and their losses agree within 1e-5 in fp32 (`--precision fp32`).
+
+Each run is a fresh subprocess of this script (`--only SIDE`), the sides taking turns over `--runs`
+rounds, each with its own empty datasets cache (both sides tokenise from scratch, as a first run does).
+Figures: tokens/s = real (non-padding) tokens of steps 2..N over the time from the end of step 1 to the
+end of step N (both sides' callbacks: the one-off start of the first step left out, the batches'
+loading kept in); peak RSS = ru_maxrss at the end of training; time to saved model = from the parent's
+clock before the process starts to the child's clock after the model is saved.
+
+    .venv/bin/python benchmarks/peers/vs_trl.py [--steps 40] [--runs 3] [--precision fp32 bf16] [--sides ...]
+    .venv/bin/python benchmarks/peers/vs_trl.py --dry-run   # trl and effitrain, 2 steps of 4, a 1-layer model
+
+Needs TRL: pip install -e '.[bench]' (trl pinned). Compare the ratios, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
+import _common  # noqa: E402
+from _common import cpu_share, cpu_snapshot, fmt, machine, mib, print_columns, rss_peak_bytes  # noqa: E402
+
+DATA = "sms-spam-chat"
+MAX_LENGTH = 512  # above the longest conversation: nothing is truncated on either side
+PACK_LENGTH, PACK_BATCH = 512, 2  # TRL's packed rows: about the tokens of a padded step of 16 (checked in notes)
+LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
+EVAL_SAMPLES, EVAL_BATCH = 64, 32
+SIDES = ("trl", "trl-padding-free", "trl-packing", "effitrain", "effitrain-packing")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with generation blocks around each answer and its end of turn: what TRL's assistant_only_loss needs.
+TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+            "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
+            "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of each run (default 40)")
+    parser.add_argument("--batch-size", type=int, default=16, help="micro-batch (default 16)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side and precision (default 3)")
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--vocab", type=int, default=8192, help="the BPE tokenizer's vocabulary (default 8192)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every run's figures")
+    parser.add_argument("--only", choices=SIDES, default=None, help="run one side in this process (the children)")
+    parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="trl and effitrain once each, fp32, a 1-layer model, 2 steps of 4; no --json")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.steps < 2 or args.runs < 1:
+        parser.error("--batch-size and --runs must be at least 1, --steps at least 2")
+    if args.dry_run:
+        args.steps, args.batch_size, args.runs, args.precision, args.json = 2, 4, 1, ["fp32"], None
+        args.sides = [side for side in args.sides if side in ("trl", "effitrain")] or ["trl", "effitrain"]
+    if args.only is None and importlib.util.find_spec("trl") is None:
+        if not args.dry_run:
+            parser.error("TRL is not installed: pip install -e '.[bench]' (the pinned version)")
+        print("dry run: TRL is not installed (pip install -e '.[bench]'): the effitrain side only", flush=True)
+        args.sides = [side for side in args.sides if not side.startswith("trl")] or ["effitrain"]
+    return args
+
+
+# --- the model both sides start from ----------------------------------------------------------------
+
+
+def make_model(folder: Path, vocab: int, seed: int, tiny: bool = False) -> dict:
+    """A byte-level BPE tokenizer trained on the SMS messages (ChatML's tokens special, the template set)
+    and a Llama-shaped model from a config, random weights from `seed`, saved to `folder`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from effitrain.data import builtins
+
+    texts = list(builtins.sms_spam()["all"]["text"]) + [builtins.SPAM_QUESTION, "user assistant spam ham"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        extra_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = TEMPLATE
+    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64) if tiny else \
+        dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688)
+    config = LlamaConfig(vocab_size=len(tokenizer), num_key_value_heads=shape["num_attention_heads"],
+                         max_position_embeddings=1024, tie_word_embeddings=False, attention_dropout=0.0,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None, **shape)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"vocab": len(tokenizer), "parameters": sum(p.numel() for p in model.parameters()), **shape}
+
+
+def effitrain_splits(args, model_dir: Path):
+    """effitrain train's split of the built-in data (test then validation held out, by seed)."""
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+
+    config = TrainConfig(model=str(model_dir), task="causal-lm", data=DATA, seed=args.seed, max_length=MAX_LENGTH)
+    return tasks.get(config.task).load_data(config).splits
+
+
+# --- what both sides record -------------------------------------------------------------------------
+
+
+def examples_of(batch: dict) -> list[tuple[tuple, tuple]]:
+    """(token ids, labels) of each example of a batch, padding removed: padded rows by their attention
+    mask, flattened rows split where the positions restart. Each example's first label is left out: it is
+    never a target (padding-free collators set it to -100 so that no example predicts the next one)."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    found = []
+    for row in range(ids.shape[0]):
+        if "attention_mask" in batch:
+            keep = batch["attention_mask"][row].bool()
+            found.append((ids[row][keep], labels[row][keep]))
+        else:
+            starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+            found += [(ids[row][a:b], labels[row][a:b]) for a, b in zip(starts, starts[1:])]
+    return [(tuple(i.tolist()), tuple(lab.tolist()[1:])) for i, lab in found]
+
+
+def digest(examples: list) -> str:
+    return hashlib.sha256(json.dumps(sorted(examples)).encode()).hexdigest()[:16]
+
+
+def real_tokens(batch: dict) -> int:
+    return int(batch["attention_mask"].sum()) if "attention_mask" in batch else int(batch["input_ids"].numel())
+
+
+class StepLog:
+    """Each step's end (perf_counter) and real tokens, the first batch's examples and loss."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+        self.tokens: list[int] = []
+        self.first_batch: list | None = None
+        self.first_loss: float | None = None
+        self.cpu_start = None
+
+    def batch(self, batch: dict) -> None:
+        if self.first_batch is None:
+            self.first_batch = examples_of(batch)
+            self.cpu_start = cpu_snapshot()
+        self.tokens.append(real_tokens(batch))
+
+    def step_loss(self, loss: float) -> None:
+        if self.first_loss is None:
+            self.first_loss = loss
+
+    def figures(self, steps: int) -> dict:
+        seconds = self.ends[-1] - self.ends[0]
+        tokens = sum(self.tokens[1:steps])
+        return {"steps_timed": len(self.ends) - 1, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                "tokens_per_step": statistics.mean(self.tokens[:steps]), "first_loss": self.first_loss,
+                "first_batch_digest": digest(self.first_batch), "first_batch_examples": len(self.first_batch),
+                "first_batch_answer_tokens": sum(sum(lab != -100 for lab in labels)
+                                                 for _, labels in self.first_batch)}
+
+
+# --- TRL ----------------------------------------------------------------------------------------------
+
+
+def run_trl(args, side: str) -> dict:
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from effitrain.runtime import libraries
+
+    libraries.quiet_libraries(False)
+    log = StepLog()
+    set_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
+    splits = effitrain_splits(args, args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=torch.float32)
+    out_dir = tempfile.mkdtemp(prefix="vs_trl_trl_")
+    packing, padding_free = side == "trl-packing", side == "trl-padding-free"
+    config = trl.SFTConfig(
+        output_dir=out_dir, max_steps=args.steps, learning_rate=LR, weight_decay=WEIGHT_DECAY,
+        warmup_steps=WARMUP_RATIO, max_grad_norm=MAX_GRAD_NORM, seed=args.seed, optim="adamw_torch_fused",
+        per_device_train_batch_size=PACK_BATCH if packing and not args.dry_run else args.batch_size,
+        per_device_eval_batch_size=EVAL_BATCH, bf16=args.precision == "bf16", gradient_checkpointing=False,
+        assistant_only_loss=True, packing=packing, padding_free=padding_free,
+        max_length=None if padding_free else PACK_LENGTH if packing else MAX_LENGTH,
+        train_sampling_strategy="group_by_length", use_cpu=True, report_to="none", save_strategy="no",
+        eval_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0)
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, *_, **__):
+            log.ends.append(time.perf_counter())
+
+    class Recorded(trl.SFTTrainer):
+        """Records each training batch and the first step's loss; its length-grouped sampler seeded as
+        effitrain seeds its own (left alone it draws from torch's global generator: another order)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if model.training:
+                if log.first_loss is None:
+                    log.first_loss = float(loss.detach())
+                log.batch(inputs)
+            return loss
+
+        def _get_train_sampler(self, train_dataset=None):
+            sampler = super()._get_train_sampler(train_dataset)
+            if isinstance(sampler, LengthGroupedSampler):
+                sampler.generator = torch.Generator().manual_seed(args.seed)
+            return sampler
+
+    trainer = Recorded(model=model, args=config, train_dataset=splits["train"], processing_class=tokenizer,
+                       callbacks=[Clock()])
+    trainer.train()
+    rss = rss_peak_bytes()
+    cpu_end = cpu_snapshot()
+    limit = range(min(EVAL_SAMPLES, len(splits["validation"])))
+    validation = trainer.evaluate(splits["validation"].select(limit))
+    trainer.evaluate(splits["test"].select(range(min(EVAL_SAMPLES, len(splits["test"])))), metric_key_prefix="test")
+    trainer.save_model(os.path.join(out_dir, "model"))
+    saved_at = time.time()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"side": side, "precision": args.precision, "steps": trainer.state.global_step,
+            "peak_rss_bytes": rss, "saved_at": saved_at, "validation_loss": validation.get("eval_loss"),
+            "cpu": cpu_share(log.cpu_start, cpu_end), **log.figures(args.steps),
+            "versions": {"trl": trl.__version__, **versions()}}
+
+
+# --- effitrain ----------------------------------------------------------------------------------------
+
+
+class Observer:
+    """effitrain's callbacks (engine/callbacks.py): each step's batch, end and loss, for a StepLog (this
+    script's, or vs_trl_preference.py's)."""
+
+    def __init__(self, log: StepLog):
+        self.log = log
+        self.rss = self.cpu_end = None
+
+    def on_step_begin(self, state, group):
+        for batch in group:
+            if batch is not None:
+                self.log.batch(batch)
+
+    def on_step_end(self, state, result):
+        self.log.ends.append(time.perf_counter())
+        loss_sum, items = (float(x) for x in result.window[:2])
+        self.log.step_loss(loss_sum / items)
+
+    def on_train_end(self, state):
+        self.rss, self.cpu_end = rss_peak_bytes(), cpu_snapshot()
+
+
+def run_effitrain(args, side: str) -> dict:
+    import effitrain
+
+    log = StepLog()
+    observer = Observer(log)
+    out_dir = Path(tempfile.mkdtemp(prefix="vs_trl_effitrain_")) / "run"
+    config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm", "data": DATA,
+              "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "lr": LR,
+              "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO, "max_grad_norm": MAX_GRAD_NORM,
+              "seed": args.seed, "max_length": MAX_LENGTH, "max_eval_samples": EVAL_SAMPLES,
+              "eval_batch_size": EVAL_BATCH, "log_every": args.steps, "precision": args.precision,
+              "packing": side == "effitrain-packing"}
+    try:
+        metrics = effitrain.train(config, callbacks=[observer])
+        saved_at = time.time()
+    finally:
+        shutil.rmtree(out_dir.parent, ignore_errors=True)
+    return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
+            "saved_at": saved_at, "validation_loss": (metrics.get("validation") or {}).get("loss"),
+            "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
+            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **versions()}}
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+# --- the parent ---------------------------------------------------------------------------------------
+
+
+def run_child(side: str, precision: str, args, tmp: Path, script: Path = Path(__file__)) -> dict:
+    """One side's run: `script --only side` in a fresh process (vs_trl_preference.py runs its own), with an
+    empty datasets cache; its result file read back."""
+    result = tmp / f"{side}-{precision}.json"
+    cache = Path(tempfile.mkdtemp(prefix="cache-", dir=tmp))  # each run tokenises from scratch
+    command = [sys.executable, str(script.resolve()), "--only", side, "--precision", precision,
+               "--model-dir", str(args.model_dir), "--result", str(result), "--steps", str(args.steps),
+               "--batch-size", str(args.batch_size), "--seed", str(args.seed)] + (["--dry-run"] if args.dry_run else [])
+    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
+    start, started_at = time.perf_counter(), time.time()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(cache, ignore_errors=True)
+    if done.returncode != 0 or not result.is_file():
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise SystemExit(f"the {side} {precision} run failed (exit code {done.returncode})")
+    run = json.loads(result.read_text())
+    return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
+
+
+def median(runs: list[dict], key: str):
+    values = [run[key] for run in runs if run.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+QUIET = 0.1  # cores other processes may keep busy during a run whose speed is counted as clean
+
+
+def quiet_runs(runs: list[dict]) -> list[dict]:
+    """The runs other processes left alone (under QUIET cores busy), or all of them when none was: a shared
+    machine's busy moment is not a side's speed."""
+    quiet = [run for run in runs if ((run.get("cpu") or {}).get("other_cores") or 0) < QUIET]
+    return quiet or runs
+
+
+def summary(results: dict, precision: str, sides: list[str]) -> tuple[list[tuple], dict]:
+    rows, medians = [], {}
+    for side in sides:
+        runs = results[(side, precision)]
+        counted = quiet_runs(runs)
+        m = medians[side] = {key: median(counted, key) for key in
+                             ("tokens_per_second", "peak_rss_bytes", "saved_seconds", "tokens_per_step")}
+        other = max((run["cpu"] or {}).get("other_cores") or 0 for run in runs)
+        rows.append((f"{side} {precision}", " / ".join(f"{run['tokens_per_second']:.0f}" +
+                                                       ("" if run in counted else "*") for run in runs),
+                     fmt(m["tokens_per_second"], ".0f"), fmt(m["tokens_per_step"], ".0f"), mib(m["peak_rss_bytes"]),
+                     fmt(m["saved_seconds"], ".1f"), f"{other:.2f}"))
+    return rows, medians
+
+
+def ratio_rows(medians: dict, precision: str) -> list[tuple]:
+    ours = [side for side in medians if side.startswith("effitrain")]
+    theirs = [side for side in medians if side.startswith("trl")]
+    rows = []
+    for e in ours:
+        for t in theirs:
+            rows.append((f"{e} / {t} {precision}",
+                         f"{medians[e]['tokens_per_second'] / medians[t]['tokens_per_second']:.2f}x",
+                         f"{medians[e]['peak_rss_bytes'] / medians[t]['peak_rss_bytes']:.2f}x",
+                         f"{medians[t]['saved_seconds'] / medians[e]['saved_seconds']:.2f}x"))
+    return rows
+
+
+def first_step_lines(results: dict, precision: str, sides: list[str]) -> list[str]:
+    """The first step's loss of each side's first run; the padded sides' batches and losses compared."""
+    first = {side: results[(side, precision)][0] for side in sides}
+    lines = [f"{side} {precision}: first-step loss {run['first_loss']:.8f} over {run['first_batch_examples']} examples, "
+             f"{run['first_batch_answer_tokens']} answer tokens, batch digest {run['first_batch_digest']}"
+             for side, run in first.items()]
+    pairs = [(a, b) for a in first for b in first if a < b and first[a]["first_batch_digest"] ==
+             first[b]["first_batch_digest"]]
+    for a, b in pairs:
+        difference = abs(first[a]["first_loss"] - first[b]["first_loss"])
+        verdict = "within 1e-5" if difference <= 1e-5 else "NOT within 1e-5"
+        lines.append(f"same first batch, {a} vs {b}: |loss difference| = {difference:.2e} ({verdict})")
+    if ("trl", precision) in results and ("effitrain", precision) in results and \
+            first["trl"]["first_batch_digest"] != first["effitrain"]["first_batch_digest"]:
+        lines.append("WARNING: trl and effitrain did not train on the same first batch")
+    return lines
+
+
+def compare(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
+        args.model_dir = Path(tmp) / "model"
+        shape = make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, tiny=args.dry_run)
+        turns = _common.take_turns([(side, p) for p in args.precision for side in args.sides], args.runs,
+                                   lambda side_precision: run_child(*side_precision, args, Path(tmp)))
+    results = dict(turns)
+    one = next(iter(results.values()))[0]
+    print(f"\nLlama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+          f"vocabulary {shape['vocab']}, {shape['parameters'] / 1e6:.1f}M parameters), ChatML with generation blocks, "
+          f"loss on the assistant turns; {DATA} (effitrain's training split); {args.steps} steps of {args.batch_size} "
+          f"(trl-packing: {PACK_BATCH} rows of {PACK_LENGTH}); seed {args.seed}; {args.runs} run(s) each, medians; "
+          f"{machine()}; torch {one['versions']['torch']}, transformers {one['versions']['transformers']}, "
+          f"trl {next((r[0]['versions'].get('trl') for r in results.values() if 'trl' in r[0]['versions']), '-')}\n")
+    for precision in args.precision:
+        rows, medians = summary(results, precision, args.sides)
+        print(f"medians of the quiet runs (other processes under {QUIET} cores busy); * a run left out")
+        print_columns(("", "tokens/s of each run", "median tokens/s", "tokens/step", "peak RSS", "s to saved model",
+                       "other cores"), rows)
+        print()
+        print_columns(("effitrain / TRL", "tokens/s", "peak RSS", "time to saved model (TRL's / ours)"),
+                      ratio_rows(medians, precision))
+        print()
+        for line in first_step_lines(results, precision, args.sides):
+            print(line)
+        print()
+    busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
+    if any(b is not None and b > 0.1 for b in busy):
+        print(f"WARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "
+              "some runs: these speeds measure the contention as much as the code")
+    if args.json is not None:
+        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": machine(), "model": shape, "steps": args.steps, "batch_size": args.batch_size,
+                  "runs": {f"{side} {p}": runs for (side, p), runs in results.items()}}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"figures written to {args.json}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.dry_run:
+        _common._one_thread()
+        if args.only is None:
+            _common.skipped("bf16, the padding-free and packing sides, repeats and --json")
+    if args.only is None:
+        compare(args)
+        return
+    args.precision = args.precision[0]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result = run_trl(args, args.only) if args.only.startswith("trl") else run_effitrain(args, args.only)
+    args.result.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The memory planner's predictions against measured peaks, and what the allocator keeps beyond the tensors."""
