@@ -48,6 +48,7 @@ from effitrain.tasks.classification import Classification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
+from peers import _report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -238,12 +239,10 @@ def main(argv=None) -> None:
         figures = run_all(args, model_dir, texts, folder)
     report(figures, args.n)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.date.today().isoformat(), "machine": _common.machine(torch_version=True), "texts": args.n, "source": source,
-            "versions": {"torch": torch.__version__, "effitrain": effitrain.__version__}, "sides": figures,
-        }, indent=2) + "\n")
-        print(f"figures written to {args.json}")
+        _report.write_json(args.json, {
+            "date": datetime.date.today().isoformat(), "machine": _common.machine(torch_version=True), "texts": args.n,
+            "source": source, "versions": {"torch": torch.__version__, "effitrain": effitrain.__version__},
+            "sides": figures})
 
 
 if __name__ == "__main__":

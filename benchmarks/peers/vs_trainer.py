@@ -54,12 +54,10 @@ Speeds depend on the machine and on whatever else runs on it; compare the ratios
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +74,7 @@ from _common import (  # noqa: E402
     print_columns,
     rss_peak_bytes,
 )
+from peers import _report, _sides  # noqa: E402
 
 from effitrain.speedups import allocator  # noqa: E402
 
@@ -166,11 +165,7 @@ def cuda_peak() -> int | None:
 
 def effitrain_split(seed: int):
     """effitrain train's split of the built-in data: stratified, test then validation held out, by seed."""
-    from effitrain import tasks
-    from effitrain.config import TrainConfig
-
-    config = TrainConfig(data=DATA, validation_split=VALIDATION_SPLIT, test_split=TEST_SPLIT, seed=seed)
-    return tasks.get(config.task).load_data(config).splits
+    return _sides.effitrain_splits(data=DATA, validation_split=VALIDATION_SPLIT, test_split=TEST_SPLIT, seed=seed)
 
 
 # --- the Trainer side ------------------------------------------------------------------------------
@@ -301,10 +296,8 @@ def trainer_arguments(args, best: bool, out_dir: str):
 def make_trainer(args, best: bool, model, training_args, train, collator, tokenizer, step_seconds: list):
     """The Trainer (with `best`, one whose length-grouped sampler is seeded as effitrain's), each optimizer
     step's seconds appended to `step_seconds`."""
-    import torch
     import transformers
     from transformers import Trainer
-    from transformers.trainer_pt_utils import LengthGroupedSampler
 
     class StepClock(transformers.TrainerCallback):
         """Each optimizer step's wall clock: forward, backward, clipping, optimizer, schedule, zero_grad
@@ -317,16 +310,11 @@ def make_trainer(args, best: bool, model, training_args, train, collator, tokeni
             step_seconds.append(time.perf_counter() - self.started)
 
     class SameOrderTrainer(Trainer):
-        """The Trainer with its own length-grouped sampler seeded as effitrain seeds its own (seed, epoch 0):
-        the same batches, index for index. Left to itself the sampler draws from torch's global generator,
-        whose state by then depends on what the set-up drew (the head's initialisation): another order,
-        another amount of padding (1.7% fewer tokens than effitrain's over the first 60 steps)."""
+        """The Trainer drawing effitrain's batches, index for index (left to itself: 1.7% fewer tokens than
+        effitrain's over the first 60 steps, another order)."""
 
         def _get_train_sampler(self, train_dataset=None):
-            sampler = super()._get_train_sampler(train_dataset)
-            if isinstance(sampler, LengthGroupedSampler):
-                sampler.generator = torch.Generator().manual_seed(args.seed)
-            return sampler
+            return _sides.in_effitrains_order(super()._get_train_sampler(train_dataset), args.seed)
 
     return (SameOrderTrainer if best else Trainer)(
         model=model, args=training_args, train_dataset=train, data_collator=collator, processing_class=tokenizer,
@@ -399,10 +387,7 @@ def trainer_settings(trainer, training_args, collator, steps: int) -> dict:
 
 
 def versions(effitrain_too: bool = False) -> dict:
-    import torch
-    import transformers
-
-    found = {"torch": torch.__version__, "transformers": transformers.__version__}
+    found = _sides.versions()
     if effitrain_too:
         import effitrain
 
@@ -577,18 +562,10 @@ def run_child(side: str, precision: str, args, tmp: Path) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--only", side, "--result", str(result),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
                "--precision", precision, "--peft", args.peft, "--lora-dropout", str(args.lora_dropout)]
-    print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
     # effitrain's side starts as the `effitrain` command runs, under the allocator it preloads (tcmalloc where
     # installed: EFFITRAIN_ALLOCATOR chooses); the Trainer's as a script runs, under glibc's malloc.
     env = allocator.preloaded_environment(os.environ) if side == "effitrain" or args.trainer_allocator else None
-    start, started_at = time.perf_counter(), time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0 or not result.is_file():
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        raise SystemExit(f"the {side} {precision} run failed (exit code {done.returncode})")
-    run = json.loads(result.read_text())
-    return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
+    return _sides.run_fresh(command, result, f"{side} {precision}", args.steps, env)
 
 
 def notes(trainer: dict, ours: dict) -> list[str]:
@@ -637,11 +614,6 @@ def notes(trainer: dict, ours: dict) -> list[str]:
     return lines
 
 
-def median(runs: list[dict], key: str):
-    values = [run[key] for run in runs if run.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
 def summary_rows(results: dict, precision: str, sides: list[str]) -> list[tuple]:
     """Per side: medians over the runs of samples/s, peak RSS at the end of training, seconds from the
     process's start to the saved model and to its exit, test accuracy; then effitrain's ratios to each
@@ -649,9 +621,9 @@ def summary_rows(results: dict, precision: str, sides: list[str]) -> list[tuple]
     rows, medians = [], {}
     for side in sides:
         runs = results[(side, precision)]
-        medians[side] = {key: median(runs, key) for key in ("samples_per_second", "peak_rss_bytes_end_of_training",
-                                                            "saved_seconds", "process_seconds", "seconds")}
-        medians[side]["accuracy"] = median([run["test"] or {} for run in runs], "accuracy")
+        medians[side] = {key: _report.median(runs, key) for key in (
+            "samples_per_second", "peak_rss_bytes_end_of_training", "saved_seconds", "process_seconds", "seconds")}
+        medians[side]["accuracy"] = _report.median([run["test"] or {} for run in runs], "accuracy")
         m = medians[side]
         rows.append((f"{side} {precision}", " / ".join(f"{run['samples_per_second']:.1f}" for run in runs),
                      fmt(m["samples_per_second"], ".1f"), mib(m["peak_rss_bytes_end_of_training"]),
@@ -730,20 +702,15 @@ def compare(args) -> None:
     if tables:
         print("step time by batch width: each optimizer step's wall clock (forward to zero_grad, not the batch's "
               "loading), its median over the runs, summed over the steps whose batch is padded to that width")
-    busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
-    if any(b is not None and b > 0.1 for b in busy):
-        print(f"\nWARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "
-              "some runs: these speeds measure the contention as much as the code; rerun on an idle machine")
+    _report.warn_if_busy(results, before="\n", after="; rerun on an idle machine")
     print("\nnotes:")
     for line in notes(results[("trainer-best", args.precision[0])][0], first):
         print(("  " if line.startswith("  ") else "- ") + line.strip())
     if args.json is not None:
-        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": first["machine"], "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed,
-                  "runs": {f"{side} {p}": runs for (side, p), runs in results.items()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nfigures written to {args.json}")
+        _report.write_json(args.json, {"date": _report.utc_now(), "machine": first["machine"], "steps": args.steps,
+                                       "batch_size": args.batch_size, "seed": args.seed,
+                                       "runs": {f"{side} {p}": runs for (side, p), runs in results.items()}},
+                           before="\n")
 
 
 def main(argv=None) -> None:

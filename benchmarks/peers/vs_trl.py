@@ -42,14 +42,10 @@ Needs TRL: pip install -e '.[bench]' (trl pinned). Compare the ratios, not the a
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
-from _common import cpu_share, cpu_snapshot, fmt, machine, mib, print_columns, rss_peak_bytes  # noqa: E402
+from _common import cpu_share, cpu_snapshot, machine, rss_peak_bytes  # noqa: E402
+from peers import _report, _sides  # noqa: E402
 
 DATA = "sms-spam-chat"
 MAX_LENGTH = 512  # above the longest conversation: nothing is truncated on either side
@@ -65,7 +62,6 @@ PACK_LENGTH, PACK_BATCH = 512, 2  # TRL's packed rows: about the tokens of a pad
 LR, WEIGHT_DECAY, WARMUP_RATIO, MAX_GRAD_NORM = 1e-4, 0.01, 0.1, 1.0
 EVAL_SAMPLES, EVAL_BATCH = 64, 32
 SIDES = ("trl", "trl-padding-free", "trl-packing", "effitrain", "effitrain-packing")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML with generation blocks around each answer and its end of turn: what TRL's assistant_only_loss needs.
 TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
             "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
@@ -94,55 +90,17 @@ def parse_args(argv=None):
     if args.dry_run:
         args.steps, args.batch_size, args.runs, args.precision, args.json = 2, 4, 1, ["fp32"], None
         args.sides = [side for side in args.sides if side in ("trl", "effitrain")] or ["trl", "effitrain"]
-    if args.only is None and importlib.util.find_spec("trl") is None:
-        if not args.dry_run:
-            parser.error("TRL is not installed: pip install -e '.[bench]' (the pinned version)")
-        print("dry run: TRL is not installed (pip install -e '.[bench]'): the effitrain side only", flush=True)
-        args.sides = [side for side in args.sides if not side.startswith("trl")] or ["effitrain"]
+    _sides.require_peer(parser, args, "trl", "TRL", alone="effitrain")
     return args
 
 
-# --- the model both sides start from ----------------------------------------------------------------
-
-
-def make_model(folder: Path, vocab: int, seed: int, tiny: bool = False) -> dict:
-    """A byte-level BPE tokenizer trained on the SMS messages (ChatML's tokens special, the template set)
-    and a Llama-shaped model from a config, random weights from `seed`, saved to `folder`."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from effitrain.data import builtins
-
-    texts = list(builtins.sms_spam()["all"]["text"]) + [builtins.SPAM_QUESTION, "user assistant spam ham"]
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        extra_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = TEMPLATE
-    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64) if tiny else \
-        dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688)
-    config = LlamaConfig(vocab_size=len(tokenizer), num_key_value_heads=shape["num_attention_heads"],
-                         max_position_embeddings=1024, tie_word_embeddings=False, attention_dropout=0.0,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None, **shape)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return {"vocab": len(tokenizer), "parameters": sum(p.numel() for p in model.parameters()), **shape}
+# --- the data both sides train on -------------------------------------------------------------------
 
 
 def effitrain_splits(args, model_dir: Path):
     """effitrain train's split of the built-in data (test then validation held out, by seed)."""
-    from effitrain import tasks
-    from effitrain.config import TrainConfig
-
-    config = TrainConfig(model=str(model_dir), task="causal-lm", data=DATA, seed=args.seed, max_length=MAX_LENGTH)
-    return tasks.get(config.task).load_data(config).splits
+    return _sides.effitrain_splits(model=str(model_dir), task="causal-lm", data=DATA, seed=args.seed,
+                                   max_length=MAX_LENGTH)
 
 
 # --- what both sides record -------------------------------------------------------------------------
@@ -162,10 +120,6 @@ def examples_of(batch: dict) -> list[tuple[tuple, tuple]]:
             starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
             found += [(ids[row][a:b], labels[row][a:b]) for a, b in zip(starts, starts[1:])]
     return [(tuple(i.tolist()), tuple(lab.tolist()[1:])) for i, lab in found]
-
-
-def digest(examples: list) -> str:
-    return hashlib.sha256(json.dumps(sorted(examples)).encode()).hexdigest()[:16]
 
 
 def real_tokens(batch: dict) -> int:
@@ -197,7 +151,8 @@ class StepLog:
         tokens = sum(self.tokens[1:steps])
         return {"steps_timed": len(self.ends) - 1, "seconds": seconds, "tokens_per_second": tokens / seconds,
                 "tokens_per_step": statistics.mean(self.tokens[:steps]), "first_loss": self.first_loss,
-                "first_batch_digest": digest(self.first_batch), "first_batch_examples": len(self.first_batch),
+                "first_batch_digest": _sides.digest(self.first_batch),
+                "first_batch_examples": len(self.first_batch),
                 "first_batch_answer_tokens": sum(sum(lab != -100 for lab in labels)
                                                  for _, labels in self.first_batch)}
 
@@ -207,10 +162,8 @@ class StepLog:
 
 def run_trl(args, side: str) -> dict:
     import torch
-    import transformers
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
-    from transformers.trainer_pt_utils import LengthGroupedSampler
 
     from effitrain.runtime import libraries
 
@@ -232,10 +185,6 @@ def run_trl(args, side: str) -> dict:
         train_sampling_strategy="group_by_length", use_cpu=True, report_to="none", save_strategy="no",
         eval_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0)
 
-    class Clock(transformers.TrainerCallback):
-        def on_step_end(self, *_, **__):
-            log.ends.append(time.perf_counter())
-
     class Recorded(trl.SFTTrainer):
         """Records each training batch and the first step's loss; its length-grouped sampler seeded as
         effitrain seeds its own (left alone it draws from torch's global generator: another order)."""
@@ -249,13 +198,10 @@ def run_trl(args, side: str) -> dict:
             return loss
 
         def _get_train_sampler(self, train_dataset=None):
-            sampler = super()._get_train_sampler(train_dataset)
-            if isinstance(sampler, LengthGroupedSampler):
-                sampler.generator = torch.Generator().manual_seed(args.seed)
-            return sampler
+            return _sides.in_effitrains_order(super()._get_train_sampler(train_dataset), args.seed)
 
     trainer = Recorded(model=model, args=config, train_dataset=splits["train"], processing_class=tokenizer,
-                       callbacks=[Clock()])
+                       callbacks=[_sides.step_clock(log.ends)])
     trainer.train()
     rss = rss_peak_bytes()
     cpu_end = cpu_snapshot()
@@ -268,39 +214,17 @@ def run_trl(args, side: str) -> dict:
     return {"side": side, "precision": args.precision, "steps": trainer.state.global_step,
             "peak_rss_bytes": rss, "saved_at": saved_at, "validation_loss": validation.get("eval_loss"),
             "cpu": cpu_share(log.cpu_start, cpu_end), **log.figures(args.steps),
-            "versions": {"trl": trl.__version__, **versions()}}
+            "versions": {"trl": trl.__version__, **_sides.versions()}}
 
 
 # --- effitrain ----------------------------------------------------------------------------------------
-
-
-class Observer:
-    """effitrain's callbacks (engine/callbacks.py): each step's batch, end and loss, for a StepLog (this
-    script's, or vs_trl_preference.py's)."""
-
-    def __init__(self, log: StepLog):
-        self.log = log
-        self.rss = self.cpu_end = None
-
-    def on_step_begin(self, state, group):
-        for batch in group:
-            if batch is not None:
-                self.log.batch(batch)
-
-    def on_step_end(self, state, result):
-        self.log.ends.append(time.perf_counter())
-        loss_sum, items = (float(x) for x in result.window[:2])
-        self.log.step_loss(loss_sum / items)
-
-    def on_train_end(self, state):
-        self.rss, self.cpu_end = rss_peak_bytes(), cpu_snapshot()
 
 
 def run_effitrain(args, side: str) -> dict:
     import effitrain
 
     log = StepLog()
-    observer = Observer(log)
+    observer = _sides.Observer(log)
     out_dir = Path(tempfile.mkdtemp(prefix="vs_trl_effitrain_")) / "run"
     config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm", "data": DATA,
               "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "lr": LR,
@@ -316,43 +240,10 @@ def run_effitrain(args, side: str) -> dict:
     return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
             "saved_at": saved_at, "validation_loss": (metrics.get("validation") or {}).get("loss"),
             "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
-            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **versions()}}
-
-
-def versions() -> dict:
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
+            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **_sides.versions()}}
 
 
 # --- the parent ---------------------------------------------------------------------------------------
-
-
-def run_child(side: str, precision: str, args, tmp: Path, script: Path = Path(__file__)) -> dict:
-    """One side's run: `script --only side` in a fresh process (vs_trl_preference.py runs its own), with an
-    empty datasets cache; its result file read back."""
-    result = tmp / f"{side}-{precision}.json"
-    cache = Path(tempfile.mkdtemp(prefix="cache-", dir=tmp))  # each run tokenises from scratch
-    command = [sys.executable, str(script.resolve()), "--only", side, "--precision", precision,
-               "--model-dir", str(args.model_dir), "--result", str(result), "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seed", str(args.seed)] + (["--dry-run"] if args.dry_run else [])
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"running {side} {precision} ({args.steps} steps) in a fresh process ...", flush=True)
-    start, started_at = time.perf_counter(), time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    shutil.rmtree(cache, ignore_errors=True)
-    if done.returncode != 0 or not result.is_file():
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        raise SystemExit(f"the {side} {precision} run failed (exit code {done.returncode})")
-    run = json.loads(result.read_text())
-    return {**run, "process_seconds": seconds, "saved_seconds": run["saved_at"] - started_at}
-
-
-def median(runs: list[dict], key: str):
-    values = [run[key] for run in runs if run.get(key) is not None]
-    return statistics.median(values) if values else None
 
 
 QUIET = 0.1  # cores other processes may keep busy during a run whose speed is counted as clean
@@ -366,31 +257,20 @@ def quiet_runs(runs: list[dict]) -> list[dict]:
 
 
 def summary(results: dict, precision: str, sides: list[str]) -> tuple[list[tuple], dict]:
+    """Each side's row of the tokens/s table, the medians of its quiet runs, and those medians."""
     rows, medians = [], {}
     for side in sides:
         runs = results[(side, precision)]
-        counted = quiet_runs(runs)
-        m = medians[side] = {key: median(counted, key) for key in
-                             ("tokens_per_second", "peak_rss_bytes", "saved_seconds", "tokens_per_step")}
-        other = max((run["cpu"] or {}).get("other_cores") or 0 for run in runs)
-        rows.append((f"{side} {precision}", " / ".join(f"{run['tokens_per_second']:.0f}" +
-                                                       ("" if run in counted else "*") for run in runs),
-                     fmt(m["tokens_per_second"], ".0f"), fmt(m["tokens_per_step"], ".0f"), mib(m["peak_rss_bytes"]),
-                     fmt(m["saved_seconds"], ".1f"), f"{other:.2f}"))
+        row, medians[side] = _report.token_row(f"{side} {precision}", runs, quiet_runs(runs))
+        rows.append(row)
     return rows, medians
 
 
 def ratio_rows(medians: dict, precision: str) -> list[tuple]:
+    """Every effitrain side over every TRL side."""
     ours = [side for side in medians if side.startswith("effitrain")]
     theirs = [side for side in medians if side.startswith("trl")]
-    rows = []
-    for e in ours:
-        for t in theirs:
-            rows.append((f"{e} / {t} {precision}",
-                         f"{medians[e]['tokens_per_second'] / medians[t]['tokens_per_second']:.2f}x",
-                         f"{medians[e]['peak_rss_bytes'] / medians[t]['peak_rss_bytes']:.2f}x",
-                         f"{medians[t]['saved_seconds'] / medians[e]['saved_seconds']:.2f}x"))
-    return rows
+    return [_report.ratio_row(f"{e} / {t} {precision}", medians[e], medians[t]) for e in ours for t in theirs]
 
 
 def first_step_lines(results: dict, precision: str, sides: list[str]) -> list[str]:
@@ -403,8 +283,8 @@ def first_step_lines(results: dict, precision: str, sides: list[str]) -> list[st
              first[b]["first_batch_digest"]]
     for a, b in pairs:
         difference = abs(first[a]["first_loss"] - first[b]["first_loss"])
-        verdict = "within 1e-5" if difference <= 1e-5 else "NOT within 1e-5"
-        lines.append(f"same first batch, {a} vs {b}: |loss difference| = {difference:.2e} ({verdict})")
+        lines.append(f"same first batch, {a} vs {b}: |loss difference| = {difference:.2e} "
+                     f"({_report.loss_verdict(difference)})")
     if ("trl", precision) in results and ("effitrain", precision) in results and \
             first["trl"]["first_batch_digest"] != first["effitrain"]["first_batch_digest"]:
         lines.append("WARNING: trl and effitrain did not train on the same first batch")
@@ -414,40 +294,29 @@ def first_step_lines(results: dict, precision: str, sides: list[str]) -> list[st
 def compare(args) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         args.model_dir = Path(tmp) / "model"
-        shape = make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, tiny=args.dry_run)
+        shape = _sides.make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, TEMPLATE,
+                                  tiny=args.dry_run)
         turns = _common.take_turns([(side, p) for p in args.precision for side in args.sides], args.runs,
-                                   lambda side_precision: run_child(*side_precision, args, Path(tmp)))
+                                   lambda side_precision: _sides.run_side(Path(__file__), *side_precision, args,
+                                                                          Path(tmp)))
     results = dict(turns)
-    one = next(iter(results.values()))[0]
     print(f"\nLlama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"vocabulary {shape['vocab']}, {shape['parameters'] / 1e6:.1f}M parameters), ChatML with generation blocks, "
           f"loss on the assistant turns; {DATA} (effitrain's training split); {args.steps} steps of {args.batch_size} "
           f"(trl-packing: {PACK_BATCH} rows of {PACK_LENGTH}); seed {args.seed}; {args.runs} run(s) each, medians; "
-          f"{machine()}; torch {one['versions']['torch']}, transformers {one['versions']['transformers']}, "
-          f"trl {next((r[0]['versions'].get('trl') for r in results.values() if 'trl' in r[0]['versions']), '-')}\n")
+          f"{machine()}; {_report.versions_text(results)}\n")
     for precision in args.precision:
         rows, medians = summary(results, precision, args.sides)
         print(f"medians of the quiet runs (other processes under {QUIET} cores busy); * a run left out")
-        print_columns(("", "tokens/s of each run", "median tokens/s", "tokens/step", "peak RSS", "s to saved model",
-                       "other cores"), rows)
-        print()
-        print_columns(("effitrain / TRL", "tokens/s", "peak RSS", "time to saved model (TRL's / ours)"),
-                      ratio_rows(medians, precision))
-        print()
+        _report.print_token_tables(rows, ratio_rows(medians, precision))
         for line in first_step_lines(results, precision, args.sides):
             print(line)
         print()
-    busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
-    if any(b is not None and b > 0.1 for b in busy):
-        print(f"WARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "
-              "some runs: these speeds measure the contention as much as the code")
+    _report.warn_if_busy(results)
     if args.json is not None:
-        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": machine(), "model": shape, "steps": args.steps, "batch_size": args.batch_size,
-                  "runs": {f"{side} {p}": runs for (side, p), runs in results.items()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"figures written to {args.json}")
+        _report.write_json(args.json, {"date": _report.utc_now(), "machine": machine(), "model": shape,
+                                       "steps": args.steps, "batch_size": args.batch_size,
+                                       "runs": {f"{side} {p}": runs for (side, p), runs in results.items()}})
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,7 @@
 """effitrain's preference tuning (--preference dpo / orpo) against TRL's DPOTrainer and ORPOTrainer.
 
 Both sides train the same Llama-shaped model (4 layers, hidden 256, random weights from a config, saved
-once to a temporary folder) with the same byte-level BPE tokenizer as benchmarks/peers/vs_trl.py, on the same
+once to a temporary folder) with the same byte-level BPE tokenizer as vs_trl.py (peers/_sides.py builds both), on the same
 pairs: the first STEPS x BATCH rows of effitrain's training split of the built-in `sms-spam-preference`
 (conversational, an explicit prompt: the user's message and question; chosen the right label as the
 assistant's turn, rejected the wrong one), in the same order (effitrain's own length-grouped training
@@ -42,9 +42,6 @@ Needs TRL: pip install -e '.[bench]' (trl pinned). Compare the ratios, not the a
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -56,8 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
-from peers import vs_trl  # noqa: E402
-from _common import cpu_share, cpu_snapshot, fmt, machine, mib, print_columns, rss_peak_bytes  # noqa: E402
+from _common import cpu_share, cpu_snapshot, machine, rss_peak_bytes  # noqa: E402
+from peers import _report, _sides  # noqa: E402
 
 DATA = "sms-spam-preference"
 MAX_LENGTH = 512  # above the longest pair: nothing is truncated on either side
@@ -96,23 +93,8 @@ def parse_args(argv=None):
         args.steps, args.batch_size, args.runs, args.precision, args.json = 2, 2, 1, "fp32", None
         args.sides = args.sides or ["trl-dpo", "effitrain-dpo"]
     args.sides = args.sides or list(SIDES)
-    if args.only is None and importlib.util.find_spec("trl") is None:
-        if not args.dry_run:
-            parser.error("TRL is not installed: pip install -e '.[bench]' (the pinned version)")
-        print("dry run: TRL is not installed (pip install -e '.[bench]'): the effitrain side only", flush=True)
-        args.sides = [side for side in args.sides if not side.startswith("trl")] or ["effitrain-dpo"]
+    _sides.require_peer(parser, args, "trl", "TRL", alone="effitrain-dpo")
     return args
-
-
-def make_model(folder: Path, vocab: int, seed: int, tiny: bool) -> dict:
-    """vs_trl.py's tokenizer and model, with this benchmark's template."""
-    from transformers import AutoTokenizer
-
-    shape = vs_trl.make_model(folder, vocab, seed, tiny=tiny)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return shape
 
 
 def effitrain_data(args):
@@ -186,10 +168,6 @@ def real_tokens(batch: dict) -> int:
                    key.startswith("prompt")))
 
 
-def digest(examples: list) -> str:
-    return hashlib.sha256(json.dumps(sorted(examples)).encode()).hexdigest()[:16]
-
-
 COMPARED_STEPS = 5  # the first steps whose losses are compared: step 1's DPO loss is ln 2 whatever the model
 
 
@@ -212,7 +190,7 @@ class StepLog:
             self.first_batch = self.examples(batch)
             self.cpu_start = cpu_snapshot()
         if len(self.digests) < COMPARED_STEPS:
-            self.digests.append(digest(self.examples(batch)))
+            self.digests.append(_sides.digest(self.examples(batch)))
         self.tokens.append(real_tokens(batch))
 
     def step_loss(self, loss: float) -> None:
@@ -260,7 +238,6 @@ def trl_trainer_class(side: str):
 
 def run_trl(args, side: str) -> dict:
     import torch
-    import transformers
     import trl
     from datasets import concatenate_datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -277,10 +254,6 @@ def run_trl(args, side: str) -> dict:
     out_dir = tempfile.mkdtemp(prefix="vs_trl_preference_trl_")
     # The validation and test pairs effitrain evaluates, as one set: ORPOTrainer takes no dict of sets.
     held_out = concatenate_datasets([splits["validation"], splits["test"]])
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_end(self, *_, **__):
-            log.ends.append(time.perf_counter())
 
     class Recorded(trl_trainer_class(side)):
         """Records each training batch and the first step's loss and metrics; draws the pairs in
@@ -300,7 +273,7 @@ def run_trl(args, side: str) -> dict:
 
     trainer = Recorded(model=model, args=trl_config(args, side, out_dir), train_dataset=splits["train"],
                        eval_dataset=held_out,
-                       processing_class=tokenizer, callbacks=[Clock()])
+                       processing_class=tokenizer, callbacks=[_sides.step_clock(log.ends)])
     trainer.train()
     rss = rss_peak_bytes()
     cpu_end = cpu_snapshot()
@@ -311,7 +284,7 @@ def run_trl(args, side: str) -> dict:
     return {"side": side, "precision": args.precision, "steps": trainer.state.global_step, "peak_rss_bytes": rss,
             "saved_at": saved_at, "held_out_loss": evaluated.get("eval_loss"),
             "cpu": cpu_share(log.cpu_start, cpu_end), **log.figures(args.steps),
-            "versions": {"trl": trl.__version__, **vs_trl.versions()}}
+            "versions": {"trl": trl.__version__, **_sides.versions()}}
 
 
 def first_metrics(trainer, orpo: bool) -> dict:
@@ -343,7 +316,7 @@ def run_effitrain(args, side: str) -> dict:
     import effitrain
 
     log = StepLog(effitrain_examples)
-    observer = vs_trl.Observer(log)
+    observer = _sides.Observer(log)
     out_dir = Path(tempfile.mkdtemp(prefix="vs_trl_preference_effitrain_")) / "run"
     config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm", "data": DATA,
               "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "lr": LR,
@@ -359,21 +332,18 @@ def run_effitrain(args, side: str) -> dict:
     return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
             "saved_at": saved_at, "held_out_loss": (metrics.get("validation") or {}).get("loss"),
             "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
-            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **vs_trl.versions()}}
+            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **_sides.versions()}}
 
 
 # --- the parent ---------------------------------------------------------------------------------------
 
 
 def summary(results: dict) -> tuple[list[tuple], dict]:
+    """Each side's row of the tokens/s table (medians of all its runs), and those medians."""
     rows, medians = [], {}
     for side, runs in results.items():
-        m = medians[side] = {key: vs_trl.median(runs, key) for key in
-                             ("tokens_per_second", "peak_rss_bytes", "saved_seconds", "tokens_per_step")}
-        other = max((run["cpu"] or {}).get("other_cores") or 0 for run in runs)
-        rows.append((side, " / ".join(f"{run['tokens_per_second']:.0f}" for run in runs),
-                     fmt(m["tokens_per_second"], ".0f"), fmt(m["tokens_per_step"], ".0f"), mib(m["peak_rss_bytes"]),
-                     fmt(m["saved_seconds"], ".1f"), f"{other:.2f}"))
+        row, medians[side] = _report.token_row(side, runs)
+        rows.append(row)
     return rows, medians
 
 
@@ -384,9 +354,8 @@ def pairs_of(sides) -> list[tuple[str, str]]:
 
 
 def ratio_rows(medians: dict) -> list[tuple]:
-    return [(f"{ours} / {theirs}", f"{medians[ours]['tokens_per_second'] / medians[theirs]['tokens_per_second']:.2f}x",
-             f"{medians[ours]['peak_rss_bytes'] / medians[theirs]['peak_rss_bytes']:.2f}x",
-             f"{medians[theirs]['saved_seconds'] / medians[ours]['saved_seconds']:.2f}x")
+    """Each effitrain side over the TRL side of its kind."""
+    return [_report.ratio_row(f"{ours} / {theirs}", medians[ours], medians[theirs])
             for ours, theirs in pairs_of(medians)]
 
 
@@ -405,9 +374,8 @@ def first_step_lines(results: dict) -> list[str]:
             lines.append(f"WARNING: {ours} and {theirs} did not train on the same first batch")
             continue
         difference = abs(a["first_loss"] - b["first_loss"])
-        verdict = "within 1e-5" if difference <= 1e-5 else "NOT within 1e-5"
         lines.append(f"same first batch, {ours} vs {theirs}: first-step loss {a['first_loss']:.8f} vs "
-                     f"{b['first_loss']:.8f}, |difference| = {difference:.2e} ({verdict})")
+                     f"{b['first_loss']:.8f}, |difference| = {difference:.2e} ({_report.loss_verdict(difference)})")
         same = 0
         while same < min(len(a["digests"]), len(b["digests"])) and a["digests"][same] == b["digests"][same]:
             same += 1
@@ -420,37 +388,24 @@ def first_step_lines(results: dict) -> list[str]:
 def compare(args) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl_preference_") as tmp:
         args.model_dir = Path(tmp) / "model"
-        shape = make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, tiny=args.dry_run)
-        results = _common.take_turns(args.sides, args.runs, lambda side: vs_trl.run_child(
-            side, args.precision, args, Path(tmp), Path(__file__)))
-    one = next(iter(results.values()))[0]
-    trl_version = next((r[0]["versions"]["trl"] for r in results.values() if "trl" in r[0]["versions"]), "-")
+        shape = _sides.make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, TEMPLATE,
+                                  tiny=args.dry_run)
+        results = _common.take_turns(args.sides, args.runs, lambda side: _sides.run_side(
+            Path(__file__), side, args.precision, args, Path(tmp)))
     print(f"\nLlama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"vocabulary {shape['vocab']}, {shape['parameters'] / 1e6:.1f}M parameters), ChatML with generation blocks; "
           f"{DATA} (the first {args.steps * args.batch_size} pairs of effitrain's training split); {args.steps} steps "
           f"of {args.batch_size} pairs; beta {BETA}; {args.precision}; seed {args.seed}; {args.runs} run(s) each, "
-          f"medians; {machine()}; torch {one['versions']['torch']}, transformers {one['versions']['transformers']}, "
-          f"trl {trl_version}\n")
+          f"medians; {machine()}; {_report.versions_text(results)}\n")
     rows, medians = summary(results)
-    print_columns(("", "tokens/s of each run", "median tokens/s", "tokens/step", "peak RSS", "s to saved model",
-                   "other cores"), rows)
-    print()
-    print_columns(("effitrain / TRL", "tokens/s", "peak RSS", "time to saved model (TRL's / ours)"),
-                  ratio_rows(medians))
-    print()
+    _report.print_token_tables(rows, ratio_rows(medians))
     for line in first_step_lines(results):
         print(line)
-    busy = [(run.get("cpu") or {}).get("other_cores") for runs in results.values() for run in runs]
-    if any(b is not None and b > 0.1 for b in busy):
-        print(f"\nWARNING: other processes kept up to {max(b for b in busy if b is not None):.2f} cores busy during "
-              "some runs: these speeds measure the contention as much as the code")
+    _report.warn_if_busy(results, before="\n")
     if args.json is not None:
-        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": machine(), "model": shape, "steps": args.steps, "batch_size": args.batch_size,
-                  "beta": BETA, "precision": args.precision, "runs": results}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"figures written to {args.json}")
+        _report.write_json(args.json, {"date": _report.utc_now(), "machine": machine(), "model": shape,
+                                       "steps": args.steps, "batch_size": args.batch_size, "beta": BETA,
+                                       "precision": args.precision, "runs": results})
 
 
 def main(argv=None) -> None:
