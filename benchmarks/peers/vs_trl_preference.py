@@ -1,8 +1,8 @@
 """effitrain's preference tuning (--preference dpo / orpo) against TRL's DPOTrainer and ORPOTrainer.
 
 Both sides train the same Llama-shaped model (4 layers, hidden 256, random weights from a config, saved
-once to a temporary folder) with the same byte-level BPE tokenizer as vs_trl.py (peers/_sides.py builds both), on the same
-pairs: the first STEPS x BATCH rows of effitrain's training split of the built-in `sms-spam-preference`
+once to a temporary folder) with the same byte-level BPE tokenizer as vs_trl.py (peers/_sides.py builds both),
+on the same pairs: the first STEPS x BATCH rows of effitrain's training split of the built-in `sms-spam-preference`
 (conversational, an explicit prompt: the user's message and question; chosen the right label as the
 assistant's turn, rejected the wrong one), in the same order (effitrain's own length-grouped training
 sampler, given to TRL as its sampler: less padding for both), with the same beta, micro-batch, seed, lr, weight decay, warm-up, max grad norm,

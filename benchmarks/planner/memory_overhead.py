@@ -21,7 +21,8 @@ Each mark is also a malloc of MARK bytes, so that a glibc malloc trace of the ru
 them: run under a Python whose main() calls mtrace() first, with libc_malloc_debug.so.0 preloaded and
 MALLOC_TRACE set (a 4-line C launcher: see the results file).
 
-    python benchmarks/planner/memory_overhead.py replay-rows --json out.json   # 20 single-process rows + 4 preference rows, ~1 min
+    python benchmarks/planner/memory_overhead.py replay-rows --json out.json   # 20 single-process rows + 4 preference
+                                                                               # rows, ~1 min
     python benchmarks/planner/memory_overhead.py real '{"row": [...]}' /tmp/out
     python benchmarks/planner/memory_overhead.py --dry-run                     # one tiny row's trace replayed
 

@@ -15,7 +15,8 @@ Rows marked `fit` are those CPU_OVERHEAD (planning/planner.py) is fitted on (`--
     python benchmarks/planner/memory_plan.py --runs                      # every row; exit 1 past the bars
     python benchmarks/planner/memory_plan.py --runs --calibrate --json F # also refit the constants on the fit rows
     python benchmarks/planner/memory_plan.py --rows F --runs             # refit from saved rows, measuring nothing
-    python benchmarks/planner/memory_plan.py --runs --only sharded       # only the fsdp rows (peft, adafactor: those rows)
+    python benchmarks/planner/memory_plan.py --runs --only sharded       # only the fsdp rows (peft, adafactor: those
+                                                                         # rows)
 """
 
 from __future__ import annotations

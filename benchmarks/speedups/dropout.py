@@ -27,7 +27,8 @@ time holds numpy's draws).
 
     .venv/bin/python benchmarks/speedups/dropout.py [--precision fp32|bf16] [--batch-size 16] [--length 128] [--profile]
         [--keep-freed-memory]
-    .venv/bin/python benchmarks/speedups/dropout.py --dry-run   # a tiny model, 1 step per variant, and --profile: seconds
+    .venv/bin/python benchmarks/speedups/dropout.py --dry-run   # a tiny model, 1 step per variant, and --profile:
+                                                                # seconds
 """
 
 from __future__ import annotations

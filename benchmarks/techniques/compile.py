@@ -12,8 +12,10 @@ a multiple of 8 (what --compile does), or static graphs with batches padded to p
 (16, 32, 64, 128); graphs, compile seconds, samples/s; then the validation split in inference mode
 through the compiled blocks against eager (the question of compiling evaluation too).
 
-    .venv/bin/python benchmarks/techniques/compile.py [--steps 40] [--batch-size 16] [--warm-cache] [--shapes] [--json PATH]
-    .venv/bin/python benchmarks/techniques/compile.py --dry-run   # the eager fp32 run only, tiny model, 2 steps: no compiling
+    .venv/bin/python benchmarks/techniques/compile.py [--steps 40] [--batch-size 16] [--warm-cache] [--shapes]
+        [--json PATH]
+    .venv/bin/python benchmarks/techniques/compile.py --dry-run   # the eager fp32 run only, tiny model, 2 steps: no
+                                                                  # compiling
 
 Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
 """

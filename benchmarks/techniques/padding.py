@@ -16,7 +16,8 @@ gives their mean padded length next to the epoch's: when they differ, the timed 
 representative slice of the epoch (see benchmarks/README.md).
 
     .venv/bin/python benchmarks/techniques/padding.py [--batch-size 16] [--steps 30] [--seed 42] [--json PATH]
-    .venv/bin/python benchmarks/techniques/padding.py --dry-run   # a tiny model, 1 timed step and no warm-up per strategy
+    .venv/bin/python benchmarks/techniques/padding.py --dry-run   # a tiny model, 1 timed step and no warm-up per
+                                                                  # strategy
 
 Speeds depend on the machine and on whatever else runs on it; compare the ratios, not the absolutes.
 """

@@ -21,10 +21,13 @@ started through this script (`--child`), which only observes: it wraps
 the resident set and the CPU use of all processes at the start and the end of training. Everything
 else comes from the run's metrics.json and its output folders.
 
-    .venv/bin/python benchmarks/techniques/peft_vs_full.py                      # sms-spam and bbc-news, 1 epoch each (6 runs)
-    .venv/bin/python benchmarks/techniques/peft_vs_full.py --data sms-spam --quick   # 60 steps, 200 eval examples: a fast check
+    .venv/bin/python benchmarks/techniques/peft_vs_full.py                      # sms-spam and bbc-news, 1 epoch each (6
+                                                                                # runs)
+    .venv/bin/python benchmarks/techniques/peft_vs_full.py --data sms-spam --quick   # 60 steps, 200 eval examples: a
+                                                                                     # fast check
     .venv/bin/python benchmarks/techniques/peft_vs_full.py --markdown benchmarks/results/peft_vs_full_epyc2c_2026-12-05.md
-    .venv/bin/python benchmarks/techniques/peft_vs_full.py --dry-run   # full and lora, a tiny model, 2 steps: two children
+    .venv/bin/python benchmarks/techniques/peft_vs_full.py --dry-run   # full and lora, a tiny model, 2 steps: two
+                                                                       # children
 
 The tables are printed; `--markdown PATH` also writes them to PATH (by convention a dated file
 benchmarks/results/peft_vs_full_<machine>_<date>.md), `--json PATH` every figure.

@@ -24,10 +24,12 @@ about --max-length long (so every micro-batch is full length, as the planner ass
 peak RSS minus the RSS when the run planned (metrics.json's memory_plan.in_use_bytes), set against the
 planner's prediction (bar: within 15%), as benchmarks/planner/memory_plan.py --runs does.
 
-    .venv/bin/python benchmarks/techniques/preference_accuracy.py            # SFT, then DPO from it and from the base (~1 hour on 2 busy cores)
+    .venv/bin/python benchmarks/techniques/preference_accuracy.py            # SFT, then DPO from it and from the base
+                                                                             # (~1 hour on 2 busy cores)
     .venv/bin/python benchmarks/techniques/preference_accuracy.py --start base  # DPO from the base model only
     .venv/bin/python benchmarks/techniques/preference_accuracy.py --memory   # the 4 memory runs
-    .venv/bin/python benchmarks/techniques/preference_accuracy.py --dry-run  # both, tiny: DPO from the SFT model; DPO + LoRA
+    .venv/bin/python benchmarks/techniques/preference_accuracy.py --dry-run  # both, tiny: DPO from the SFT model; DPO +
+                                                                             # LoRA
 """
 
 from __future__ import annotations

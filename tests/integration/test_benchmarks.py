@@ -1,8 +1,8 @@
 """benchmarks/ as a suite: every script (benchmarks/<topic>/<name>.py) runs with --dry-run (a tiny model, 1-2
 steps, a few examples, one thread; nothing written to benchmarks/) in a fresh process and exits 0, so that a
-rename in the engine breaks this test rather than a benchmark weeks later. The list of scripts is read from the folder: a new
-script without --dry-run fails here. Nothing here checks a figure: the dry runs measure a tiny model on
-a busy machine.
+rename in the engine breaks this test rather than a benchmark weeks later. The list of scripts is read from
+the folders: a new script without --dry-run fails here. Nothing here checks a figure: the dry runs measure a
+tiny model on a busy machine.
 
 The dry runs take 1 to 60 s each on a busy 2-core machine (mostly starting Python processes and importing
 torch: several scripts measure in fresh processes), minutes in all: marked slow."""
