@@ -9,7 +9,7 @@ allocator itself is chosen earlier, before torch is loaded: allocator.preloading
     ending_process()                  as the `effitrain` command's process ends (`__main__`)
 
 Why each one pays, with the figures: benchmarks/results/training_loop_epyc2c_2026-12-04.md (the garbage
-collector), allocator_epyc2c_2026-12-04.md (kept memory, oneDNN's cache)."""
+collector), benchmarks/results/allocator_epyc2c_2026-12-04.md (kept memory, oneDNN's cache)."""
 
 from __future__ import annotations
 
