@@ -42,13 +42,11 @@ def validate_effitrain(argv: list[str]) -> None:
         import os
 
         from effitrain.commands import launch
+        from effitrain.runtime import cluster
 
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv  # as commands/launch.main reads it
-        if hasattr(launch, "resolve"):  # flags left out are taken from a cluster's environment
-            launch.check_command(command)
-            launch.check_numbers(launch.resolve(args, os.environ)[0])
-        else:
-            launch.check(args, command)
+        launch.check_command(command)
+        launch.check_numbers(cluster.resolve(args, os.environ)[0])  # flags left out: from a cluster's environment
         validate_effitrain(command)
     elif args.command == "train":  # commands/train.main, up to commands/train.train
         values = vars(args).copy()

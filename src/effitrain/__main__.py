@@ -6,7 +6,7 @@ import sys
 def run() -> int:
     try:
         from effitrain.errors import UserError
-        from effitrain.speedups import allocator
+        from effitrain.speedups import allocator, process_tuning
 
         from effitrain.cli import answer_at_once, main
 
@@ -24,13 +24,7 @@ def run() -> int:
         print("effitrain: stopped by SIGINT", file=sys.stderr)
         return 130
     code = main()
-    # The command is done and the process ends: the interpreter's teardown then runs full garbage
-    # collections over every object the imports made (torch, transformers, datasets), 1.3 s after a
-    # training run here, only to free memory the system takes back anyway. Frozen objects are skipped;
-    # the teardown still joins threads, runs atexit handlers and closes files (ours are closed by then).
-    import gc
-
-    gc.freeze()
+    process_tuning.ending_process()  # no teardown collections over the imports' objects
     return code
 
 

@@ -78,10 +78,9 @@ def _record_for_launcher(err: BaseException) -> None:
 
 def _launcher_speaks() -> bool:
     """A worker of `effitrain launch`: the launcher prints the job's one line (user error, signal)."""
-    from effitrain.commands import launch
-    from effitrain.runtime import distributed
+    from effitrain.runtime import launcher
 
-    return distributed.started_by_torchrun() and os.environ.get(launch.LAUNCHED) == "1"
+    return launcher.is_launched_worker()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     with _signals_unwind() as received:
         try:
             if _launcher_speaks():  # a launched worker: it ends if its launcher dies
-                from effitrain.commands import launch
+                from effitrain.runtime import launcher
 
-                launch.end_with_launcher(received)
+                launcher.end_with_launcher(received)
             args = parsed(argv)
             return command_module(args.command).main(args)
         except (SystemExit, GeneratorExit):  # --help, --version
@@ -125,9 +124,9 @@ def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
     adds the traceback and keeps the code."""
     import signal
 
-    from effitrain.commands.launch import LaunchEnded
     from effitrain.errors import Terminated
     from effitrain.runtime import distributed, peers
+    from effitrain.runtime.job_failures import LaunchEnded
 
     raised = err
     if isinstance(err, PermissionError):  # always the user's file or folder, wherever it was met

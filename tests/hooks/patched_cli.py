@@ -66,9 +66,9 @@ def hang_in_store_connect(folder: str) -> None:
     from datetime import timedelta
     from pathlib import Path
 
-    from effitrain.commands import launch
+    from effitrain.runtime import launcher
 
-    follow = launch.end_with_launcher
+    follow = launcher.end_with_launcher
 
     def follow_then_hang(*args):
         follow(*args)
@@ -81,7 +81,7 @@ def hang_in_store_connect(folder: str) -> None:
             (Path(folder) / str(os.getpid())).touch()
             dist.TCPStore("127.0.0.1", unserved.getsockname()[1], 2, False, timedelta(seconds=300))
 
-    launch.end_with_launcher = follow_then_hang
+    launcher.end_with_launcher = follow_then_hang
 
 
 def main() -> int:

@@ -18,7 +18,8 @@ from effitrain import cli
 from effitrain.commands import env as env_command
 from effitrain.commands import launch
 from effitrain.outputs import run_folder
-from effitrain.runtime import distributed
+from effitrain.runtime import cluster, devices, distributed, job_failures, launcher, rendezvous
+from effitrain.runtime.hostlist import expand_hostlist
 
 from conftest import free_port
 
@@ -108,18 +109,18 @@ def failure(exitcode: int, message: str = "", timestamp: int = 100):
 
 def test_a_user_error_of_every_process_is_said_once_and_a_process_own_one_names_it():
     error = "UserError: --data x.csv has no column text; fix: pass --text-column"
-    line, code = launch.failure_line({0: failure(2, error), 1: failure(2, error, 101)})
+    line, code = job_failures.failure_line({0: failure(2, error), 1: failure(2, error, 101)})
     assert (line, code) == ("effitrain: error: --data x.csv has no column text; fix: pass --text-column", 2)
     # The other process was stopped by the launcher before it got there: still the plain line.
     for stopped in (-signal.SIGTERM, 143):
-        assert launch.failure_line({0: failure(stopped, timestamp=99), 1: failure(2, error)})[0] == line
+        assert job_failures.failure_line({0: failure(stopped, timestamp=99), 1: failure(2, error)})[0] == line
     # Only process 1 hit it, process 0 failed differently: process 1's own problem, named.
-    line, code = launch.failure_line({0: failure(1, "RuntimeError: gloo: connection closed", 101),
+    line, code = job_failures.failure_line({0: failure(1, "RuntimeError: gloo: connection closed", 101),
                                       1: failure(2, error)})
     assert line == "effitrain: error: process 1: --data x.csv has no column text; fix: pass --text-column"
     assert code == 2
     # A worker killed by a signal is the root cause, not its peers' collective errors.
-    line, code = launch.failure_line({0: failure(1, "RuntimeError: gloo", 99), 1: failure(-signal.SIGKILL)})
+    line, code = job_failures.failure_line({0: failure(1, "RuntimeError: gloo", 99), 1: failure(-signal.SIGKILL)})
     assert (line, code) == ("effitrain launch: error: worker 1 of 2 was killed by SIGKILL (signal 9); fix: check the "
                             "memory (dmesg for the out-of-memory killer), then rerun (with --resume auto if the run "
                             "saved checkpoints)", 1)
@@ -286,24 +287,24 @@ def test_a_worker_follows_its_launcher_only(monkeypatch):
     import ctypes
 
     sent = []
-    monkeypatch.setattr(launch.os, "kill", lambda pid, sig: sent.append((pid, sig)) if sig else None)
+    monkeypatch.setattr(launcher.os, "kill", lambda pid, sig: sent.append((pid, sig)) if sig else None)
     try:
-        monkeypatch.setenv(launch.LAUNCHER_PID, str(os.getppid()))
-        launch.end_with_launcher()
+        monkeypatch.setenv(launcher.LAUNCHER_PID, str(os.getppid()))
+        launcher.end_with_launcher()
         assert (pdeathsig(), sent) == (signal.SIGTERM, [])
     finally:
-        ctypes.CDLL(None).prctl(launch.PR_SET_PDEATHSIG, 0, 0, 0, 0)  # this test process follows nobody
-    monkeypatch.setenv(launch.LAUNCHER_PID, str(os.getpid()))  # alive, not the parent
-    launch.end_with_launcher()
+        ctypes.CDLL(None).prctl(launcher.PR_SET_PDEATHSIG, 0, 0, 0, 0)  # this test process follows nobody
+    monkeypatch.setenv(launcher.LAUNCHER_PID, str(os.getpid()))  # alive, not the parent
+    launcher.end_with_launcher()
     assert (pdeathsig(), sent) == (0, [])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    monkeypatch.setattr(launch, "_alive", lambda pid: pid != gone.pid)
-    monkeypatch.setenv(launch.LAUNCHER_PID, str(gone.pid))
-    launch.end_with_launcher()
+    monkeypatch.setattr(launcher, "_alive", lambda pid: pid != gone.pid)
+    monkeypatch.setenv(launcher.LAUNCHER_PID, str(gone.pid))
+    launcher.end_with_launcher()
     assert sent == [(os.getpid(), signal.SIGTERM)]
-    monkeypatch.setenv(launch.LAUNCHER_PID, "not a pid")
-    launch.end_with_launcher()
+    monkeypatch.setenv(launcher.LAUNCHER_PID, "not a pid")
+    launcher.end_with_launcher()
     assert len(sent) == 1
 
 
@@ -322,7 +323,7 @@ def launch_flags(**given) -> SimpleNamespace:
 
 
 def settings(env: dict, **given) -> tuple[tuple, str | None]:
-    args, line = launch.resolve(launch_flags(**given), env)
+    args, line = cluster.resolve(launch_flags(**given), env)
     return (args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port), line
 
 
@@ -336,14 +337,14 @@ def settings(env: dict, **given) -> tuple[tuple, str | None]:
     ("127.0.0.1", ["127.0.0.1"]),
 ])
 def test_slurm_host_lists_expand_in_slurms_order(nodelist, hosts):
-    assert launch.expand_hostlist(nodelist) == hosts
+    assert expand_hostlist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("garbage", ["", "node[", "node]01", "a,,b", "n[3-1]", "n[a-b]", "n[]", "n[[1]]",
                                      "n[1-2", "two words", "n[1-9999999]", "n[1;2]", "x,"])
 def test_a_garbled_host_list_is_a_value_error(garbage):
     with pytest.raises(ValueError):
-        launch.expand_hostlist(garbage)
+        expand_hostlist(garbage)
 
 
 def test_slurm_gives_node_count_rank_head_and_a_port_from_the_job_id():
@@ -380,11 +381,11 @@ def test_pytorchjob_and_torchrun_style_environments(monkeypatch):
         (4, 2, 1, "job-master-0", 23456), "effitrain launch: 2 nodes from PyTorchJob (node 1, head "
         "job-master-0:23456), 4 processes per node from PET_NPROC_PER_NODE")
     # Kubeflow Trainer (TrainJob): PET_MASTER_ADDR/PORT; nprocPerNode "auto": one per accelerator, else 1.
-    monkeypatch.setattr(launch, "local_accelerators", lambda: 0)
+    monkeypatch.setattr(devices, "accelerator_count", lambda: 0)
     trainjob = {"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_NPROC_PER_NODE": "auto",
                 "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"}
     assert settings(trainjob)[0] == (1, 3, 2, "job-node-0-0.job", 29400)
-    monkeypatch.setattr(launch, "local_accelerators", lambda: 8)
+    monkeypatch.setattr(devices, "accelerator_count", lambda: 8)
     assert settings(trainjob)[0][0] == 8
     assert settings({"PET_NPROC_PER_NODE": "2"}) == (
         (2, 1, 0, None, None), "effitrain launch: 1 node from PyTorchJob, 2 processes per node from PET_NPROC_PER_NODE")
@@ -429,7 +430,7 @@ def test_a_broken_cluster_environment_is_one_user_error(env, problem):
     from effitrain.errors import UserError
 
     with pytest.raises(UserError, match=problem) as raised:
-        launch.resolve(launch_flags(), env)
+        cluster.resolve(launch_flags(), env)
     assert "\n" not in str(raised.value) and "; fix: " in str(raised.value)
 
 
@@ -454,7 +455,7 @@ def slurm_job_with_a_free_port() -> int:
         job = random.randrange(10**6)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", launch.SLURM_PORT_BASE + job % launch.SLURM_PORT_SPAN))
+                s.bind(("127.0.0.1", cluster.SLURM_PORT_BASE + job % cluster.SLURM_PORT_SPAN))
             except OSError:
                 continue
         return job
@@ -483,7 +484,7 @@ def test_two_slurm_nodes_on_one_machine_equal_one_process(tiny_model_dir, tmp_pa
     for node, process in enumerate(nodes):
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr[-3000:]
-        port = launch.SLURM_PORT_BASE + job % launch.SLURM_PORT_SPAN
+        port = cluster.SLURM_PORT_BASE + job % cluster.SLURM_PORT_SPAN
         assert stderr.splitlines()[0] == f"effitrain launch: 2 nodes from Slurm (node {node}, head 127.0.0.1:{port})"
     train({**common, "model": str(tiny_model_dir), "batch_size": 8, "output_dir": str(tmp_path / "one")})
     nodes_w, one_w = read_weights(tmp_path / "nodes"), read_weights(tmp_path / "one")
@@ -498,17 +499,17 @@ def test_a_worker_killed_by_a_signal_is_one_line_with_the_step_and_checkpoint_it
     from effitrain.runtime.peers import PeerLost
 
     knew = f"PeerLost: {PeerLost(5, 'out/checkpoints/step-4')}"
-    line, code = launch.failure_line({0: failure(1, knew, 101), 1: failure(-signal.SIGKILL, "Signal 9 (SIGKILL) "
+    line, code = job_failures.failure_line({0: failure(1, knew, 101), 1: failure(-signal.SIGKILL, "Signal 9 (SIGKILL) "
                                                                            "received by PID 7")}, world=4)
     assert (line, code) == ("effitrain launch: error: worker 1 of 4 was killed by SIGKILL (signal 9) during step 5; "
                             "fix: check the memory (dmesg for the out-of-memory killer), then rerun with --resume auto "
                             "(continues from out/checkpoints/step-4)", 1)
     # Its peers stopped by the launcher before they knew anything; another signal.
-    line, code = launch.failure_line({0: failure(-signal.SIGTERM, timestamp=99), 1: failure(-signal.SIGSEGV)})
+    line, code = job_failures.failure_line({0: failure(-signal.SIGTERM, timestamp=99), 1: failure(-signal.SIGSEGV)})
     assert (line, code) == ("effitrain launch: error: worker 1 of 2 was killed by SIGSEGV (signal 11); fix: find what "
                             "sent it, then rerun (with --resume auto if the run saved checkpoints)", 1)
     # The process that ended ran on another node: this node's workers only lost it.
-    line, code = launch.failure_line({2: failure(1, f"PeerLost: {PeerLost(3)}"), 3: failure(-signal.SIGTERM)})
+    line, code = job_failures.failure_line({2: failure(1, f"PeerLost: {PeerLost(3)}"), 3: failure(-signal.SIGTERM)})
     assert (line, code) == ("effitrain launch: error: process 2: another process of the job ended during step 3; no "
                             "checkpoint saved (on another node: its launcher says why); fix: then rerun (no checkpoint "
                             "was saved: --save-every N keeps some)", 1)
@@ -536,11 +537,11 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line_or_left_to_the_launcher(
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    monkeypatch.delenv(launch.LAUNCHER_PID, raising=False)
+    monkeypatch.delenv(launcher.LAUNCHER_PID, raising=False)
     if launched:
-        monkeypatch.setenv(launch.LAUNCHED, "1")
+        monkeypatch.setenv(launcher.LAUNCHED, "1")
     else:
-        monkeypatch.delenv(launch.LAUNCHED, raising=False)
+        monkeypatch.delenv(launcher.LAUNCHED, raising=False)
     assert cli.main(["env"]) == 1
     recorded = json.loads(error_file.read_text())["message"]["message"]
     assert recorded == "PeerLost: another process of the job ended during step 7; latest checkpoint out/checkpoints/step-6"
@@ -548,8 +549,8 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line_or_left_to_the_launcher(
     # Met outside the training loop (set-up, the final test): nothing said of checkpoints it did not look for.
     unknown = PeerLost.parse(f"PeerLost: {PeerLost(looked=False)}")
     assert (str(unknown), unknown.step, unknown.looked) == ("another process of the job ended", None, False)
-    assert launch.rerun_fix([unknown]) == "then rerun (with --resume auto if the run saved checkpoints)"
-    assert launch.rerun_fix([PeerLost(3)]) == "then rerun (no checkpoint was saved: --save-every N keeps some)"
+    assert job_failures.rerun_fix([unknown]) == "then rerun (with --resume auto if the run saved checkpoints)"
+    assert job_failures.rerun_fix([PeerLost(3)]) == "then rerun (no checkpoint was saved: --save-every N keeps some)"
     assert capsys.readouterr().err == ("" if launched else (
         "effitrain: error: another process of the job ended during step 7; latest checkpoint out/checkpoints/step-6; "
         "fix: see why the other process ended (its output; dmesg for the out-of-memory killer) and rerun, with "
@@ -624,17 +625,15 @@ def test_a_bad_master_address_from_the_environment_is_one_user_error(env, proble
     from effitrain.errors import UserError
 
     with pytest.raises(UserError, match=problem):
-        launch.resolve(launch_flags(), env)
+        cluster.resolve(launch_flags(), env)
 
 
 def test_addresses_torch_reads_are_kept_and_normalised():
-    from effitrain.runtime import rendezvous
-
     for given, kept in [("10.0.0.1", "10.0.0.1"), (" node01 ", "node01"), ("job-master-0.job.svc.", "job-master-0.job.svc."),
                         ("::1", "[::1]"), ("[fe80::1]", "[fe80::1]"), ("gpu_node-3", "gpu_node-3")]:
         assert rendezvous.check_address(given) == kept
     assert launch.torchrun_argv(launch_flags(nproc=1, nnodes=1, node_rank=0, master_addr="[::1]"), ["train"], 7.2)[4:8] == [
-        "--node-rank=0", "--master-addr=[::1]", f"--master-port={launch.DEFAULT_PORT}", "--rdzv-conf=timeout=8"]
+        "--node-rank=0", "--master-addr=[::1]", f"--master-port={rendezvous.DEFAULT_PORT}", "--rdzv-conf=timeout=8"]
 
 
 def test_workers_stuck_in_a_store_connect_follow_a_launcher_killed_outright(tmp_path):
@@ -660,7 +659,7 @@ def test_workers_stuck_in_a_store_connect_follow_a_launcher_killed_outright(tmp_
         killed_at = time.monotonic()
         job.wait(timeout=30)
         while any(map(running, workers)):
-            assert time.monotonic() - killed_at < launch.START_UNWIND_SECONDS + 10, "a worker outlived its launcher"
+            assert time.monotonic() - killed_at < launcher.START_UNWIND_SECONDS + 10, "a worker outlived its launcher"
             time.sleep(0.1)
     finally:
         for pid in [job.pid, *workers]:

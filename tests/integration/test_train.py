@@ -125,7 +125,7 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, group_by_le
 
 
 def test_the_garbage_collector_is_left_as_it_was_found(tiny_model_dir, tmp_path):
-    """The run pauses the collector while it sets up and freezes what it holds (engine/run.py); after
+    """The run pauses the collector while it sets up and freezes what it holds (speedups/process_tuning.py); after
     a run that ends, or one whose set-up fails, the collector is on (or off) as before and nothing stays
     frozen, and cyclic garbage made during the run is collectable again."""
     import gc

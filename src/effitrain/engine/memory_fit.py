@@ -20,7 +20,6 @@ import torch
 from effitrain.config import TrainConfig
 from effitrain.engine.strategies import Strategy
 from effitrain.errors import UserError
-from effitrain.speedups import allocator
 
 # torch.OutOfMemoryError since torch 2.5; torch.cuda's before (the README promises torch >= 2.4).
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -31,17 +30,6 @@ def is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, OutOfMemoryError):
         return True
     return isinstance(err, RuntimeError) and ("can't allocate memory" in str(err) or "out of memory" in str(err))
-
-
-def release_cached(device: torch.device) -> None:
-    """After an out-of-memory error: the failed step's tensors are gone; give their cached blocks back."""
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    else:
-        allocator.give_back()  # what glibc kept at its heap's top for reuse (speedups/allocator.py)
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:

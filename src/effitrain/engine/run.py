@@ -22,6 +22,7 @@ from effitrain.outputs import model_card
 from effitrain.outputs.console import Console
 from effitrain.runtime import peers
 from effitrain.runtime.devices import cpu_name, peak_memory_bytes
+from effitrain.speedups import process_tuning
 
 
 def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) -> dict:
@@ -32,7 +33,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
     wall_start = time.perf_counter()
     start_up = process_age_seconds() if command else 0.0
     with contextlib.ExitStack() as cleanup:  # closed also when a step raises
-        with collections_paused(cleanup):
+        with process_tuning.setting_up(cleanup):  # the process tuned for the run (speedups/process_tuning.py)
             job = setup(config, cleanup, run_dir)
         state = TrainState(job.accelerator.device, started=wall_start, window_size=window_size(job.task))
         checkpointer = Checkpointer(job.strategy, job.out_dir, config.save_every, config.keep_last, job.total_steps,
@@ -118,27 +119,6 @@ def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -
         model_card.write(job.out_dir / "model", {**config.to_dict(), "output_dir": str(job.out_dir)}, result,
                          card_facts(job))
     return result
-
-
-@contextlib.contextmanager
-def collections_paused(cleanup: contextlib.ExitStack):
-    """Python's cyclic garbage collector off while the run sets up, then everything it holds frozen until
-    the run ends. The imports (torch, transformers, datasets) and the model's load create ~450K objects,
-    which set off 5-7 full collections, each walking all of them: ~0.8 s of the default job's set-up
-    here. Frozen, they are skipped by the collections of the training loop and the evaluation (which
-    free almost nothing cyclic: tensors go by reference count). The collector's state is put back as the
-    run ends, also when it raises: the caller's program continues with its objects collectable again."""
-    import gc
-
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        cleanup.callback(gc.unfreeze)
-        if was_enabled:
-            gc.enable()
 
 
 def card_facts(job: Run) -> dict:

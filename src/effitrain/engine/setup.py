@@ -33,7 +33,7 @@ from effitrain.models import adapters, loading, transforms
 from effitrain.outputs import files, run_folder, sinks, tracking
 from effitrain.runtime import libraries
 from effitrain.runtime.distributed import make_accelerator
-from effitrain.speedups import allocator
+from effitrain.speedups import process_tuning
 
 
 @dataclass
@@ -128,13 +128,11 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     source = loading.resolve_source(config.model, config.allow_pickle)
     source.allow_partial = config.allow_partial_load
     tracking.check_installed(config)
-    allocator.bound_primitive_cache()  # before this process's first bf16 matmul (choose may time one)
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, strategies.accelerator_plugins(config), mixed_precision,
                                    broadcast_buffers=config.memory_budget is None, log_with=trackers(config, run_dir))
     cleanup.callback(accelerator.end_training)  # also finishes the trackers
-    if accelerator.device.type == "cpu" and allocator.keep_freed_memory():  # each step reuses the last one's pages
-        cleanup.callback(allocator.restore)
+    process_tuning.keep_freed_memory(accelerator.device, cleanup)  # each step reuses the last one's pages
     strategy = strategies.for_config(config, accelerator)
     strategy.setup_environment(cleanup)
     accelerator.wait_for_everyone()  # process 0 has locked the output folder and settled what was in it

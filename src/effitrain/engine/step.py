@@ -20,6 +20,7 @@ import torch
 
 from effitrain.engine import communication, memory_fit
 from effitrain.engine.strategies import Single, Strategy
+from effitrain.speedups import process_tuning
 
 
 @dataclass
@@ -70,7 +71,7 @@ class StepRunner:
             if not out_of_memory:
                 break
             self.optimizer.zero_grad(set_to_none=True)
-            memory_fit.release_cached(self.accelerator.device)
+            process_tuning.give_back(self.accelerator.device)
             self.pieces = memory_fit.halve(self.pieces, self.batch_size, self.strategy)
             self.on_retry(step, self.pieces)
         finite, grad_norm = self._clip_and_step()

@@ -39,8 +39,8 @@ MiB = 2**20
 # included). The constant: what a run builds after its plan besides the model's tensors (the planner's own
 # objects, the loaders); the libraries a run's adapters, optimizer and strategy use are imported before the
 # plan's baseline (memory_fit.plan_run, Fsdp.setup_environment), so they are not in it. Least squares on
-# effitrain's own runs (benchmarks/planner/memory_plan.py --runs, the 12 `fit` rows: peak RSS minus the RSS at
-# planning; xeon2c, 2026-12-05); the held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
+# effitrain's own runs (benchmarks/planner/memory_plan.py --runs, the `fit` rows: peak RSS minus the RSS at
+# planning); the fit and its held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
 CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
 # Under an allocator that keeps small objects apart from large blocks (the `effitrain` command preloads one:
 # speedups/allocator.py), the freed blocks are reused whole and the overhead is a near constant, whatever
@@ -51,9 +51,9 @@ PRELOADED_OVERHEAD = {"jemalloc": 89 * MiB, "tcmalloc": 61 * MiB}
 # measured here (no GPU was lent to this project yet).
 CUDA_OVERHEAD = {"context": 600 * MiB, "fragmentation": 0.05}
 
-# Relative speed of a training step with each optimizer vs fused AdamW on CPUs: `effitrain bench` (20 steps
-# of the default model, epyc2c) for adafactor and 8-bit; benchmarks/techniques/optimizers.py (60 steps of the default
-# job, one run each, idle xeon2c, 2026-12-05) for the package optimizers. On GPUs: taken as equal.
+# Relative speed of a training step with each optimizer vs fused AdamW on CPUs, so that the planner can rank
+# settings that fit: benchmarks/results/optimizers_xeon2c_2026-12-05.md (which keeps epyc2c's `effitrain
+# bench` figures for adafactor and 8-bit). On GPUs: taken as equal.
 OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8bit": 0.59, "adam-8bit": 0.59,
                            "galore-adamw": 0.68, "apollo-adamw": 0.78, "muon": 0.53, "schedule-free-adamw": 0.69},
                    "cuda": {}}

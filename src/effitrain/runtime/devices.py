@@ -19,6 +19,15 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or bool(mps and mps.is_available()) or bool(xpu and xpu.is_available())
 
 
+def accelerator_count() -> int:
+    """This machine's accelerators (0 on a CPU-only one): one launched process each."""
+    import torch
+
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    return torch.cuda.device_count()
+
+
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

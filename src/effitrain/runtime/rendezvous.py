@@ -9,6 +9,7 @@ import errno
 import ipaddress
 import re
 import socket
+import sys
 import time
 
 from effitrain.errors import UserError
@@ -17,6 +18,7 @@ from effitrain.errors import UserError
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 PROBE_EVERY = 0.2  # seconds between two tries to reach node 0
+DEFAULT_PORT = 29500  # torchrun's, for one node given --master-addr without --master-port
 
 
 def said(name: str, value) -> str:
@@ -113,3 +115,47 @@ def nodes_missing(err: BaseException, nnodes: int, address: str, port: int, seco
     return UserError(f"{joined} joined node 0 at {address}:{port} within {seconds:g} s", "start effitrain launch "
                      "on every node with the same --nnodes, --master-addr and --master-port, and check that they can "
                      "reach that port of node 0 (a firewall)")
+
+
+# Once node 0 answers, torch's store still needs the nodes' agents to agree on the ranks: never less than this.
+MIN_STORE_SECONDS = 60
+
+
+def standalone(args) -> bool:
+    """One node and no address given: torchrun picks a free port on localhost, nothing to meet."""
+    return args.nnodes == 1 and args.master_addr is None
+
+
+def meeting_point(args) -> tuple[str, int]:
+    """Where node 0 waits: `effitrain launch`'s --master-addr and --master-port, or torchrun's defaults."""
+    return args.master_addr or "127.0.0.1", args.master_port or DEFAULT_PORT
+
+
+def meet(args) -> float | None:
+    """Before torch's rendezvous: node 0 checks that it can serve the meeting point; with several nodes each
+    says what it waits for and until when, and another node waits (bounded) for node 0 to listen. Returns
+    the seconds torch's store gets to gather the nodes (None: standalone, nothing to meet)."""
+    if standalone(args):
+        return None
+    address, port = meeting_point(args)
+    if args.node_rank == 0:
+        ensure_port_free(address, port)
+    if args.nnodes == 1:
+        return None
+    seconds, until = args.join_timeout, deadline_said(args.join_timeout)
+    if args.node_rank == 0:
+        print(f"effitrain launch: node 0 waits for the other {args.nnodes - 1} node(s) at {address}:{port} {until}",
+              file=sys.stderr, flush=True)
+        return seconds
+    print(f"effitrain launch: node {args.node_rank} waits for node 0 at {address}:{port} {until}", file=sys.stderr,
+          flush=True)
+    return max(MIN_STORE_SECONDS, wait_for_node_0(address, port, seconds))
+
+
+def not_met(args, err: BaseException) -> UserError:
+    address, port = meeting_point(args)
+    if args.node_rank == 0:
+        return nodes_missing(err, args.nnodes, address, port, args.join_timeout)
+    last = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
+    return UserError(f"node {args.node_rank} could not join node 0 at {address}:{port} ({last})",
+                     "start effitrain launch on every node with the same --nnodes, --master-addr and --master-port")

@@ -12,8 +12,8 @@ no LoRA variant such as DoRA, nn.Linear underneath), the same function is comput
 
 With a frozen base (LoRA's case) the whole layer is one autograd node (`_AdaptedLinear`), whose backward
 adds the adapter's input gradient into the base's in place and computes B's gradient as (a^T g)^T, the
-fast orientation of that product (g^T a reads g by columns: 2.5-3x slower in fp32). Its results agree
-with peft's to float rounding (the sums run in another order), not bit for bit.
+fast orientation of that product (g^T a reads g by columns; the figures: docs/adapters.md). Its results
+agree with peft's to float rounding (the sums run in another order), not bit for bit.
 
 Under half precision the frozen base's weight and bias are cast to the compute dtype once and kept across
 steps (autocast casts a frozen weight again every step: it only caches casts of weights that require
@@ -98,8 +98,8 @@ def _one_plain_adapter(layer) -> bool:
 class _AdaptedLinear(torch.autograd.Function):
     """out = x W^T + b + ((x * mask) A^T * scaling) B^T for a frozen W and b, as one autograd node whose
     backward picks the fast form of each product: the adapter's input gradient added into the base's in
-    place (one addmm), B's gradient as (a^T g)^T, which reads g by rows (2.5-3x faster than g^T a in
-    fp32, benchmarks/speedups/lora_step.py). Inputs are 2-D and in the compute dtype; autocast is off inside."""
+    place (one addmm), B's gradient as (a^T g)^T, which reads g by rows (faster than g^T a, which reads it
+    by columns). Inputs are 2-D and in the compute dtype; autocast is off inside."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_a, weight_b, scaling: float, p: float, lean: bool):

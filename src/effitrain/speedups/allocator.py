@@ -1,39 +1,31 @@
-"""glibc's malloc, on CPU runs: keep freed memory for the next step instead of handing it to the kernel.
+"""The C allocator under a CPU run: freed memory kept for the next step, an allocator that keeps small
+objects apart preloaded, oneDNN's kernel cache bounded. When each is switched on: speedups/process_tuning.py.
 
-glibc maps every block above its mmap threshold (adapting from 128 KiB up to 32 MiB on 64-bit) with its
-own mmap and unmaps it when freed. A training step frees and allocates the same large tensors every
-step: the word embeddings' gradient (the default model's: 30522 x 384 fp32, 45 MiB, always above the
-threshold), autocast's bf16 copies of the weights, an evaluation batch's activations. Each time the
-kernel faults their pages in and zeroes them anew: 10-25% of the default model's CPU step.
+`keep_freed_memory`: glibc maps every block above its mmap threshold (adapting from 128 KiB up to 32 MiB on
+64-bit) with its own mmap and unmaps it when freed, so a training step's large tensors (the word embeddings'
+gradient, autocast's bf16 copies of the weights, an evaluation batch's activations) are faulted in and
+zeroed by the kernel anew every step; glibc is set to serve every block from its heap (M_MMAP_MAX 0) and
+keep up to KEEP bytes freed at the heap's top (M_TRIM_THRESHOLD), so a step reuses the pages of the one
+before (benchmarks/results/allocator_epyc2c_2026-12-04.md; benchmarks/speedups/allocator.py measures it). `restore`
+puts glibc's defaults back when a run ends (effitrain.train may run inside a longer program).
 
-`keep_freed_memory` makes glibc serve every block from its heap (M_MMAP_MAX 0) and keep up to
-KEEP bytes freed at the heap's top (M_TRIM_THRESHOLD), so a step reuses the pages of the one before.
-benchmarks/speedups/allocator.py measures it: the training step's time, evaluation's, and peak resident memory.
-`restore` puts glibc's defaults back when a run ends (effitrain.train may run inside a longer program).
-
-glibc keeps pages, but not in shape: small C++ objects land in the holes freed large tensors leave and
-split them, so the next step's large blocks go to the heap's top, and what the process holds beyond its
-tensors varies from 60 to 700 MiB with every small allocation (benchmarks/results/memory_overhead_*). An
-allocator that keeps small objects apart from large blocks (tcmalloc's size classes, jemalloc's slabs)
-holds the tensors plus a near-constant, at glibc's speed or better. `preload` re-executes the `effitrain`
-command once with one of them in LD_PRELOAD, before torch is loaded (a library cannot replace malloc in a
-running process): tcmalloc where installed, else glibc with the settings above; jemalloc only when asked
-for by name (EFFITRAIN_ALLOCATOR=jemalloc), with its freed pages purged after 5 s. Never purging (faster:
-purging re-faults every step's pages) grew a BERT-base-sized model's bf16 run by ~30 MiB of resident
-memory a step without end (3.1 -> 7.7 GiB over 150 steps: the freed blocks of the batches' many widths
-kept, not reused); the 5 s decay stopped the growth but ran 0.75x tcmalloc's speed, which stayed flat at
-3.5 GiB. On the default job tcmalloc is as fast or faster (bf16 +4-7%) in 5-7% less peak memory
-(benchmarks/results/allocator_xeon2c_2026-12-05.md).
-EFFITRAIN_ALLOCATOR chooses (`system`: no preload). `serving` says which library's malloc this process calls, for the planner and `effitrain env`.
+`preload`: glibc keeps pages, but not in shape: small C++ objects land in the holes freed large tensors
+leave and split them, so what the process holds beyond its tensors varies with every small allocation
+(benchmarks/results/memory_overhead_xeon2c_2026-12-05.md); an allocator that keeps small objects apart
+from large blocks (tcmalloc's size classes, jemalloc's slabs) holds the tensors plus a near-constant. It
+re-executes the `effitrain` command once with one of them in LD_PRELOAD, before torch is loaded (a library
+cannot replace malloc in a running process): tcmalloc where installed, else glibc with the settings above;
+jemalloc only when asked for by name (EFFITRAIN_ALLOCATOR=jemalloc), with its freed pages purged after 5 s,
+because never purging grew a bf16 run without end while tcmalloc stayed flat, as fast or faster
+(benchmarks/results/allocator_xeon2c_2026-12-05.md). EFFITRAIN_ALLOCATOR chooses (`system`: no preload).
+`serving` says which library's malloc this process calls, for the planner and `effitrain env`.
 
 `bound_primitive_cache` caps oneDNN's cache of compiled kernels ("primitives"), through which CPU bf16
-matmuls run: one primitive per operand shape, kept up to 1024 by default, each holding its own buffers.
-Batches padded to their longest example come in many widths, and a bf16 run grew ~280 MiB of resident
-memory over 60 steps of the default job (fp32, on MKL, did not); at PRIMITIVES (every matmul shape of a
-step, so the layers of one step still share theirs) it stays flat. The price: a width seen again compiles
-its kernels again. Over one pass of 60 steps full fine-tuning ran 3-6% slower bounded (~300 MiB less
-peak), LoRA the same; over the same batches repeated, full fine-tuning's passes ran 16% slower, LoRA's
-as fast (benchmarks/results/lora_step_xeon2c_2026-12-05.md, 19:17)."""
+matmuls run, one per operand shape, each holding its own buffers: batches padded to their longest example
+come in many widths and grew a bf16 run's resident memory under oneDNN's default of 1024; at PRIMITIVES
+(every matmul shape of a step, so the layers of one step still share theirs) it stays flat, and a width
+seen again compiles its kernels again (benchmarks/results/allocator_epyc2c_2026-12-04.md, the cost:
+benchmarks/results/lora_step_xeon2c_2026-12-05.md)."""
 
 from __future__ import annotations
 
@@ -58,8 +50,8 @@ LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtc
              "jemalloc": ("libjemalloc.so.2", "libjemalloc.so")}
 AUTO = ("tcmalloc",)  # what `auto` preloads where installed (jemalloc's growth: the module's doc)
 # Set unless the user set them. jemalloc: purge freed pages after 5 s, not jemalloc's default 10 s nor never
-# (never purging grew a bf16 run without end; 5 s stopped the growth, at 0.75x tcmalloc's speed: the
-# module's doc); tcmalloc: no "large alloc" report on stderr for blocks over 1 GiB (one line stays one).
+# (never purging grew a bf16 run without end, 5 s stopped the growth: the module's doc); tcmalloc: no
+# "large alloc" report on stderr for blocks over 1 GiB (one line stays one).
 SETTINGS = {"jemalloc": {"MALLOC_CONF": "background_thread:false,dirty_decay_ms:5000,muzzy_decay_ms:0"},
             "tcmalloc": {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60)}}
 JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
