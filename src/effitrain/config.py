@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import UserError
-from effitrain.tasks import NAMES as TASKS
+from effitrain.catalog.task_names import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
@@ -24,6 +24,12 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 def shards_weights(strategy: str) -> bool:
     """Whether the strategy may shard the weights across processes (ddp keeps them whole in each)."""
     return strategy != "ddp"
+
+
+def compiles(config) -> bool:
+    """Whether a run with this config (a TrainConfig, or config.yaml's dict) ends with the compile stage:
+    for what depends on it outside the model (padding to fewer shapes, the model card)."""
+    return bool(config.get("compile") if isinstance(config, dict) else getattr(config, "compile", False))
 
 
 KEEP = ("final", "best")
@@ -533,10 +539,20 @@ def _check_values(config: TrainConfig) -> None:
         check_value(f.name, coerce(f.name, getattr(config, f.name), "config"))
 
 
+def parse_size(text: str) -> int:
+    """A memory size as users write it (--memory-budget, plan's --memory): '8GiB', '512MiB', '8GB', '1.5G',
+    '2000000000' -> bytes (G/GiB binary, GB decimal)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise UserError(f"`{text}` is not a memory size", "write e.g. 8GiB, 512MiB or 16GB")
+    number, prefix, suffix = float(match[1]), match[2].upper(), match[3].lower()
+    power = " KMGT".index(prefix or " ")
+    base = 1000 if suffix == "b" and prefix else 1024
+    return int(number * base**power)
+
+
 def _check_memory_budget(value: str) -> None:
     if value != "auto":
-        from effitrain.planning.sizes import parse_size
-
         if parse_size(value) <= 0:
             raise UserError(f"--memory-budget must be > 0, got {value}", "pass e.g. 8GiB or auto")
 
