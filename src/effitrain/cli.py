@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import importlib
 import os
 import re
 import sys
@@ -29,7 +28,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def command_module(name: str):
-    return importlib.import_module(f"effitrain.commands.{name}")
+    """A command's module, imported when the parser is built (not when __main__ imports this module)."""
+    from effitrain.commands import train, predict, evaluate, inspect, env, launch, bench, plan, report  # as COMMANDS
+
+    return {"train": train, "predict": predict, "evaluate": evaluate, "inspect": inspect, "env": env,
+            "launch": launch, "bench": bench, "plan": plan, "report": report}[name]
 
 
 def build_parser() -> Parser:

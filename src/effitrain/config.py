@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import UserError
-from effitrain.tasks import NAMES as TASKS
+from effitrain.catalog.task_names import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
@@ -24,6 +24,12 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 def shards_weights(strategy: str) -> bool:
     """Whether the strategy may shard the weights across processes (ddp keeps them whole in each)."""
     return strategy != "ddp"
+
+
+def compiles(config) -> bool:
+    """Whether a run with this config (a TrainConfig, or config.yaml's dict) ends with the compile stage:
+    for what depends on it outside the model (padding to fewer shapes, the model card)."""
+    return bool(config.get("compile") if isinstance(config, dict) else getattr(config, "compile", False))
 
 
 KEEP = ("final", "best")
@@ -47,7 +53,6 @@ DPO_LOSSES = ("sigmoid", "ipo")  # --dpo-loss: TRL's loss_type names
 PREFERENCE_SETTINGS = ("beta", "reference", "dpo_loss", "dpo_label_smoothing")  # what no --preference leaves alone
 # The built-in data sets' names (data/builtins.py makes them; a test keeps the two the same).
 BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits")
-CHAT_SETTINGS = ("chat_template", "loss_on")  # how a conversation becomes tokens and a loss mask
 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
@@ -57,7 +62,11 @@ SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and s
 
 def _opt(default: Any, help: str, section: str, **rules: Any) -> Any:
     """A field with its help, its --help section and its rules (see RULES; `problem`/`fix` override a
-    refusal's words, `check` is a function that parses the value and raises UserError)."""
+    refusal's words, `check` is a function that parses the value and raises UserError). Every field also
+    says what a resume does with it (engine/checkpoint.py): `resume="must_match"` (it decides the arithmetic,
+    the data order or the schedule: a checkpoint made with another value is refused) or `resume="free"`;
+    `added_later=True` on a must-match setting newer than the first checkpoints: one that lacks it was
+    made with its default."""
     return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
@@ -67,56 +76,62 @@ class TrainConfig:
                       "a local directory with config.json and safetensors weights, a hub id in the local "
                       "Hugging Face cache (never downloaded), or a model built from a config with random weights: "
                       "a config.json file or model_type:key=value,... (e.g. bert:hidden_size=64)", "model",
-                      nonempty=True)
+                      nonempty=True, resume="must_match")
     allow_pickle: bool = _opt(False, "accept a model whose weights are only pickle files (.bin/.pt), loaded "
-                              "with torch.load(weights_only=True); otherwise only safetensors are loaded", "model")
+                              "with torch.load(weights_only=True); otherwise only safetensors are loaded", "model",
+                              resume="free")
     allow_partial_load: bool = _opt(False, "train even when the model's weights do not all fit its config "
                                     "(missing or of another shape): those start from random values; otherwise "
-                                    "refused (a new head for other labels is always fine)", "model")
+                                    "refused (a new head for other labels is always fine)", "model", resume="free")
     task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
-                     problem="unknown task `{value}`")
+                     problem="unknown task `{value}`", resume="must_match")
     data: str = _opt("sms-spam", f"a built-in ({', '.join(BUILTIN_DATA)}), a CSV/TSV/JSON/JSONL/Parquet file, a "
                      "folder from datasets' save_to_disk, or a data set id in the local Hugging Face cache", "data",
-                     nonempty=True)
+                     nonempty=True, resume="must_match")
     validation_file: str | None = _opt(None, "validation data in its own file (else split from --data)", "data",
-                                       nonempty=True)
-    test_file: str | None = _opt(None, "test data in its own file (else split from --data)", "data", nonempty=True)
-    text_column: str = _opt("text", "column holding the text", "data")
-    text_pair_column: str | None = _opt(None, "column holding the second text of a pair (as in GLUE MRPC)", "data")
-    label_column: str = _opt("label", "column holding the label (strings or integers)", "data")
+                                       nonempty=True, resume="must_match")
+    test_file: str | None = _opt(None, "test data in its own file (else split from --data)", "data", nonempty=True,
+                                 resume="must_match")
+    text_column: str = _opt("text", "column holding the text", "data", resume="must_match")
+    text_pair_column: str | None = _opt(None, "column holding the second text of a pair (as in GLUE MRPC)", "data",
+                                        resume="must_match")
+    label_column: str = _opt("label", "column holding the label (strings or integers)", "data", resume="must_match")
     image_column: str = _opt("image", "column holding images (file paths relative to the data file, or images)",
-                             "data")
-    audio_column: str = _opt("audio", "column holding audio file paths (relative to the data file)", "data")
+                             "data", resume="must_match")
+    audio_column: str = _opt("audio", "column holding audio file paths (relative to the data file)", "data",
+                             resume="must_match")
     chat_template: str | None = _opt(None, "causal-lm conversations (`messages`, or prompt/completion as message "
                                      "lists): the chat template, `chatml` (adding its special tokens to the "
                                      "tokenizer) or a Jinja file; default the tokenizer's own. Saved with the "
-                                     "tokenizer in model/", "data", nonempty=True)
+                                     "tokenizer in model/", "data", nonempty=True,
+                                     resume="must_match", added_later=True)
     loss_on: str = _opt("completion", "causal-lm prompt/completion and messages data: `completion` (the loss on "
                         "the completion, or on each assistant turn, with the token that ends it) or `all` (every "
-                        "token); `text` data always trains on every token", "data", choices=LOSS_ON)
+                        "token); `text` data always trains on every token", "data", choices=LOSS_ON,
+                        resume="must_match", added_later=True)
     skip_bad_rows: bool = _opt(False, "skip rows with a missing text, label, image or audio (and report how "
-                               "many) instead of stopping on the first", "data")
+                               "many) instead of stopping on the first", "data", resume="must_match", added_later=True)
     output_dir: str | None = _opt(None, "where the run writes model/, metrics.json, config.yaml, log.jsonl "
-                                  "(default runs/<timestamp>)", "output", nonempty=True)
-    overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing", "output")
-    epochs: int = _opt(1, "passes over the training split", "schedule", positive=True)
+                                  "(default runs/<timestamp>)", "output", nonempty=True, resume="free")
+    overwrite: bool = _opt(False, "replace a non-empty --output-dir instead of refusing", "output", resume="free")
+    epochs: int = _opt(1, "passes over the training split", "schedule", positive=True, resume="must_match")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)", "schedule",
-                                 positive=True)
-    batch_size: int = _opt(16, "micro-batch per device", "schedule", positive=True)
-    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step", "schedule", positive=True)
+                                 positive=True, resume="must_match")
+    batch_size: int = _opt(16, "micro-batch per device", "schedule", positive=True, resume="free")
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step", "schedule", positive=True, resume="free")
     effective_batch_size: int | None = _opt(None, "examples per optimizer step over all processes: sets "
                                             "--grad-accum to it / (--batch-size x processes)", "schedule",
-                                            positive=True)
+                                            positive=True, resume="free")
     gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass instead of keeping "
-                                        "them (less memory, about a third more compute)", "memory")
+                                        "them (less memory, about a third more compute)", "memory", resume="must_match")
     compile: bool = _opt(False, "torch.compile each transformer block (regional compilation: the blocks share one "
                          "graph; shapes dynamic, so a run compiles a few graphs); the graphs and compile seconds are "
                          "reported apart from the training time (metrics.json `compile`). It is not always faster "
                          "than eager: measure it on your job (`effitrain bench`, the docs' results)",
-                         "precision and speed")
+                         "precision and speed", resume="free")
     precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
                           "(GPU, with a gradient scaler)", "precision and speed", choices=PRECISIONS,
-                          fix="pass one of {one_of}")
+                          fix="pass one of {one_of}", resume="must_match")
     optim: str = _opt("adamw", "adamw (fused; 8 bytes/param), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else "
                       "torchao; about 2 bytes/param), sgd (momentum = --beta1; 4 bytes/param); with `pip install "
                       "'effitrain[optimizers]'`: galore-adamw (GaLore: Adam's two moments kept in a rank-8 projection "
@@ -128,134 +143,144 @@ class TrainConfig:
                       "second moment; evaluation and model/ use the averaged weights); and muon (torch.optim.Muon: "
                       "momentum only, 4 bytes/param, for the 2-D weights inside the transformer blocks, lr matched to "
                       "AdamW's; AdamW for embeddings, head and 1-D tensors)", "optimizer", choices=OPTIMIZERS,
-                      fix="pass one of {one_of}")
+                      fix="pass one of {one_of}", resume="must_match")
     peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
                      "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
                      "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
-                     "the adapter", "adapters", choices=PEFT_METHODS)
+                     "the adapter", "adapters", choices=PEFT_METHODS, resume="must_match", added_later=True)
     lora_r: int = _opt(8, "LoRA rank (the inner size of each update B @ A)", "adapters", at_least=1,
-                       fix="pass e.g. {flag} 8")
+                       fix="pass e.g. {flag} 8", resume="must_match", added_later=True)
     lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r", "adapters", positive=True,
-                             fix="pass e.g. {flag} 16")
+                             fix="pass e.g. {flag} 16", resume="must_match", added_later=True)
     lora_dropout: float = _opt(0.0, "dropout on the adapters' inputs. 0 by default, as peft's: 0.05 scored no "
                                "better over 3 seeds on sms-spam and bbc-news, and its masks make a step slower and "
-                               "keep more memory", "adapters", within=(0, 1))
+                               "keep more memory", "adapters", within=(0, 1), resume="must_match", added_later=True)
     lora_target_modules: str = _opt(ALL_LINEAR, "the layers that get adapters: all-linear (every linear layer "
                                     "of the body, not the head) or a comma list of module names (e.g. query,value)",
-                                    "adapters", check=lambda value: _check_lora_targets(value))
+                                    "adapters", check=lambda value: _check_lora_targets(value),
+                                    resume="must_match", added_later=True)
     preference: str | None = _opt(None, "--task causal-lm on preference pairs (`prompt`, `chosen`, `rejected`, or "
                                   "`chosen` and `rejected` conversations): dpo (direct preference optimisation "
                                   "against a reference model) or orpo (odds-ratio preference optimisation: the "
                                   "chosen answer's loss plus an odds-ratio term, no reference)", "preference",
-                                  choices=PREFERENCES)
+                                  choices=PREFERENCES, resume="must_match", added_later=True)
     beta: float = _opt(0.1, "dpo: the temperature of the implicit reward (beta x log-ratio to the reference); "
                        "orpo: the weight of the odds-ratio term (TRL's beta, the paper's lambda)", "preference",
-                       positive=True, fix="pass e.g. {flag} 0.1")
+                       positive=True, fix="pass e.g. {flag} 0.1", resume="must_match", added_later=True)
     reference: str | None = _opt(None, "dpo's reference log-probs: precompute (one pass over the data before "
                                  "training, kept with the run: nothing more on the device), copy (a frozen copy "
                                  "of the starting model) or adapters (with --peft: the same model with its adapters "
                                  "switched off); default adapters with --peft, else precompute", "preference",
-                                 choices=REFERENCES)
+                                 choices=REFERENCES, resume="must_match", added_later=True)
     dpo_loss: str = _opt("sigmoid", "dpo's loss on the margin: sigmoid (the DPO paper's) or ipo (squared distance "
-                         "of the log-ratio margin to 1 / (2 beta), IPO's)", "preference", choices=DPO_LOSSES)
+                         "of the log-ratio margin to 1 / (2 beta), IPO's)", "preference", choices=DPO_LOSSES,
+                         resume="must_match", added_later=True)
     dpo_label_smoothing: float = _opt(0.0, "dpo sigmoid loss: the assumed share of pairs whose preference is "
-                                      "flipped (conservative DPO)", "preference", within=(0, 0.5))
+                                      "flipped (conservative DPO)", "preference", within=(0, 0.5),
+                                      resume="must_match", added_later=True)
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
                                      "only if that is not enough turns on checkpointing, then a lighter "
                                      "optimizer; on an out-of-memory error it halves the micro-batch and retries "
-                                     "the step", "memory", check=lambda value: _check_memory_budget(value))
-    beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)", "optimizer", within=(0, 1))
-    beta2: float = _opt(0.999, "second-moment decay", "optimizer", within=(0, 1), fix="pass e.g. {flag} 0.9")
-    eval_batch_size: int = _opt(128, "batch per device for evaluation", "evaluation", positive=True)
+                                     "the step", "memory", check=lambda value: _check_memory_budget(value),
+                                     resume="free")
+    beta1: float = _opt(0.9, "first-moment decay (momentum for sgd)", "optimizer", within=(0, 1), resume="must_match")
+    beta2: float = _opt(0.999, "second-moment decay", "optimizer", within=(0, 1), fix="pass e.g. {flag} 0.9",
+                        resume="must_match")
+    eval_batch_size: int = _opt(128, "batch per device for evaluation", "evaluation", positive=True, resume="free")
     lr: float | None = _opt(None, "peak learning rate (default 1e-4; 1e-3 with --peft: adapters learn at a "
-                            "higher rate than full fine-tuning)", "schedule", positive=True, example=1e-4)
+                            "higher rate than full fine-tuning)", "schedule", positive=True, example=1e-4,
+                            resume="must_match")
     weight_decay: float = _opt(0.01, "AdamW weight decay (not applied to biases and norms)", "optimizer",
-                               at_least=0)
+                               at_least=0, resume="must_match")
     warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0",
-                               "schedule", within=(0, 1))
+                               "schedule", within=(0, 1), resume="must_match")
     max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)", "optimizer",
-                                at_least=0)
+                                at_least=0, resume="must_match", added_later=True)
     seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order", "data",
-                     within=(0, 2**32))
-    max_length: int = _opt(128, "truncate inputs to this many tokens", "data", positive=True)
-    max_duration: float = _opt(10.0, "audio: keep at most this many seconds of each clip", "data", positive=True)
+                     within=(0, 2**32), resume="must_match")
+    max_length: int = _opt(128, "truncate inputs to this many tokens", "data", positive=True, resume="must_match")
+    max_duration: float = _opt(10.0, "audio: keep at most this many seconds of each clip", "data", positive=True,
+                               resume="must_match")
     packing: bool = _opt(False, "padding-free training batches: causal-lm concatenates a micro-batch's examples "
                          "into one row; sequence-classification (text) packs them into as few rows of at most "
                          "--max-length tokens as fit (models of type bert, distilbert, electra, roberta, "
                          "xlm-roberta). Exact: attention stays within each example, positions restart, each "
-                         "example's first token goes to the head; evaluation stays padded", "precision and speed")
+                         "example's first token goes to the head; evaluation stays padded", "precision and speed",
+                         resume="must_match")
     group_by_length: bool = _opt(True, "batch examples of similar length together (random mega-batches sorted "
                                  "by length): far less padding, so faster; --no-group-by-length for plain shuffling",
-                                 "precision and speed")
+                                 "precision and speed", resume="must_match")
     validation_split: float = _opt(0.1, "share of the data held out for validation (stratified)", "data",
-                                   within=(0, 0.5), ends="()")
+                                   within=(0, 0.5), ends="()", resume="must_match")
     test_split: float = _opt(0.1, "share of the data held out for the final test (stratified)", "data",
-                             within=(0, 0.5), ends="()")
+                             within=(0, 0.5), ends="()", resume="must_match")
     max_train_samples: int | None = _opt(None, "use only the first N training examples (quick trials)", "data",
-                                         positive=True)
+                                         positive=True, resume="must_match")
     max_eval_samples: int | None = _opt(None, "use only the first N validation and test examples", "data",
-                                        positive=True)
+                                        positive=True, resume="free")
     strategy: str = _opt("ddp", "data parallelism: ddp (replicas), fsdp (weights, gradients and optimizer states "
                          "sharded per transformer block: PyTorch's FSDP2, CPUs and GPUs), deepspeed (ZeRO; the "
                          "deepspeed extra; GPUs, not verified by effitrain's tests)", "distributed",
-                         choices=STRATEGIES, problem="unknown strategy `{value}`")
+                         choices=STRATEGIES, problem="unknown strategy `{value}`", resume="must_match")
     fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free each block's gathered weights after its forward and "
                                             "gather them again for the backward (less memory, more communication); "
                                             "--no-fsdp-reshard-after-forward keeps them until the backward",
-                                            "distributed")
+                                            "distributed", resume="free")
     zero_stage: int = _opt(2, "deepspeed: ZeRO stage 1, 2 or 3", "distributed", choices=(1, 2, 3),
-                           problem="{flag} must be 1, 2 or 3, got {value}", fix="pass {flag} 2")
+                           problem="{flag} must be 1, 2 or 3, got {value}", fix="pass {flag} 2", resume="free")
     local_sgd_steps: int | None = _opt(None, "local SGD: no gradient all-reduce; each process steps on its own "
                                        "data and parameters are averaged every K optimizer steps", "distributed",
-                                       positive=True)
+                                       positive=True, resume="must_match")
     max_bad_steps: int = _opt(10, "stop (saving the last good weights) after this many steps in a row with a "
                               "non-finite loss or gradient; single bad steps are skipped and counted", "schedule",
-                              positive=True)
+                              positive=True, resume="free")
     ddp_timeout: int = _opt(600, "seconds a process waits in a collective (all-reduce, barrier) for the others "
-                            "before failing, instead of hanging", "distributed", positive=True)
+                            "before failing, instead of hanging", "distributed", positive=True, resume="free")
     save_every: int | None = _opt(None, "write a checkpoint (weights, optimizer, scheduler, RNG, data position) "
                                   "every N optimizer steps into checkpoints/step-N, atomically", "checkpoints",
-                                  positive=True)
+                                  positive=True, resume="free")
     keep_last: int | None = _opt(2, "keep only the newest K checkpoints (null keeps all)", "checkpoints",
-                                 positive=True)
+                                 positive=True, resume="free")
     resume: str | None = _opt(None, "`auto` (the latest complete checkpoint in --output-dir, else a fresh start) "
                               "or a checkpoint folder: continue at the next unseen batch", "checkpoints",
-                              nonempty=True)
-    log_every: int = _opt(10, "write a log line every N optimizer steps", "logging", positive=True)
+                              nonempty=True, resume="free")
+    log_every: int = _opt(10, "write a log line every N optimizer steps", "logging", positive=True, resume="free")
     eval_every: int | None = _opt(None, "evaluate on the validation split every N optimizer steps (default: at "
-                                  "the end of each epoch), and always at the last step", "evaluation", positive=True)
+                                  "the end of each epoch), and always at the last step", "evaluation", positive=True,
+                                  resume="free")
     max_new_tokens: int | None = _opt(None, "causal-lm on prompt-completion or chat data: tokens generated per "
                                       "validation and test prompt for exact_match and end_of_turn_share (greedy, "
                                       "stopped at the end of turn; default: the split's longest reference answer "
-                                      "with its end of turn)", "evaluation", positive=True)
+                                      "with its end of turn)", "evaluation", positive=True, resume="free")
     metric_for_best: str | None = _opt(None, "the validation metric that picks the best evaluation (default: "
                                        "loss): loss, accuracy, f1_macro, f1_<label>, perplexity, token_accuracy, "
                                        "exact_match, end_of_turn_share; "
                                        "its direction is known. Setting it keeps the best weights in best/",
-                                       "evaluation")
+                                       "evaluation", resume="free")
     early_stopping_patience: int | None = _opt(None, "stop after this many evaluations in a row without an "
                                                "improvement of --metric-for-best (best weights in best/)",
-                                               "evaluation", positive=True)
+                                               "evaluation", positive=True, resume="free")
     early_stopping_threshold: float = _opt(0.0, "the smallest change of --metric-for-best that counts as an "
                                            "improvement", "evaluation", at_least=0,
                                            problem="{flag} must be >= 0 and finite, got {value}",
-                                           fix="pass e.g. {flag} 0.001")
+                                           fix="pass e.g. {flag} 0.001", resume="free")
     keep: str = _opt("final", "which weights model/ holds: final (the last step's) or best (the best "
-                     "evaluation's, also in best/)", "evaluation", choices=KEEP)
+                     "evaluation's, also in best/)", "evaluation", choices=KEEP, resume="free")
     report_to: str = _opt("none", "experiment trackers that also get the run's log, a comma list of tensorboard "
                           "(event files in OUTPUT_DIR/tb), trackio (OUTPUT_DIR/trackio), mlflow (OUTPUT_DIR/mlruns), "
                           "or none: local files written by the main process, never a server (pip install "
                           "'effitrain[trackers]')", "logging", example="tensorboard,mlflow",
-                          check=lambda value: report_to_names(value))
+                          check=lambda value: report_to_names(value), resume="free")
     run_name: str | None = _opt(None, "the run's name in the trackers (default: the output folder's name)",
-                                "logging", nonempty=True)
+                                "logging", nonempty=True, resume="free")
     plan: dict | None = _opt(None, "what an earlier run resolved (accumulation, pieces, optimizer, "
                              "checkpointing), as its config.yaml records it: pinned instead of planned again, so "
-                             "that rerunning config.yaml reproduces the run", "memory", yaml_only=True)
+                             "that rerunning config.yaml reproduces the run", "memory", yaml_only=True, resume="free")
     debug: bool = _opt(False, "show full tracebacks and library warnings; log.jsonl also gets a digest of each "
-                       "step's examples (to compare runs with other processes or micro-batches)", "logging")
+                       "step's examples (to compare runs with other processes or micro-batches)", "logging",
+                       resume="free")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -533,10 +558,20 @@ def _check_values(config: TrainConfig) -> None:
         check_value(f.name, coerce(f.name, getattr(config, f.name), "config"))
 
 
+def parse_size(text: str) -> int:
+    """A memory size as users write it (--memory-budget, plan's --memory): '8GiB', '512MiB', '8GB', '1.5G',
+    '2000000000' -> bytes (G/GiB binary, GB decimal)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise UserError(f"`{text}` is not a memory size", "write e.g. 8GiB, 512MiB or 16GB")
+    number, prefix, suffix = float(match[1]), match[2].upper(), match[3].lower()
+    power = " KMGT".index(prefix or " ")
+    base = 1000 if suffix == "b" and prefix else 1024
+    return int(number * base**power)
+
+
 def _check_memory_budget(value: str) -> None:
     if value != "auto":
-        from effitrain.planning.sizes import parse_size
-
         if parse_size(value) <= 0:
             raise UserError(f"--memory-budget must be > 0, got {value}", "pass e.g. 8GiB or auto")
 

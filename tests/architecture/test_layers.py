@@ -1,7 +1,7 @@
-"""The shape of the code, read from the tree: layers and no import circles, only the entry points at the
-top, unique module names, short engine functions, and each technique decided on in its own modules
-(task names in tasks/, strategy names in engine/strategies/, --peft and --compile in models/ and
-config.py)."""
+"""The shape of the code, read from the tree: layers of whole packages and no import circles (every import
+counted, also inside functions; none by name at run time), only the entry points at the top, unique
+module names, short engine functions, and each technique decided on in its own modules (task names in
+tasks/, strategy names in engine/strategies/, --peft and --compile in models/ and config.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "effitrain"
 # -- the shape of the code ---------------------------------------------------------------------------
 
 # Lower layers first; a module may import its own layer and those below it, never one above. Entries are
-# the packages of src/effitrain (and the few top-level modules); "pkg.*" is every module of pkg but its
-# __init__. The tree is read: a package or top-level module missing here fails the test below.
+# the packages of src/effitrain and its top-level modules, whole: no package is split between layers. The
+# tree is read: a package or top-level module missing here fails the test below.
 LAYERS = [
-    {"errors", "tasks"},  # tasks: its __init__ only, the registry of names (it imports nothing of ours)
-    {"config", "runtime", "outputs", "planning.sizes"},  # planning.sizes: parsing "8GiB", no imports
-    {"models", "data", "speedups", "outputs.model_card"},  # the model card reads the adapters' settings
-    {"tasks.*"},
+    {"errors", "catalog"},  # catalog: the names users pick from (task names), importing nothing of ours
+    {"config", "runtime", "outputs"},
+    {"models", "data", "speedups"},
+    {"tasks"},
     {"planning"},
     {"engine"},
     {"report", "commands"},
@@ -29,38 +29,59 @@ LAYERS = [
 
 
 def module_name(path: Path) -> str:
+    """`engine.strategies.fsdp` for src/effitrain/engine/strategies/fsdp.py, `engine.strategies` for its
+    __init__.py, `__init__` for the package's own."""
     parts = path.relative_to(SRC).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every effitrain module a file imports, at the top or inside functions."""
+def imports_in(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """Every module of `known` (names as module_name gives them) that the source of `module` imports:
+    at the top or inside functions (and under TYPE_CHECKING), `import effitrain.x`, `from effitrain.x
+    import y` (the module y, else x), `from effitrain import x`, and relative imports (`from . import y`,
+    `from ..x import y`). Importing a submodule runs its package's __init__ too: Python has that package
+    set up first, so it is no edge here (or every package importing its own modules would be a circle)."""
+    here = [] if module == "__init__" else module.split(".")
+    package = here if is_package else here[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("effitrain"):
-            base = node.module.removeprefix("effitrain").lstrip(".")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.removeprefix("effitrain").lstrip(".") for alias in node.names
+                      if alias.name.split(".")[0] == "effitrain"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""])
+            elif node.module and node.module.split(".")[0] == "effitrain":
+                base = node.module.removeprefix("effitrain")
+            else:
+                continue
+            base = base.strip(".")
             for alias in node.names:
-                candidate = f"{base}.{alias.name}".lstrip(".")
-                found.add(candidate if (SRC / Path(*candidate.split("."))).with_suffix(".py").exists()
-                          or (SRC / Path(*candidate.split("."))).is_dir() else base)
-        elif isinstance(node, ast.Import):
-            found |= {a.name.removeprefix("effitrain").lstrip(".") for a in node.names if a.name.startswith("effitrain")}
-    return {name for name in found if name}
+                submodule = f"{base}.{alias.name}".lstrip(".")
+                found.add(submodule if submodule in known else base)
+    return {name or "__init__" for name in found} & known
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every effitrain module a file of the tree imports (imports_in)."""
+    known = {module_name(p) for p in SRC.rglob("*.py")}
+    return imports_in(path.read_text(), module_name(path), path.name == "__init__.py", known)
 
 
 def layer_of(name: str) -> int:
-    parts = name.split(".")
-    for depth in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:depth])
-        below = [i for i, layer in enumerate(LAYERS) if depth < len(parts) and f"{prefix}.*" in layer]
-        exact = [i for i, layer in enumerate(LAYERS) if prefix in layer]
-        if below or exact:
-            return (below or exact)[0]
-    raise AssertionError(f"module {name} has no layer in LAYERS: add it")
+    found = [i for i, layer in enumerate(LAYERS) if name.split(".")[0] in layer]
+    assert found, f"module {name} has no layer in LAYERS: add its package"
+    return found[0]
+
+
+def test_layers_name_whole_packages_each_once():
+    entries = [entry for layer in LAYERS for entry in layer]
+    assert all("." not in entry and "*" not in entry for entry in entries), entries
+    assert len(entries) == len(set(entries)), entries
 
 
 def test_every_package_and_top_level_module_has_a_layer():
-    named = {entry.removesuffix(".*") for layer in LAYERS for entry in layer if "." not in entry.removesuffix(".*")}
+    named = {entry for layer in LAYERS for entry in layer}
     in_tree = {path.stem for path in SRC.glob("*.py")} | {path.parent.name for path in SRC.glob("*/__init__.py")}
     assert in_tree == named, f"in the tree, not in LAYERS: {in_tree - named}; in LAYERS, not in the tree: {named - in_tree}"
 
@@ -76,20 +97,44 @@ def import_graph() -> dict[str, set[str]]:
     return {module_name(path): imports_of(path) for path in SRC.rglob("*.py")}
 
 
+def test_the_walk_finds_every_kind_of_import():
+    """A synthetic module: each way of importing one of ours is an edge; another package's is none."""
+    known = {"__init__", "config", "errors", "tasks", "tasks.base", "tasks.preference", "tasks.reference",
+             "engine", "engine.run", "models.loading", "models"}
+    source = """
+import os
+import effitrain.config
+from effitrain import errors
+from effitrain.models.loading import resolve
+from . import base
+from .preference import Preference
+from ..engine import run
+from effitrain import __version__
+
+def later():
+    from effitrain.tasks import reference
+    import json
+"""
+    assert imports_in(source, "tasks.causal_lm", False, known) == {
+        "config", "errors", "models.loading", "tasks.base", "tasks.preference", "engine.run", "__init__",
+        "tasks.reference"}
+    assert imports_in("from . import base\nfrom .. import config", "tasks", True, known) == {"tasks.base", "config"}
+
+
 def test_no_lower_layer_imports_a_higher_one():
     wrong = [f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
              if layer_of(target) > layer_of(module)]
     assert not wrong, wrong
 
 
-def test_no_import_circles():
-    graph = import_graph()
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles of `graph` (module -> the modules it imports), each as the path that closes it."""
     graph = {module: {t for t in targets if t in graph and t != module} for module, targets in graph.items()}
-    visiting, done, circles = [], set(), []
+    visiting, done, found = [], set(), []
 
     def visit(module):
         if module in visiting:
-            circles.append(visiting[visiting.index(module):] + [module])
+            found.append(visiting[visiting.index(module):] + [module])
             return
         if module in done:
             return
@@ -101,7 +146,39 @@ def test_no_import_circles():
 
     for module in sorted(graph):
         visit(module)
-    assert not circles, circles
+    return found
+
+
+def test_no_import_circles():
+    assert not circles(import_graph()), circles(import_graph())
+
+
+def test_the_circle_check_finds_a_circle_when_one_is_added():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    graph = import_graph()
+    graph["models.adapters"] = graph["models.adapters"] | {"tasks"}  # as config -> tasks did before
+    assert circles(graph), "an import of tasks from models.adapters closes a circle (tasks -> tasks.causal_lm)"
+
+
+def test_no_module_of_ours_is_imported_by_name_at_run_time():
+    """importlib.import_module / __import__ of effitrain's modules hides the import from this walk: an
+    explicit import (or a table of them) instead. Names given as variables cannot be read here: those
+    must stay other packages' (the optional optimizers')."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            name = node.args[0]
+            if isinstance(name, ast.JoinedStr) and name.values:
+                name = name.values[0]
+            ours = isinstance(name, ast.Constant) and isinstance(name.value, str) \
+                and (name.value.split(".")[0] == "effitrain" or name.value.startswith("."))
+            if called in ("import_module", "__import__") and ours:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert not found, found
 
 
 def longest_functions(folder: Path) -> list[tuple[int, str]]:
@@ -133,6 +210,14 @@ def compared(names: tuple[str, ...], allowed) -> list[str]:
     return found
 
 
+def test_the_table_of_task_constructors_holds_the_catalogs_names():
+    """config offers catalog/task_names.py's names without importing tasks/: each must be one it makes."""
+    from effitrain import tasks
+    from effitrain.catalog import task_names
+
+    assert tuple(tasks.CONSTRUCTORS) == task_names.NAMES
+
+
 def test_no_task_name_is_compared_outside_tasks():
     names = ("sequence-classification", "image-classification", "audio-classification", "causal-lm")
     found = compared(names, lambda relative: "tasks" in relative.parts)
@@ -140,7 +225,7 @@ def test_no_task_name_is_compared_outside_tasks():
 
 
 # The modules that may decide on the --peft and --compile settings; everything else asks them
-# (adapters.method, adapters.quantized, transforms.compiles) or looks at the model (adapters.is_adapted).
+# (adapters.method, adapters.quantized, config.compiles) or looks at the model (adapters.is_adapted).
 TECHNIQUE_SETTINGS = ("peft", "compile")
 DECIDES_TECHNIQUES = {"models/transforms.py", "models/adapters.py", "config.py", "engine/compilation.py"}
 

@@ -13,11 +13,11 @@ import time
 import effitrain
 import pytest
 import torch
+from effitrain.config import parse_size
 from effitrain.engine import memory_fit, optim
 from effitrain.errors import UserError
 from effitrain.planning import planner as plan
 from effitrain.planning import simulate
-from effitrain.planning.sizes import parse_size
 from test_distributed import TINY_GPT2, torchrun
 
 from conftest import read_jsonl, read_weights, run_cli

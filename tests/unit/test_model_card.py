@@ -2,7 +2,7 @@
 
 import pytest
 from effitrain.config import TrainConfig
-from effitrain.outputs import model_card
+from effitrain.engine import model_card
 from huggingface_hub import ModelCard
 
 

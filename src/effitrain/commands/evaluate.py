@@ -8,6 +8,7 @@ import math
 import os
 
 from effitrain import config as cfg
+from effitrain.commands import saved_model
 from effitrain.errors import UserError
 from effitrain.models import saved
 
@@ -40,7 +41,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     unknown = sorted(set(values) - set(DATA_KEYS))
     if unknown:
         raise UserError(f"evaluate takes no setting `{unknown[0]}`", f"use only {', '.join(DATA_KEYS)}")
-    path, task = saved.locate(model_dir, allow_pickle, expected_task)
+    path, task = saved_model.locate(model_dir, allow_pickle, expected_task)
     cfg.build(None, {**values, "model": str(path), "task": task.name})  # the flags checked before anything loads
     source = loading.ModelSource(path)
     processor = task.load_processor(source)
@@ -117,7 +118,7 @@ def _with_reference(task, encoded, processor, config, reference_model: str | Non
     from effitrain.models import loading
 
     try:
-        path, _ = saved.locate(reference_model, allow_pickle, task.name)
+        path, _ = saved_model.locate(reference_model, allow_pickle, task.name)
     except UserError as err:  # its words are for --model ("drop --task"): these are for the reference
         raise UserError(f"--reference-model {reference_model}: {err.problem}", f"pass the {task.name} model the "
                         "policy was trained from as --reference-model") from None

@@ -50,8 +50,6 @@ def add_parser(commands) -> None:
 
 
 def check_flags(args) -> None:
-    from effitrain.planning import sizes
-
     cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
     for name in ("seq_len", "world_size"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
@@ -62,7 +60,7 @@ def check_flags(args) -> None:
             raise problem
     cfg.validate(_peft_config(args))  # --peft, --lora-* and --preference by train's rules (before torch loads)
     cfg.validate(_reference_config(args))
-    if args.memory is not None and sizes.parse_size(args.memory) <= 0:
+    if args.memory is not None and cfg.parse_size(args.memory) <= 0:
         raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
                         "for what is free on the device now")
 
@@ -71,7 +69,6 @@ def main(args) -> int:
     import torch
 
     from effitrain.planning import planner as plan
-    from effitrain.planning import sizes
     from effitrain.runtime import devices, libraries
 
     libraries.quiet_libraries(args.debug)
@@ -79,7 +76,7 @@ def main(args) -> int:
     if args.memory is None and device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda on a machine without a CUDA GPU: there is no free memory to read",
                         "pass the GPU's memory, e.g. --memory 80GiB")
-    budget = sizes.parse_size(args.memory) if args.memory else plan.available_bytes(device)
+    budget = cfg.parse_size(args.memory) if args.memory else plan.available_bytes(device)
     # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
     # which is what a text model built from a config gets there.
     shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))

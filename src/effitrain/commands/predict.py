@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from effitrain import config as cfg
+from effitrain.commands import saved_model
 from effitrain.errors import UserError
 from effitrain.models import saved as inference
 
@@ -40,7 +41,7 @@ def predict(model_dir: str, texts: list[str] | None = None, batch_size: int = BA
     given = PredictInputs(list(texts or []), list(text_pairs or []), list(prompts or []), input_file)
     if not given.flags():
         raise UserError(*NOTHING)
-    path, task = inference.locate(model_dir, allow_pickle)
+    path, task = saved_model.locate(model_dir, allow_pickle)
     records = task.prediction_records(given, str(path))
     if not records:
         raise UserError(*NOTHING)

@@ -33,7 +33,7 @@ def pad_multiple(config=None) -> int | None:
     8) and with --compile (fewer shapes, fewer graphs); nothing on CPUs, whose matmuls gain nothing from
     it (the default model's step measured proportional to the length: 25, 27, 32 tokens -> 17.0, 17.9,
     18.0 ms a token) while length-grouped SMS batches carried ~10% more tokens rounded to 8."""
-    from effitrain.models.transforms import compiles
+    from effitrain.config import compiles
     from effitrain.runtime.devices import has_accelerator
 
     return 8 if compiles(config) or has_accelerator() else None

@@ -13,26 +13,21 @@ import re
 import shutil
 from pathlib import Path
 
-from effitrain.config import CHAT_SETTINGS, LORA_SETTINGS, PREFERENCE_SETTINGS, TrainConfig
+from effitrain.config import fields
 from effitrain.errors import UserError
 from effitrain.outputs import files as outputs_files
 
 # Settings that decide the arithmetic, the data order and the schedule (the learning rate of each step
-# depends on the number of steps): resuming with others would not continue the run. The micro-batch,
-# accumulation and processes may change as long as their product does (see `check`).
-# Compared in this order, the first difference named: peft first, because its default lr follows from it
-# (config.DEFAULT_LR), and a LoRA checkpoint resumed without --peft must be told so, not that its lr differs.
-MUST_MATCH = ("peft", "max_steps", "epochs", "model", "task", "data", "validation_file", "test_file", "text_column",
-              "text_pair_column", "label_column", "image_column", "audio_column", "max_train_samples", "seed",
-              "max_length", "group_by_length", "packing", "optim", "precision", "lr", "weight_decay",
-              "warmup_ratio", "beta1", "beta2", "validation_split", "test_split", "strategy", "local_sgd_steps",
-              "gradient_checkpointing", "max_duration", "lora_r", "lora_alpha", "lora_dropout",
-              "lora_target_modules", "preference", *PREFERENCE_SETTINGS, *CHAT_SETTINGS, "skip_bad_rows",
-              "max_grad_norm")
-# Settings added after checkpoints were first written: a checkpoint without them was made with their defaults.
-EARLIER_DEFAULTS = {name: getattr(TrainConfig, name) for name in ("peft", *LORA_SETTINGS, "preference",
-                                                                  *PREFERENCE_SETTINGS, *CHAT_SETTINGS,
-                                                                  "skip_bad_rows", "max_grad_norm")}
+# depends on the number of steps): resuming with others would not continue the run. Each field of
+# TrainConfig says whether it is one (`resume="must_match"`, config.py). The micro-batch, accumulation and
+# processes may change as long as their product does (see `check`).
+# Compared in the fields' order, the first difference named, but peft first: its default lr follows from
+# it (config.DEFAULT_LR), and a LoRA checkpoint resumed without --peft must be told so, not that its lr differs.
+MUST_MATCH = tuple(sorted((f.name for f in fields() if f.metadata["resume"] == "must_match"),
+                          key=lambda name: name != "peft"))
+# Settings added after checkpoints were first written (`added_later`): a checkpoint without them was made
+# with their defaults.
+EARLIER_DEFAULTS = {f.name: f.default for f in fields() if f.metadata.get("added_later")}
 
 
 PATH_SETTINGS = ("model", "data", "validation_file", "test_file")

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from effitrain.config import TrainConfig
+from effitrain.config import TrainConfig, parse_size
 from effitrain.engine.strategies import Strategy
 from effitrain.errors import UserError
 
@@ -44,10 +44,9 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 def budget_bytes(config: TrainConfig, device: torch.device) -> int:
     from effitrain.planning import planner as plan
-    from effitrain.planning import sizes
 
     if config.memory_budget != "auto":
-        return sizes.parse_size(config.memory_budget)
+        return parse_size(config.memory_budget)
     free = plan.available_bytes(device.type)
     # Processes of one machine share its RAM on a CPU; each GPU has its own memory.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1

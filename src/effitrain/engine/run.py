@@ -10,7 +10,7 @@ import math
 import time
 
 from effitrain.config import TrainConfig
-from effitrain.engine import checkpoint, compilation, optim, optim_packages, saving, summary
+from effitrain.engine import checkpoint, compilation, model_card, optim, optim_packages, saving, summary
 from effitrain.engine import evaluator as evaluation
 from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
@@ -18,7 +18,6 @@ from effitrain.engine.setup import Run, setup
 from effitrain.engine.state import TrainState, process_age_seconds
 from effitrain.engine.step import StepRunner, window_size
 from effitrain.errors import Diverged
-from effitrain.outputs import model_card
 from effitrain.outputs.console import Console
 from effitrain.runtime import peers
 from effitrain.runtime.devices import cpu_name, peak_memory_bytes

@@ -1,12 +1,11 @@
-"""A saved model directory, for `predict` and `evaluate`: where it is, which task it was made for
-(from its config.json), its processor and its model."""
+"""A saved model directory read back for `predict` and `evaluate`: its processor and its model, built for
+the task it was made for (commands/saved_model.py finds the directory and that task)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from effitrain import tasks
 from effitrain.models import adapters, loading
 
 
@@ -18,15 +17,11 @@ class SavedModel:
     model: object  # the task's Auto model, in eval mode, on the CPU
 
 
-def locate(model_dir: str, allow_pickle: bool = False, expected_task: str | None = None) -> tuple[Path, object]:
-    """The directory and its task (refused when it is not `expected_task`); reads config.json only (and,
-    for an adapter folder, finds its base and checks its architecture and shapes: its weights are hashed
-    when it loads), so that bad inputs are refused before any weights or data load."""
-    path = loading.resolve(model_dir, allow_pickle, adapter=True)  # an adapter folder is applied to its base
-    task = tasks.for_model_config(loading.load_config(path), str(path), expected_task)
+def check_adapter_base(path: Path) -> None:
+    """For an adapter folder: its base found, and its architecture and shapes checked (its weights are
+    hashed when it loads), so that a wrong base is refused before any weights or data load."""
     if adapters.is_adapter_dir(path):
         adapters.base_of(path, weights=False)
-    return path, task
 
 
 def load(path: Path, task) -> SavedModel:

@@ -46,12 +46,6 @@ def of_run(config, plan, device: torch.device, task) -> Settings:
                     config.compile, sharded=shards_weights(config.strategy))
 
 
-def compiles(config) -> bool:
-    """Whether a run with this config (a TrainConfig, or config.yaml's dict) ends with the compile stage:
-    for what depends on it outside the model (padding to fewer shapes, the model card)."""
-    return bool(config.get("compile") if isinstance(config, dict) else getattr(config, "compile", False))
-
-
 @dataclass(frozen=True)
 class Transform:
     """One step of the pipeline. `applies` reads the settings only; `apply` returns the model and whether

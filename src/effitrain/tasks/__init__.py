@@ -1,48 +1,62 @@
-"""The kinds of task effitrain trains, and the one registry of their names.
+"""The kinds of task effitrain trains, and the one table of their constructors.
 
 Everything that depends on what the model learns (the Auto class, the processor, preprocessing,
 collators, the loss as a sum over items, counts, metrics, example batches for the planner,
 prediction) is a method of the task object that `get(name)` returns. No other module compares task
-names. This module stays light (no torch): the config and the CLI read NAMES from it."""
+names. The names themselves live in catalog/task_names.py, which config reads without importing this
+package; the classes are imported on first use (torch: not on the CLI's parse path)."""
 
 from __future__ import annotations
 
-# name -> (module, class, keyword arguments); the classes are imported on first use.
-_REGISTRY = {
-    "sequence-classification": ("classification", "Classification", {"modality": "text"}),
-    "image-classification": ("classification", "Classification", {"modality": "image"}),
-    "audio-classification": ("classification", "Classification", {"modality": "audio"}),
-    "causal-lm": ("causal_lm", "CausalLM", {}),
+from effitrain.catalog.task_names import NAMES
+
+
+def _classification(modality: str):
+    def make(name: str):
+        from effitrain.tasks.classification import Classification
+
+        return Classification(name, modality=modality)
+
+    return make
+
+
+def _causal_lm(name: str):
+    from effitrain.tasks.causal_lm import CausalLM
+
+    return CausalLM(name)
+
+
+# name -> the function that makes its task object from the name.
+CONSTRUCTORS = {
+    "sequence-classification": _classification("text"),
+    "image-classification": _classification("image"),
+    "audio-classification": _classification("audio"),
+    "causal-lm": _causal_lm,
 }
-NAMES = tuple(_REGISTRY)
 _INSTANCES: dict = {}
 
 
 def get(name: str):
     """The task object for a registered name (a UserError for any other)."""
-    if name not in _REGISTRY:
+    if name not in CONSTRUCTORS:
         from effitrain.errors import UserError
 
         raise UserError(f"unknown task `{name}`", f"pass --task {' or '.join(NAMES)}")
     if name not in _INSTANCES:
-        import importlib
-
-        module, cls, kwargs = _REGISTRY[name]
-        _INSTANCES[name] = getattr(importlib.import_module(f"effitrain.tasks.{module}"), cls)(name, **kwargs)
+        _INSTANCES[name] = CONSTRUCTORS[name](name)
     return _INSTANCES[name]
 
 
 def for_config(config):
     """The task object of a run's settings: the registered one, or with --preference the same task on
     preference pairs (a new object each time: it holds the run's reference model)."""
-    import importlib
-
     task = get(config.task)
     if getattr(config, "preference", None) is None:
         return task
     if not task.supports_preference:
         task.check_config(config)  # refuses --preference with the task's name
-    preference = importlib.import_module("effitrain.tasks.preference")
+    from effitrain.tasks import preference
+
     return preference.Preference(task.name, preference.Objective.of(config))
 
 

@@ -77,7 +77,7 @@ def card_data(config: dict, result: dict, pipeline_tag: str, model_name: str):
 
 def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     """The settings that matter for reproducing the run, as Markdown list items."""
-    from effitrain.models.transforms import compiles
+    from effitrain.config import compiles
 
     grad_accum, world = result["grad_accum"], result["world_size"]
     examples, pieces = result["examples"], result["pieces_per_micro_batch"]

@@ -1,0 +1,3 @@
+"""The names a user picks from, as leaf modules that import nothing of effitrain's: config offers them
+as choices and checks them, and the packages that implement them (tasks/) build from the same names,
+without config importing those packages."""
