@@ -54,7 +54,8 @@ def fake_run(model):
 
     accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True, device=torch.device("cpu"))
     whole = Strategy.load_full_state_dict  # uses nothing of the strategy object
-    strategy = types.SimpleNamespace(module_state_dict=lambda m: None, load_full_state_dict=lambda m, s: whole(None, m, s))
+    strategy = types.SimpleNamespace(module_state_dict=lambda m: None,
+                                     load_full_state_dict=lambda m, state: whole(None, m, state))
     return types.SimpleNamespace(accelerator=accelerator, model=model, strategy=strategy,
                                  task=tasks.get("sequence-classification"))
 
