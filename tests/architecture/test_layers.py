@@ -227,7 +227,7 @@ def test_no_task_name_is_compared_outside_tasks():
 # The modules that may decide on the --peft and --compile settings; everything else asks them
 # (adapters.method, adapters.quantized, config.compiles) or looks at the model (adapters.is_adapted).
 TECHNIQUE_SETTINGS = ("peft", "compile")
-DECIDES_TECHNIQUES = {"models/transforms.py", "models/adapters.py", "config.py", "engine/compilation.py"}
+DECIDES_TECHNIQUES = {"models/transforms.py", "models/adapters/lora_settings.py", "config.py", "engine/compilation.py"}
 
 
 def reads_technique_setting(node: ast.AST) -> bool:

@@ -11,7 +11,8 @@ import torch
 from effitrain.commands.evaluate import evaluate
 from effitrain.commands.predict import predict
 from effitrain.errors import UserError
-from effitrain.models import adapter_base, adapters
+from effitrain.models import adapters
+from effitrain.models.adapters import base_record
 from test_distributed import TINY_GPT2, torchrun
 from test_resume import read_log, resumed_here, train
 
@@ -458,7 +459,7 @@ def test_an_adapter_records_its_base(relative_run):
     work, _ = relative_run
     base = (work / "base").resolve()
     assert json.loads((work / "run" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
-    record = json.loads((work / "run" / "adapter" / adapter_base.RECORD).read_text())
+    record = json.loads((work / "run" / "adapter" / base_record.RECORD).read_text())
     assert record["path"] == str(base) and record["path_from_run"] == "../base" and record["model_type"] == "bert"
     assert record["sha256"] == {"model.safetensors": hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()}
     assert record["shapes"]["bert.encoder.layer.0.intermediate.dense.weight"] == "64x32"
@@ -496,7 +497,7 @@ def test_an_adapter_without_a_record_loads_as_before_but_never_over_a_base_of_ot
     from transformers import BertConfig, BertForSequenceClassification
 
     work, before = relative_run
-    (work / "run" / "adapter" / adapter_base.RECORD).unlink()
+    (work / "run" / "adapter" / base_record.RECORD).unlink()
     with pytest.raises(UserError, match=r"the adapter in run/adapter is in an effitrain run but has no "
                                         r"effitrain_base.json .* fix: use the merged model run/model"):
         predict("run/adapter", TEXTS)

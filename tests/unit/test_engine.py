@@ -385,11 +385,12 @@ def test_a_diverged_preference_run_names_beta_beside_the_lr():
 
     from effitrain.config import TrainConfig
     from effitrain.engine.run import non_finite_fix
+    from effitrain.models.adapters import PlainModel
 
     dpo = types.SimpleNamespace(config=TrainConfig(task="causal-lm", preference="dpo", beta=1e30, lr=1e-4),
-                                adapted=False)
+                                form=PlainModel())
     assert non_finite_fix(dpo).startswith("lower --lr or --beta (1e+30 now: it scales every dpo loss term)")
-    plain = types.SimpleNamespace(config=TrainConfig(), adapted=False)
+    plain = types.SimpleNamespace(config=TrainConfig(), form=PlainModel())
     assert "--beta" not in non_finite_fix(plain)
 
 

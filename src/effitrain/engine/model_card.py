@@ -71,7 +71,7 @@ def card_data(config: dict, result: dict, pipeline_tag: str, model_name: str):
                for name, value in result["test"].items() if name not in COUNTS]
     return ModelCardData(library_name="transformers", base_model=base_model(config["model"]),
                          pipeline_tag=pipeline_tag, datasets=[dataset] if dataset else None, model_name=model_name,
-                         tags=["effitrain"] + ([adapters.method(config)] if adapters.method(config) else []),
+                         tags=["effitrain"] + adapters.form_of(config).card_tags(),
                          eval_results=results or None)
 
 
@@ -82,13 +82,13 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     grad_accum, world = result["grad_accum"], result["world_size"]
     examples, pieces = result["examples"], result["pieces_per_micro_batch"]
     base = base_model(config["model"])
+    adapters_said = adapters.form_of(config).card_technique(config)  # None for a model trained in full
     techniques = [name for name, on in (
         ("gradient checkpointing", result["gradient_checkpointing"]),
         ("torch.compile per transformer block", compiles(config)),
         (f"local SGD every {config['local_sgd_steps']} steps", config.get("local_sgd_steps")),
         (facts.get("sharding"), facts.get("sharding")),  # "fsdp sharding" over processes, or None
-        (f"{config['peft']} (r {config['lora_r']}, alpha {config['lora_alpha']}, dropout {config['lora_dropout']}, "
-         f"targets {config['lora_target_modules']})", adapters.method(config) is not None),
+        (adapters_said, adapters_said),
         ("packing", config.get("packing")),
         (f"micro-batches run in {pieces} pieces (--memory-budget)", pieces > 1),
     ) if on]
@@ -124,15 +124,6 @@ def preference_said(config: dict) -> str:
     return said
 
 
-def adapter_note(config: dict, result: dict) -> str:
-    if adapters.method(config) is None:
-        return ""
-    base = ("the 4-bit NF4 base the adapter was trained over, dequantised to fp32 (so it differs from the original "
-            "full-precision base by NF4's rounding)" if adapters.quantized(config) else "the base")
-    return (f"These weights are the {config['peft']} adapter merged into {base}; the adapter alone is in "
-            "../adapter (peft's `PeftModel.from_pretrained` over the base model).\n\n")
-
-
 def results_table(result: dict) -> list[str]:
     splits = [name for name in ("validation", "test") if result.get(name)]
     names = [name for name in result["test"] if name not in COUNTS]
@@ -159,7 +150,7 @@ def render(config: dict, result: dict, facts: dict) -> str:
         f"pipe = pipeline(\"{facts['pipeline_tag']}\", model=\"path/to/this/folder\")",
         "```", "",
         "## Training procedure", "", *procedure(config, result, facts), "",
-        "## Results", "", kept + adapter_note(config, result) + "\n".join(results_table(result)), "",
+        "## Results", "", kept + adapters.form_of(config).card_note(config) + "\n".join(results_table(result)), "",
         "Made by `effitrain train`; the run's own files (config.yaml, log.jsonl, metrics.json) are in the folder "
         "above this one.", ""])
     return f"---\n{card_data(config, result, facts['pipeline_tag'], name).to_yaml()}\n---\n{body}"

@@ -107,9 +107,9 @@ def finish(job: Run, state: TrainState, stopped_early: bool, hooks: Callbacks) -
     with state.timed("saving"):
         saving.save_model(job, job.out_dir / "model")
         hooks.call("on_save", state, job.out_dir / "model")
-        if job.adapted:
-            saving.save_model(job, job.out_dir / "adapter", adapter=True)
-            hooks.call("on_save", state, job.out_dir / "adapter")
+        for name in job.form.folders_beside_model:  # adapters: adapter/, the adapter alone
+            saving.save_trained(job, job.out_dir / name)
+            hooks.call("on_save", state, job.out_dir / name)
     result["wall_seconds"] = state.wall_seconds()
     result["wall_seconds_by_phase"] = state.seconds_by_phase(result["compile"]["seconds"] if job.compiled else 0.0)
     summary.write(job, result)
@@ -237,18 +237,13 @@ def after_step(job: Run, state: TrainState, result) -> None:
 
 
 def non_finite_fix(job: Run) -> str:
-    """What to change when training stopped being finite: with adapters, the adapters' settings (their
-    own default lr is 10x full fine-tuning's, and lora_alpha / lora_r scales every update they make).
-    The model's own weights were finite at the start (setup.check_finite_weights)."""
+    """What to change when training stopped being finite, as the model's form says it (with adapters, their
+    settings first). The model's own weights were finite at the start (setup.check_finite_weights)."""
     config = job.config
     beta = ""
     if config.preference:
         beta = f" or --beta ({config.beta:g} now: it scales every {config.preference} loss term)"
-    if job.adapted:
-        return (f"lower --lr ({config.lr:g} now){beta} or --lora-alpha (alpha/r = {config.lora_alpha:g}/"
-                f"{config.lora_r} scales the adapters' updates), use --precision fp32, or check the data for extreme "
-                "values")
-    return f"lower --lr{beta}, use --precision fp32, or check the data for extreme values"
+    return job.form.non_finite_fix(config, beta)
 
 
 def check_trained(job: Run, state: TrainState) -> None:
@@ -294,7 +289,7 @@ def validate(job: Run, state: TrainState, evaluator: evaluation.Evaluator, hooks
         hooks.call("on_evaluate", state)
         if improved and job.keeps_best:
             with state.timed("saving"):
-                saving.save_model(job, job.out_dir / "best", adapter=job.adapted)  # adapters: the adapter alone
+                saving.save_trained(job, job.out_dir / "best")  # adapters: the adapter alone
             hooks.call("on_save", state, job.out_dir / "best")
     stop = evaluator.should_stop(state)
     if stop:

@@ -1,19 +1,31 @@
-"""Weights as plain transformers loads them: model/ (the final, or best, weights) and best/; with
-adapters (--peft), model/ holds them merged into the base, and adapter/ and best/ peft's own folder."""
+"""Weights as plain transformers loads them, each folder written whole or not at all: model/ (the final,
+or best, weights), best/, and what the model's form saves beside model/. What each holds is the form's
+(models/adapters/model_form.py: with adapters, model/ is merged into the base, adapter/ and best/ hold
+peft's own folder)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from effitrain.models import adapters
 from effitrain.outputs import files
 
 
-def save_model(run, folder: Path, adapter: bool = False) -> None:
-    """save_pretrained (safetensors, config with id2label, the processor), written into a temporary
-    folder and renamed over `folder`, so that a kill during a save never leaves half a model.
-    `adapter`: an adapted model's adapter alone (peft's files, the plain config and the processor)."""
+def save_model(run, folder: Path) -> None:
+    """model/: the whole model, loadable by plain transformers (an adapted one merged into its base)."""
+    write_atomically(run, folder, run.form.write_model)
+
+
+def save_trained(run, folder: Path) -> None:
+    """best/ and what the form saves beside model/: the weights load_weights puts back (an adapted model's
+    adapter alone: peft's files, the plain config and the processor)."""
+    write_atomically(run, folder, run.form.write_trained)
+
+
+def write_atomically(run, folder: Path, write_weights) -> None:
+    """`write_weights(run, folder)` (save_pretrained: safetensors, config with id2label) and the processor,
+    written into a temporary folder and renamed over `folder`, so that a kill during a save never leaves
+    half a model."""
     accelerator = run.accelerator
     tmp = folder.with_name(f".tmp-{folder.name}")
     accelerator.wait_for_everyone()
@@ -22,7 +34,7 @@ def save_model(run, folder: Path, adapter: bool = False) -> None:
     accelerator.wait_for_everyone()  # no process looks into `tmp` while it is being cleared
     try:
         with files.writing(tmp):
-            write_weights(run, tmp, adapter)
+            write_weights(run, tmp)
         accelerator.wait_for_everyone()  # the other processes' save_pretrained also looks into `tmp`
         if accelerator.is_main_process:
             with files.writing(tmp):
@@ -35,23 +47,6 @@ def save_model(run, folder: Path, adapter: bool = False) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     accelerator.wait_for_everyone()
-
-
-def write_weights(run, folder: Path, adapter: bool) -> None:
-    accelerator = run.accelerator
-    model = accelerator.unwrap_model(run.model)
-    if not adapters.is_adapted(model):
-        run.strategy.save_pretrained(run.model, folder)
-        return
-    if adapter:
-        state = run.strategy.module_state_dict(model)  # a collective where the weights are sharded
-        if accelerator.is_main_process:
-            adapters.save_adapter(model, folder, state)
-            adapters.plain_config(model).save_pretrained(folder)  # the labels and the task, for predict
-        return
-    state = adapters.merged_state_dict(model)  # on every process: FSDP gathers its shards collectively
-    if accelerator.is_main_process:
-        adapters.save_merged(model, run.task, folder, state)
 
 
 def save_processor(run, folder: Path) -> None:
@@ -69,16 +64,5 @@ def save_processor(run, folder: Path) -> None:
 
 
 def load_weights(run, folder: Path) -> None:
-    """Put the weights of a save_model folder back into the run's model (--keep best)."""
-    from safetensors.torch import load_file
-
-    model = run.accelerator.unwrap_model(run.model)
-    if adapters.is_adapted(model):
-        adapters.load_adapter_weights(model, folder)
-        return
-    state, device = {}, run.accelerator.device
-    for file in sorted(folder.glob("*.safetensors")):  # safetensors knows `cpu`, not `cpu:0` (gloo processes)
-        state.update(load_file(str(file), device="cpu" if device.type == "cpu" else str(device)))
-    unexpected = run.strategy.load_full_state_dict(model, state)
-    if unexpected:
-        raise RuntimeError(f"{folder} holds weights the model does not have: {unexpected[:3]}")
+    """Put the weights of a save_trained folder back into the run's model (--keep best)."""
+    run.form.load_trained(run, folder)

@@ -105,9 +105,10 @@ class Run:
         return bool(config.metric_for_best or config.early_stopping_patience or config.keep == "best")
 
     @property
-    def adapted(self) -> bool:
-        """LoRA or QLoRA adapters (--peft): model/ is merged, adapter/ and best/ hold the adapter."""
-        return adapters.is_adapted(self.accelerator.unwrap_model(self.model))
+    def form(self) -> adapters.PlainModel | adapters.AdaptedModel:
+        """The model's form (models/adapters/model_form.py): how it is saved, restored and described; with
+        --peft's adapters, model/ is merged and adapter/ and best/ hold the adapter."""
+        return adapters.form_of(self.config)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over processes (a collective; the tensor itself on one process)."""

@@ -53,7 +53,7 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "parameters": parameters,  # trainable and total (4-bit weights count as the values they hold)
         "trainable_share": parameters["trainable"] / max(1, parameters["total"]),
         "peft": config.peft,  # adapter_bytes: the LoRA matrices and trained head, as adapter/ stores them
-        "adapter_bytes": adapters.adapter_bytes(adapters.adapter_state(model)) if run.adapted else None,
+        "adapter_bytes": run.form.adapter_bytes(model),
         "gradient_checkpointing": plan.gradient_checkpointing,
         "transforms": run.transforms,  # the model transforms applied, in order (models/transforms.py)
         # --compile: blocks, graphs and compile seconds of process 0 in this invocation (not in train_seconds).
