@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "effitrain"
 # __init__. The tree is read: a package or top-level module missing here fails the test below.
 LAYERS = [
     {"errors", "tasks"},  # tasks: its __init__ only, the registry of names (it imports nothing of ours)
+    {"optimizers"},  # the specs config reads for --optim's choices (no torch at import: builders load it)
     {"config", "runtime", "outputs", "planning.sizes"},  # planning.sizes: parsing "8GiB", no imports
     {"models", "data", "speedups", "outputs.model_card"},  # the model card reads the adapters' settings
     {"tasks.*"},
