@@ -49,9 +49,10 @@ SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and s
             "distributed", "evaluation", "checkpoints", "logging")
 
 
-def _opt(default: Any, help: str, section: str, **rules: Any) -> Any:
+def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rules: Any) -> Any:
     """A field with its help, its --help section and its rules (see RULES; `problem`/`fix` override a
-    refusal's words, `check` is a function that parses the value and raises UserError)."""
+    refusal's words, `check` is a function that parses the value and raises UserError). A callable `help`
+    is read when a parser is built (--optim's: every registered optimizer's words)."""
     return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
@@ -111,7 +112,7 @@ class TrainConfig:
     precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
                           "(GPU, with a gradient scaler)", "precision and speed", choices=PRECISIONS,
                           fix="pass one of {one_of}")
-    optim: str = _opt("adamw", optimizers.help_text(), "optimizer", choices=OPTIMIZERS, fix="pass one of {one_of}")
+    optim: str = _opt("adamw", optimizers.help_text, "optimizer", choices=OPTIMIZERS, fix="pass one of {one_of}")
     peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
                      "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
                      "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
@@ -284,12 +285,18 @@ def _add_flag(parser, f: dataclasses.Field, note: str | None, defaults: dict[str
     shown = defaults.get(f.name, f.default)
     if note is None:
         note = f" (default: {shown})" if shown is not None else ""
-    common = {"dest": f.name, "default": default, "help": f.metadata["help"] + note}
+    common = {"dest": f.name, "default": default, "help": help_of(f.name) + note}
     if kind is bool:
         parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **common)
     else:
         parser.add_argument(flag(f.name), type=kind, choices=f.metadata.get("choices"),
                             metavar=f.name.upper(), **common)
+
+
+def help_of(name: str) -> str:
+    """A field's help as `--help` shows it now."""
+    words = _field(name).metadata["help"]
+    return words() if callable(words) else words
 
 
 def train_defaults(*names: str) -> dict[str, Any]:

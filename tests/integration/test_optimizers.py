@@ -173,3 +173,55 @@ def test_a_missing_package_is_one_line(cli_here, monkeypatch, tmp_path):
         "effitrain: error: --optim galore-adamw needs the galore-torch package, which is not installed; "
         "fix: pip install 'effitrain[optimizers]'"]
     assert not (tmp_path / "run").exists()
+
+
+# A new optimizer is one spec registered: here a test's own, before effitrain's config is imported (as a
+# spec of optimizers/catalogue.py is), in a fresh process; nothing else is edited.
+FAKE_OPTIMIZER = r'''
+import contextlib, io, json, sys
+from effitrain import optimizers
+from effitrain.optimizers import state_sizes
+
+
+def build(model, lr, weight_decay, betas, blocks):
+    import torch
+
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.5)
+
+
+optimizers.register(optimizers.OptimizerSpec("fake-sgd", "fake-sgd (a test's own: SGD, momentum 0.5)", build=build,
+                                             state_bytes=state_sizes.sgd, cpu_speed=0.5))
+from effitrain import cli
+
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+    cli.main(["train", "--help"])
+planned = io.StringIO()
+with contextlib.redirect_stdout(planned):
+    plan_code = cli.main(["plan", "--model", sys.argv[1], "--memory", "4GiB", "--json", "--precision", "fp32",
+                          "--optim", "sgd", "--optim", "fake-sgd"])
+train_code = cli.main(["train", *sys.argv[2:]])
+print("RESULT", json.dumps({"help": " ".join(shown.getvalue().split()), "plan": json.loads(planned.getvalue()),
+                            "plan_code": plan_code, "train_code": train_code}))
+'''
+
+
+def test_a_registered_spec_is_an_optimizer_that_train_plan_and_help_know(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    run = tiny_run(tiny_model_dir, tmp_path / "run", optim="fake-sgd", max_steps=2)
+    out = subprocess.run([sys.executable, "-c", FAKE_OPTIMIZER, str(tiny_model_dir), *as_flags(run)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert "fake-sgd (a test's own: SGD, momentum 0.5)" in result["help"]  # --optim's help
+    assert result["plan_code"] == 0 and result["train_code"] == 0
+    rows = {(r["optimizer"], r["checkpointing"]): r for r in result["plan"]["rows"]}
+    for checkpointing in (False, True):  # its state bytes (sgd's arithmetic) and its speed, from its spec
+        fake, sgd = rows[("fake-sgd", checkpointing)], rows[("sgd", checkpointing)]
+        assert fake["optimizer_states"] == sgd["optimizer_states"] > 0
+        assert fake["relative_speed"] == pytest.approx(sgd["relative_speed"] * 0.5, abs=1e-3)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["optimizer"] == "fake-sgd" and metrics["steps"] == 2
+    assert metrics["optimizer_state_bytes_per_param"] == 4.0  # the momentum the engine's built optimizer holds
