@@ -9,7 +9,7 @@ with bf16 autocast, fused AdamW and random tokens, with and without gradient che
 
 The model comes from a transformers LlamaConfig (random weights, nothing downloaded); the training step
 uses effitrain's own pieces: the causal-LM task's loss (tasks.get("causal-lm").loss_sum, the float
-logits included), engine.optim.adamw (fused AdamW, no decay on norms) and models/transforms.py's gradient-checkpointing entry
+logits included), optimizers.classic.adamw (fused AdamW, no decay on norms) and models/transforms.py's gradient-checkpointing entry
 (non-reentrant). Exit codes: 0 measured, 2 bad arguments or no GPU (one line, with the fix), 1 otherwise.
 
 Never run on a GPU yet: no GPU has been lent to this project (see benchmarks/README.md).
@@ -107,7 +107,7 @@ def measure(model, dims: dict, device, checkpointing: bool, warmup: int, steps: 
     import torch
 
     from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
     from effitrain.models import transforms
 
     # Checkpointing, on transformers' own layers (effitrain's speed-ups are for CPUs).

@@ -534,7 +534,8 @@ def effitrain_settings(args, observed: dict) -> dict:
     import torch
 
     from effitrain.config import TrainConfig
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
+    from effitrain.optimizers import schedule
 
     defaults = TrainConfig()
     try:  # what effitrain's AdamW factory builds (its signature may grow)
@@ -547,7 +548,7 @@ def effitrain_settings(args, observed: dict) -> dict:
         "foreach": probe.defaults.get("foreach") if probe is not None else None,
         "group_by_length": defaults.group_by_length,
         "pad_to_multiple_of": observed.get("pad_to_multiple_of"),
-        "warmup_steps": optim.warmup_steps(args.steps, WARMUP_RATIO),
+        "warmup_steps": schedule.warmup_steps(args.steps, WARMUP_RATIO),
         "eval_batch_size": defaults.eval_batch_size,
     }
 

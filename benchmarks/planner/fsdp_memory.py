@@ -2,7 +2,7 @@
 
 For each configuration, 2 gloo processes (torchrun) train STEPS steps with effitrain's own pieces:
 the task's model built from its config, `engine.sharding.shard` (fsdp: fully_shard per block, then
-the root) or torch's DistributedDataParallel (ddp, as accelerate wraps it), `optim.build`, the task's
+the root) or torch's DistributedDataParallel (ddp, as accelerate wraps it), `optimizers.build`, the task's
 `loss_sum`, no gradient sync on all but a step's last micro-batch. Each process reports its peak
 resident memory (VmHWM) minus its resident memory just before the model was built (the libraries
 and the process group are not training memory); the larger of the two is the row's figure. The
@@ -56,7 +56,8 @@ def child(model_name, task, micro, length, optimizer, checkpointing, accumulatio
     import torch.distributed as dist
 
     from effitrain import tasks
-    from effitrain.engine import optim, sharding
+    from effitrain import optimizers as optim
+    from effitrain.engine import sharding
     from effitrain.models import transforms
     from effitrain.planning import planner as plan
     from effitrain.planning import simulate

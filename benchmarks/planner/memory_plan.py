@@ -2,7 +2,7 @@
 
 For each configuration, `effitrain.planning` predicts the peak per device (before anything is
 loaded), then a fresh Python process trains it for a few steps with effitrain's own pieces (the
-task's model class from its config, optim.build, the task's loss_sum, gradient checkpointing, autocast)
+task's model class from its config, optimizers.build, the task's loss_sum, gradient checkpointing, autocast)
 and reports its peak:
 - CPU: peak resident memory (VmHWM) minus the resident memory just before the model is built;
 - CUDA: torch.cuda.max_memory_allocated (the overhead allowance is left out of the prediction there).
@@ -82,7 +82,7 @@ def measure(model_name, task, micro, length, precision, optimizer, checkpointing
     import torch
 
     from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain import optimizers as optim
     from effitrain.models import adapters, transforms
     from effitrain.planning import planner, simulate
     from effitrain.runtime import libraries

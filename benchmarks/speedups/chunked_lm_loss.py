@@ -52,7 +52,7 @@ def child(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
     from effitrain.models import transforms
 
     if args.dry_run:

@@ -76,7 +76,7 @@ def variants() -> dict:
     from transformers import AutoModelForSequenceClassification
 
     from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
     from effitrain.models import loading, transforms
     from effitrain.speedups import dropout
 

@@ -100,7 +100,7 @@ def logit_differences(models_: dict, lengths) -> dict:
 
 def timed_copies(models_: dict, length: int, precision: str, args) -> tuple[dict, dict]:
     """name -> median seconds of a training step, and of an evaluation forward, the copies taking turns."""
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
 
     torch.manual_seed(1)
     train_batch, eval_batch = batch_of(args.batch_size, length), batch_of(args.eval_batch_size, length)

@@ -146,7 +146,7 @@ def fast_mask_dropout(model) -> None:
 
 def build(name: str, base, p: float, precision: str = "fp32"):
     from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
     from effitrain.models import adapters, transforms
     from effitrain.speedups import adapter_step
 
@@ -172,7 +172,7 @@ def build_qlora(name: str, task, precision: str):
     from peft.tuners.lora.bnb import Linear4bit
     from transformers import AutoModelForSequenceClassification
 
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
     from effitrain.models import adapters, loading, transforms
 
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ def one_run(batch_size: int, length: int, steps: int, checkpointing: bool) -> di
     import torch
 
     from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain.optimizers import classic as optim
     from effitrain.models import loading, transforms
     from effitrain.runtime import libraries
 

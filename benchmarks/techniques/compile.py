@@ -78,7 +78,8 @@ def shape_worker(policy: str, precision: str, steps: int, batch_size: int) -> di
     from effitrain import tasks
     from effitrain.config import TrainConfig
     from effitrain.data import text
-    from effitrain.engine import compilation, optim
+    from effitrain import optimizers as optim
+    from effitrain.engine import compilation
     from effitrain.models import loading
     from effitrain.models.blocks import blocks
     from effitrain.runtime import libraries

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from effitrain import tasks
 from effitrain.config import TrainConfig
 from effitrain.data import packing, text
-from effitrain.engine import optim
+from effitrain.optimizers import classic as optim
 from effitrain.models import loading
 from effitrain.runtime import libraries
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from effitrain import optimizers
 from effitrain.errors import UserError
 from effitrain.catalog.task_names import NAMES as TASKS
 
@@ -34,14 +35,7 @@ def compiles(config) -> bool:
 
 KEEP = ("final", "best")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit", "adam-8bit", "sgd", "galore-adamw", "apollo-adamw", "muon",
-              "schedule-free-adamw")
-# The optimizers of the `optimizers` extra: the package each needs (import name, pip name).
-OPTIMIZER_PACKAGES = {"galore-adamw": ("galore_torch", "galore-torch"), "apollo-adamw": ("apollo_torch", "apollo-torch"),
-                      "schedule-free-adamw": ("schedulefree", "schedulefree")}
-# Optimizers that need each weight matrix whole (projections, orthogonalisation) or switch the weights
-# between two points (schedule-free): not verified on FSDP's or DeepSpeed's shards.
-WHOLE_WEIGHT_OPTIMIZERS = ("galore-adamw", "apollo-adamw", "muon", "schedule-free-adamw")
+OPTIMIZERS = optimizers.NAMES  # the registered optimizers (optimizers/), read when asked
 PEFT_METHODS = ("none", "lora", "qlora")
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # what --peft none leaves alone
 ALL_LINEAR = "all-linear"
@@ -60,13 +54,14 @@ SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and s
             "distributed", "evaluation", "checkpoints", "logging")
 
 
-def _opt(default: Any, help: str, section: str, **rules: Any) -> Any:
+def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rules: Any) -> Any:
     """A field with its help, its --help section and its rules (see RULES; `problem`/`fix` override a
     refusal's words, `check` is a function that parses the value and raises UserError). Every field also
     says what a resume does with it (engine/checkpoint.py): `resume="must_match"` (it decides the arithmetic,
     the data order or the schedule: a checkpoint made with another value is refused) or `resume="free"`;
     `added_later=True` on a must-match setting newer than the first checkpoints: one that lacks it was
-    made with its default."""
+    made with its default. A callable `help` is read when a parser is built (--optim's: every registered
+    optimizer's words)."""
     return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
@@ -132,18 +127,8 @@ class TrainConfig:
     precision: str = _opt("auto", "auto (the fastest safe choice for the hardware, logged), fp32, bf16, fp16 "
                           "(GPU, with a gradient scaler)", "precision and speed", choices=PRECISIONS,
                           fix="pass one of {one_of}", resume="must_match")
-    optim: str = _opt("adamw", "adamw (fused; 8 bytes/param), adafactor, adamw-8bit, adam-8bit (bitsandbytes, else "
-                      "torchao; about 2 bytes/param), sgd (momentum = --beta1; 4 bytes/param); with `pip install "
-                      "'effitrain[optimizers]'`: galore-adamw (GaLore: Adam's two moments kept in a rank-8 projection "
-                      "of every weight matrix wider than 8, embeddings included, renewed from the gradient's SVD every "
-                      "500 steps, scale 4, as its GLUE fine-tuning recipe; other tensors AdamW), apollo-adamw (APOLLO: "
-                      "the same rank-8 moments over a random projection renewed every 200 steps, used only to scale "
-                      "the raw gradient channel by channel; scale = matrix width / rank, as its fine-tuning recipe), "
-                      "schedule-free-adamw (no lr decay, warm-up kept; 8 bytes/param: the averaged point and the "
-                      "second moment; evaluation and model/ use the averaged weights); and muon (torch.optim.Muon: "
-                      "momentum only, 4 bytes/param, for the 2-D weights inside the transformer blocks, lr matched to "
-                      "AdamW's; AdamW for embeddings, head and 1-D tensors)", "optimizer", choices=OPTIMIZERS,
-                      fix="pass one of {one_of}", resume="must_match")
+    optim: str = _opt("adamw", optimizers.help_text, "optimizer", choices=OPTIMIZERS, fix="pass one of {one_of}",
+                      resume="must_match")
     peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
                      "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
                      "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
@@ -326,12 +311,18 @@ def _add_flag(parser, f: dataclasses.Field, note: str | None, defaults: dict[str
     shown = defaults.get(f.name, f.default)
     if note is None:
         note = f" (default: {shown})" if shown is not None else ""
-    common = {"dest": f.name, "default": default, "help": f.metadata["help"] + note}
+    common = {"dest": f.name, "default": default, "help": help_of(f.name) + note}
     if kind is bool:
         parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **common)
     else:
         parser.add_argument(flag(f.name), type=kind, choices=f.metadata.get("choices"),
                             metavar=f.name.upper(), **common)
+
+
+def help_of(name: str) -> str:
+    """A field's help as `--help` shows it now."""
+    words = _field(name).metadata["help"]
+    return words() if callable(words) else words
 
 
 def train_defaults(*names: str) -> dict[str, Any]:
@@ -679,17 +670,13 @@ def _check_optimizer(config: TrainConfig) -> None:
     """The optimizers of the `optimizers` extra: installed, and where effitrain has verified them."""
     import importlib.util
 
-    name = config.optim
-    if name in OPTIMIZER_PACKAGES and importlib.util.find_spec(OPTIMIZER_PACKAGES[name][0]) is None:
-        raise UserError(f"--optim {name} needs the {OPTIMIZER_PACKAGES[name][1]} package, which is not installed",
+    name, package = config.optim, optimizers.get(config.optim).package
+    if package is not None and importlib.util.find_spec(package[0]) is None:
+        raise UserError(f"--optim {name} needs the {package[1]} package, which is not installed",
                         "pip install 'effitrain[optimizers]'")
     problem = optimizer_refusal(name, config.strategy, config.peft, config.local_sgd_steps)
     if problem is not None:
         raise problem
-
-
-# Optimizers whose step mixes its own plain-tensor states with FSDP2's sharded DTensor weights.
-UNSHARDED_STATE_OPTIMIZERS = ("adafactor", "adamw-8bit", "adam-8bit")
 
 
 def accepted_optimizers(names, strategy: str = "ddp", peft: str = "none") -> list[str]:
@@ -699,19 +686,21 @@ def accepted_optimizers(names, strategy: str = "ddp", peft: str = "none") -> lis
 
 def optimizer_refusal(name: str, strategy: str = "ddp", peft: str = "none", local_sgd_steps: int | None = None):
     """Why `train` refuses --optim `name` with these settings (a UserError to raise), or None: the one rule
-    that `train`, `plan` and the planner's lighter optimizers all follow."""
-    if name in WHOLE_WEIGHT_OPTIMIZERS and strategy != "ddp":
+    that `train`, `plan` and the planner's lighter optimizers all follow, read from the optimizer's spec."""
+    spec = optimizers.get(name)
+    # Projections, orthogonalisation, two points of the weights: not verified on FSDP's or DeepSpeed's shards.
+    if spec.whole_weights and shards_weights(strategy):
         return UserError(f"--optim {name} with --strategy {strategy} is not supported by effitrain (it needs each "
                          "weight whole, and the strategy shards them)", "use --strategy ddp, or another --optim")
-    if name in UNSHARDED_STATE_OPTIMIZERS and strategy == "fsdp":
+    if spec.plain_tensor_states and strategy == "fsdp":
         return UserError(f"--optim {name} with --strategy fsdp is not supported by effitrain (its states are plain "
                          "tensors, the sharded weights DTensors)",
                          "use --optim adamw or sgd with fsdp, or --strategy ddp")
-    if name == "schedule-free-adamw" and local_sgd_steps:
-        return UserError("--optim schedule-free-adamw with --local-sgd-steps: local SGD averages the training "
+    if spec.averaged_weights and local_sgd_steps:
+        return UserError(f"--optim {name} with --local-sgd-steps: local SGD averages the training "
                          "weights but each process would keep its own averaged point, so the evaluated weights "
                          "would differ between processes", "drop --local-sgd-steps, or use another --optim")
-    if name in ("galore-adamw", "apollo-adamw") and peft != "none":
+    if spec.low_rank and peft != "none":
         return UserError(f"--optim {name} trains every weight through a low-rank projection, an alternative to "
                          f"--peft {peft}'s adapters", "drop --peft, or use --optim adamw with it")
     return None

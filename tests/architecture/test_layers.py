@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "effitrain"
 # tree is read: a package or top-level module missing here fails the test below.
 LAYERS = [
     {"errors", "catalog"},  # catalog: the names users pick from (task names), importing nothing of ours
+    {"optimizers"},  # the specs config reads for --optim's choices (no torch at import: builders load it)
     {"config", "runtime", "outputs"},
     {"models", "data", "speedups"},
     {"tasks"},
@@ -278,3 +279,29 @@ def test_no_strategy_name_is_compared_outside_the_strategies_and_only_fsdp_impor
     assert not found, found
     importers = sorted(module for module, targets in import_graph().items() if "engine.sharding" in targets)
     assert importers == ["engine.strategies.fsdp"], importers
+
+
+def optimizer_name_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines where a registered optimizer name is compared (==, !=, in a tuple) or matched (a case)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            lines += [node.lineno for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+        elif isinstance(node, ast.match_case):
+            lines += [c.lineno for c in ast.walk(node.pattern) if isinstance(c, ast.Constant) and c.value in names]
+    return lines
+
+
+def test_no_optimizer_name_is_compared_outside_optimizers():
+    """What depends on the optimizer is a field of its spec (optimizers/): config, the engine, the planner,
+    plan and bench read it, so that one registered spec is a new optimizer everywhere."""
+    from effitrain import optimizers
+
+    names = set(optimizers.NAMES)
+    caught = optimizer_name_comparisons(ast.parse(
+        'if a == "adamw" or b in ("sgd", "muon"):\n    pass\nmatch c:\n    case "adafactor":\n        pass\n'), names)
+    assert sorted(caught) == [1, 1, 1, 4], caught  # the rule sees each form
+    found = [f"{path.relative_to(SRC)}:{line}" for path in SRC.rglob("*.py")
+             if path.relative_to(SRC).parts[0] != "optimizers"
+             for line in optimizer_name_comparisons(ast.parse(path.read_text()), names)]
+    assert not found, found

@@ -7,8 +7,9 @@ import json
 import effitrain
 import pytest
 import torch
-from effitrain.engine import optim, optim_packages
+from effitrain import optimizers
 from effitrain.models import blocks
+from effitrain.optimizers import measured_state
 from effitrain.planning import planner as plan
 from test_distributed import torchrun
 
@@ -38,16 +39,16 @@ def test_state_bytes_equal_the_plan_and_survive_a_save(name):
     import io
 
     model = tiny_bert(hidden_size=64, intermediate_size=128, vocab_size=500)
-    optimizer = optim.build(name, model, 1e-3, 0.01)
+    optimizer = optimizers.build(name, model, 1e-3, 0.01, blocks=blocks.blocks(model))
     steps(model, optimizer, 2)
     shapes = [tuple(p.shape) for p in model.parameters()]
     matrices = [tuple(p.shape) for b in blocks.blocks(model) for p in b.parameters() if p.ndim == 2]
-    assert plan.optimizer_state_bytes(name, shapes, matrices) == optim.state_bytes(optimizer)
+    assert plan.optimizer_state_bytes(name, shapes, matrices) == measured_state.state_bytes(optimizer)
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     copy = tiny_bert(hidden_size=64, intermediate_size=128, vocab_size=500)
     copy.load_state_dict(model.state_dict())
-    resumed = optim.build(name, copy, 1e-3, 0.01)
+    resumed = optimizers.build(name, copy, 1e-3, 0.01, blocks=blocks.blocks(copy))
     resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     steps(model, optimizer, 3, seed=2)
     steps(copy, resumed, 3, seed=2)
@@ -135,7 +136,7 @@ def test_muon_trains_a_model_whose_only_trained_tensors_are_block_matrices():
     for p in model.parameters():
         p.requires_grad_(id(p) in inside)
     before = [p.detach().clone() for p in model.parameters()]
-    optimizer = optim.build("muon", model, 1e-2, 0.0)
+    optimizer = optimizers.build("muon", model, 1e-2, 0.0, blocks=blocks.blocks(model))
     steps(model, optimizer, 2)
     moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
     assert moved == [p.requires_grad for p in model.parameters()]
@@ -143,12 +144,12 @@ def test_muon_trains_a_model_whose_only_trained_tensors_are_block_matrices():
 
 def test_schedule_free_evaluates_its_averaged_weights_and_trains_on_exactly_its_own():
     model = tiny_bert()
-    optimizer = optim.build("schedule-free-adamw", model, 1e-2, 0.0)
+    optimizer = optimizers.build("schedule-free-adamw", model, 1e-2, 0.0)
     steps(model, optimizer, 3)
     y = [p.detach().clone() for p in model.parameters()]
     z = [optimizer.state[p]["z"] for p in model.parameters()]
     beta1 = optimizer.param_groups[0]["betas"][0]
-    with optim_packages.evaluated_weights(optimizer):
+    with optimizers.get("schedule-free-adamw").evaluated_weights(optimizer):
         for p, y_, z_ in zip(model.parameters(), y, z):
             assert torch.equal(p, torch.lerp(y_, z_, 1 - 1 / beta1))  # x, as schedulefree's eval() makes it
     assert all(torch.equal(p, y_) for p, y_ in zip(model.parameters(), y))  # y again, bit for bit
@@ -172,3 +173,55 @@ def test_a_missing_package_is_one_line(cli_here, monkeypatch, tmp_path):
         "effitrain: error: --optim galore-adamw needs the galore-torch package, which is not installed; "
         "fix: pip install 'effitrain[optimizers]'"]
     assert not (tmp_path / "run").exists()
+
+
+# A new optimizer is one spec registered: here a test's own, before effitrain's config is imported (as a
+# spec of optimizers/catalogue.py is), in a fresh process; nothing else is edited.
+FAKE_OPTIMIZER = r'''
+import contextlib, io, json, sys
+from effitrain import optimizers
+from effitrain.optimizers import state_sizes
+
+
+def build(model, lr, weight_decay, betas, blocks):
+    import torch
+
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.5)
+
+
+optimizers.register(optimizers.OptimizerSpec("fake-sgd", "fake-sgd (a test's own: SGD, momentum 0.5)", build=build,
+                                             state_bytes=state_sizes.sgd, cpu_speed=0.5))
+from effitrain import cli
+
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+    cli.main(["train", "--help"])
+planned = io.StringIO()
+with contextlib.redirect_stdout(planned):
+    plan_code = cli.main(["plan", "--model", sys.argv[1], "--memory", "4GiB", "--json", "--precision", "fp32",
+                          "--optim", "sgd", "--optim", "fake-sgd"])
+train_code = cli.main(["train", *sys.argv[2:]])
+print("RESULT", json.dumps({"help": " ".join(shown.getvalue().split()), "plan": json.loads(planned.getvalue()),
+                            "plan_code": plan_code, "train_code": train_code}))
+'''
+
+
+def test_a_registered_spec_is_an_optimizer_that_train_plan_and_help_know(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    run = tiny_run(tiny_model_dir, tmp_path / "run", optim="fake-sgd", max_steps=2)
+    out = subprocess.run([sys.executable, "-c", FAKE_OPTIMIZER, str(tiny_model_dir), *as_flags(run)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert "fake-sgd (a test's own: SGD, momentum 0.5)" in result["help"]  # --optim's help
+    assert result["plan_code"] == 0 and result["train_code"] == 0
+    rows = {(r["optimizer"], r["checkpointing"]): r for r in result["plan"]["rows"]}
+    for checkpointing in (False, True):  # its state bytes (sgd's arithmetic) and its speed, from its spec
+        fake, sgd = rows[("fake-sgd", checkpointing)], rows[("sgd", checkpointing)]
+        assert fake["optimizer_states"] == sgd["optimizer_states"] > 0
+        assert fake["relative_speed"] == pytest.approx(sgd["relative_speed"] * 0.5, abs=1e-3)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["optimizer"] == "fake-sgd" and metrics["steps"] == 2
+    assert metrics["optimizer_state_bytes_per_param"] == 4.0  # the momentum the engine's built optimizer holds

@@ -13,8 +13,10 @@ import time
 import effitrain
 import pytest
 import torch
+from effitrain import optimizers
 from effitrain.config import parse_size
-from effitrain.engine import memory_fit, optim
+from effitrain.engine import memory_fit
+from effitrain.optimizers import measured_state
 from effitrain.errors import UserError
 from effitrain.planning import planner as plan
 from effitrain.planning import simulate
@@ -45,13 +47,13 @@ def test_optimizer_state_bytes_are_exact(name):
     from transformers import BertForSequenceClassification
 
     model = BertForSequenceClassification(small_bert())
-    optimizer = optim.build(name, model, 1e-4, 0.01)
+    optimizer = optimizers.build(name, model, 1e-4, 0.01, blocks=blocks.blocks(model))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
     shapes = [tuple(p.shape) for p in model.parameters()]
     matrices = [tuple(p.shape) for block in blocks.blocks(model) for p in block.parameters() if p.ndim == 2]
-    assert plan.optimizer_state_bytes(name, shapes, matrices) == optim.state_bytes(optimizer)
+    assert plan.optimizer_state_bytes(name, shapes, matrices) == measured_state.state_bytes(optimizer)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -530,13 +532,12 @@ def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
     import sys
 
     from effitrain.config import TrainConfig
-    from effitrain.engine import optim
     from effitrain.models import adapters
 
     from effitrain.tasks.base import Task
 
     events = []
-    for module, name in ((adapters, "adapters"), (optim, "optimizer")):
+    for module, name in ((adapters, "adapters"), (optimizers, "optimizer")):
         real = module.import_libraries
         monkeypatch.setattr(module, "import_libraries", lambda settings, real=real, name=name:
                             events.append((name, getattr(settings, "peft", settings))) or real(settings))
@@ -549,10 +550,10 @@ def test_memory_budget_counts_from_after_the_runs_libraries(monkeypatch):
     memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, [None] * 500)
     # The model's transformers module too (with transformers' losses it imports scipy, torchao, ...: 100-200 MiB)
     assert events == [("model", "bert"), ("adapters", "lora"), ("optimizer", "adafactor"), "baseline"]
-    fresh = ("import sys; from effitrain.engine import optim; from effitrain.models import adapters; "
-             "adapters.import_libraries(adapters.Peft()); optim.import_libraries('adamw'); "
+    fresh = ("import sys; from effitrain import optimizers; from effitrain.models import adapters; "
+             "adapters.import_libraries(adapters.Peft()); optimizers.import_libraries('adamw'); "
              "before = [m in sys.modules for m in ('peft', 'transformers.optimization')]; "
-             "optim.import_libraries('adafactor'); after_optim = 'peft' in sys.modules; "
+             "optimizers.import_libraries('adafactor'); after_optim = 'peft' in sys.modules; "
              "print(*before, after_optim)")
     out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "True"]

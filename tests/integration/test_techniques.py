@@ -8,7 +8,9 @@ import effitrain
 import pytest
 import torch
 from effitrain import tasks
-from effitrain.engine import optim, precision
+from effitrain import optimizers
+from effitrain.engine import precision
+from effitrain.optimizers import measured_state
 from effitrain.errors import UserError
 from effitrain.runtime import devices
 
@@ -32,9 +34,9 @@ def default_model():
 @pytest.mark.parametrize("name, low, high", [("adamw", 8.0, 8.01), ("adamw-8bit", 1.9, 2.2), ("adam-8bit", 1.9, 2.2),
                                              ("adafactor", 0.0, 1.0), ("sgd", 4.0, 4.0)])
 def test_optimizer_state_bytes_per_parameter_on_the_default_model(default_model, name, low, high):
-    optimizer = optim.build(name, default_model, 1e-5, 0.01)
+    optimizer = optimizers.build(name, default_model, 1e-5, 0.01)
     fake_step(optimizer, default_model)
-    per_param = optim.state_bytes(optimizer) / sum(p.numel() for p in default_model.parameters())
+    per_param = measured_state.state_bytes(optimizer) / sum(p.numel() for p in default_model.parameters())
     assert low <= per_param <= high
 
 
@@ -50,10 +52,10 @@ def test_torchao_is_the_8bit_fallback(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_bitsandbytes)
     model = torch.nn.Linear(256, 256)
-    optimizer = optim.build("adamw-8bit", model, 1e-3, 0.0)
+    optimizer = optimizers.build("adamw-8bit", model, 1e-3, 0.0)
     assert type(optimizer).__module__.startswith("torchao")
     fake_step(optimizer, model)
-    assert optim.state_bytes(optimizer) / 256 / 257 <= 2.2  # codes are 1 byte, plus block scales
+    assert measured_state.state_bytes(optimizer) / 256 / 257 <= 2.2  # codes are 1 byte, plus block scales
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

@@ -93,7 +93,7 @@ def test_every_field_has_a_section_help_and_only_known_rules():
              *cfg.RULES}
     for f in cfg.fields():
         assert f.metadata["section"] in cfg.SECTIONS, f.name
-        assert f.metadata["help"].strip(), f.name
+        assert cfg.help_of(f.name).strip(), f.name
         assert set(f.metadata) <= known, (f.name, set(f.metadata) - known)  # a misspelt rule would check nothing
     assert {f.metadata["section"] for f in cfg.fields()} == set(cfg.SECTIONS)
 
@@ -188,7 +188,7 @@ def test_shared_flags_have_the_fields_help_and_defaults(command):
     defaults = vars(parser.parse_args(["--model", "m"] if command in ("predict", "evaluate") else []))
     for name in SHARED[command]:
         action = actions[name]
-        assert action.help.startswith(cfg.meta(name)["help"]), (command, name)
+        assert action.help.startswith(cfg.help_of(name)), (command, name)
         assert action.choices == cfg.meta(name).get("choices"), (command, name)
         if command != "evaluate" or name == "allow_pickle":  # evaluate's data flags: train's defaults fill them
             assert defaults[name] == cfg.train_defaults(name)[name], (command, name)

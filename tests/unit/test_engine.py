@@ -397,11 +397,12 @@ def test_a_diverged_preference_run_names_beta_beside_the_lr():
 def test_the_warm_up_leaves_the_last_step_to_train_at_its_peak():
     """A warm-up starts at lr 0: one that took the only step of a 1-step run (transformers' ceil(1 x 0.1) = 1)
     would report a run that changed nothing. Short of every step, it is transformers' count otherwise."""
-    from effitrain.engine import optim
+    from effitrain.optimizers import schedule
 
-    assert optim.warmup_steps(1, 0.1) == 0 and optim.warmup_steps(243, 0.1) == 25
-    assert optim.warmup_steps(6, 1.0) == 5 and optim.warmup_steps(6, 0.0) == 0 and optim.warmup_steps(0, 0.1) == 0
+    assert schedule.warmup_steps(1, 0.1) == 0 and schedule.warmup_steps(243, 0.1) == 25
+    assert schedule.warmup_steps(6, 1.0) == 5 and schedule.warmup_steps(6, 0.0) == 0
+    assert schedule.warmup_steps(0, 0.1) == 0
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scheduler = optim.linear_schedule(optimizer, 1, optim.warmup_steps(1, 0.1), num_processes=1)
+    scheduler = schedule.linear_schedule(optimizer, 1, schedule.warmup_steps(1, 0.1), num_processes=1)
     assert scheduler.get_last_lr() == [1.0]  # the one step trains at the peak

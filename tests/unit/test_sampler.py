@@ -21,10 +21,10 @@ def test_length_grouped_order_is_transformers(count, batch):
 
 @pytest.mark.parametrize("warmup,total,processes", [(6, 60, 1), (0, 10, 1), (3, 7, 2), (10, 10, 1), (2, 100, 4)])
 def test_linear_schedule_is_transformers(warmup, total, processes):
-    """engine/optim.linear_schedule (written out for the same reason) gives transformers' learning rates
+    """optimizers/schedule.linear_schedule (written out for the same reason) gives transformers' learning rates
     step for step, and saves the same scheduler state."""
     import torch
-    from effitrain.engine import optim
+    from effitrain.optimizers import schedule
     from transformers import get_linear_schedule_with_warmup
 
     def rates(make) -> tuple[list[float], dict]:
@@ -37,7 +37,7 @@ def test_linear_schedule_is_transformers(warmup, total, processes):
             scheduler.step()
         return seen, scheduler.state_dict()
 
-    ours, our_state = rates(lambda o: optim.linear_schedule(o, total, warmup, processes))
+    ours, our_state = rates(lambda o: schedule.linear_schedule(o, total, warmup, processes))
     theirs, their_state = rates(lambda o: get_linear_schedule_with_warmup(o, warmup * processes, total * processes))
     assert ours == theirs
     assert our_state == their_state

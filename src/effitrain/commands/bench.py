@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain import config as cfg
+from effitrain import optimizers
 from effitrain.errors import UserError
 from effitrain.report.svg import times
 
@@ -46,7 +47,7 @@ BASELINE = "baseline"
 BASE_SETTINGS = {"precision": "fp32", "optim": "adamw"}
 VARIANTS = ("baseline", "grad-accum", "gradient-checkpointing", "bf16", "adafactor", "adamw-8bit", "recommended")
 # --optimizers: the baseline (AdamW) against every other optimizer, each variant named as its --optim.
-OPTIMIZER_VARIANTS = tuple(name for name in cfg.OPTIMIZERS if name != BASE_SETTINGS["optim"])
+OPTIMIZER_VARIANTS = tuple(name for name in optimizers.NAMES if name != BASE_SETTINGS["optim"])
 ORDER = VARIANTS[:-1] + tuple(n for n in OPTIMIZER_VARIANTS if n not in VARIANTS) + VARIANTS[-1:]
 # recommended turns gradient checkpointing on when the baseline's peak memory is above this share.
 CHECKPOINTING_THRESHOLD = 0.8
@@ -207,8 +208,9 @@ def missing_packages(names: list[str]) -> dict[str, str]:
     """Optimizer variants whose package (the `optimizers` extra) is not installed: skipped, saying so."""
     import importlib.util
 
-    return {name: f"needs {cfg.OPTIMIZER_PACKAGES[name][1]}: pip install 'effitrain[optimizers]'" for name in names
-            if name in cfg.OPTIMIZER_PACKAGES and importlib.util.find_spec(cfg.OPTIMIZER_PACKAGES[name][0]) is None}
+    packages = {spec.name: spec.package for spec in optimizers.specs() if spec.package is not None}
+    return {name: f"needs {packages[name][1]}: pip install 'effitrain[optimizers]'" for name in names
+            if name in packages and importlib.util.find_spec(packages[name][0]) is None}
 
 
 def default_skips(names: list[str]) -> dict[str, str]:

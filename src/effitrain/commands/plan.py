@@ -7,6 +7,7 @@ import argparse
 import json
 
 from effitrain import config as cfg
+from effitrain import optimizers
 from effitrain.errors import UserError
 
 # The flags plan shares with train: same meaning, same default (help and choices from the config's fields).
@@ -37,7 +38,7 @@ def add_parser(commands) -> None:
                       choices=[p for p in cfg.meta("precision")["choices"] if p != "auto"],
                       help="only these precisions (repeatable; default fp32 and bf16)")
     plan.add_argument("--optim", action="append", choices=cfg.meta("optim")["choices"],
-                      help="only these optimizers (repeatable; default adamw, adamw-8bit, adafactor, sgd)")
+                      help=f"only these optimizers (repeatable; default {', '.join(optimizers.everyday())})")
     plan.add_argument("--num-labels", type=int, default=2)
     cfg.add_flags(plan, SHARED_PEFT, defaults=True,
                   default_notes={"peft": " (default: none; planned as train applies them: only the adapters "
@@ -111,8 +112,8 @@ def main(args) -> int:
 
 def _optimizers(args: argparse.Namespace) -> list[str]:
     """The optimizers to plan: those asked for (`check_flags` refused those `train` would), else the everyday ones
-    that `train` accepts with these settings."""
-    return cfg.accepted_optimizers(args.optim or ("adamw", "adamw-8bit", "adafactor", "sgd"), args.strategy, args.peft)
+    (their specs' `plan_rank`) that `train` accepts with these settings."""
+    return cfg.accepted_optimizers(args.optim or optimizers.everyday(), args.strategy, args.peft)
 
 
 def _plan_peft(args: argparse.Namespace):

@@ -73,8 +73,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
               encoded=None) -> tuple[int, str, bool, str, dict]:
     import torch.distributed as dist
 
-    from effitrain import tasks
-    from effitrain.engine import optim
+    from effitrain import optimizers, tasks
     from effitrain.models import adapters
     from effitrain.planning import planner as plan
 
@@ -85,7 +84,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     # torch.distributed.checkpoint, dynamo), which peft's import had brought to LoRA runs' baseline only.
     task.import_model_code(plan.model_config(config.model, config.task, max(num_labels, 1), vocab))
     adapters.import_libraries(config)
-    optim.import_libraries(fixed[0] if fixed else config.optim)
+    optimizers.import_libraries(fixed[0] if fixed else config.optim)
     in_use = in_use_bytes(device)
     budget = budget_bytes(config, device)
     if world > 1 and dist.is_initialized():  # every process must choose the same: plan for the tightest

@@ -9,8 +9,9 @@ import contextlib
 import math
 import time
 
+from effitrain import optimizers
 from effitrain.config import TrainConfig
-from effitrain.engine import checkpoint, compilation, model_card, optim, optim_packages, saving, summary
+from effitrain.engine import checkpoint, compilation, model_card, saving, summary
 from effitrain.engine import evaluator as evaluation
 from effitrain.engine.callbacks import Callbacks
 from effitrain.engine.checkpoint import Checkpointer
@@ -18,6 +19,7 @@ from effitrain.engine.setup import Run, setup
 from effitrain.engine.state import TrainState, process_age_seconds
 from effitrain.engine.step import StepRunner, window_size
 from effitrain.errors import Diverged
+from effitrain.optimizers import schedule
 from effitrain.outputs.console import Console
 from effitrain.runtime import peers
 from effitrain.runtime.devices import cpu_name, peak_memory_bytes
@@ -40,7 +42,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
         if job.resume_from is not None:
             checkpointer.restore(job.resume_from, state, job.world, job.resume_state)
             if job.resume_state["world_size"] != job.world:
-                optim.continue_schedule(job.scheduler, state.step, job.world)
+                schedule.continue_schedule(job.scheduler, state.step, job.world)
             job.main_print(f"resumed from {job.resume_from} at step {state.step}")
         evaluator = evaluation.Evaluator(job.accelerator, job.task, job.data.label_names, job.eval_dls["validation"],
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
@@ -57,7 +59,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
             state.add_phase("start_up", start_up)  # added to what a restored checkpoint's invocations took
             state.add_phase("set_up", time.perf_counter() - wall_start)
             stopped_early = train(job, state, step_runner(job), evaluator, checkpointer, hooks)
-        optim_packages.use_evaluated_weights(job.optimizer)  # schedule-free: test and save its averaged weights
+        optimizers.get(job.plan.optim).use_evaluated_weights(job.optimizer)  # e.g. schedule-free's averaged ones
         console.close()  # before the test and the summary, which would print on the bar's line
         hooks.call("on_train_end", state)
         result = finish(job, state, stopped_early, hooks)
@@ -282,7 +284,7 @@ def log_window(job: Run, state: TrainState, result) -> None:
 
 def validate(job: Run, state: TrainState, evaluator: evaluation.Evaluator, hooks: Callbacks) -> bool:
     """Evaluate on the validation split; keep the best weights in best/ when asked; True to stop early."""
-    with optim_packages.evaluated_weights(job.optimizer):  # schedule-free: its averaged weights
+    with optimizers.get(job.plan.optim).evaluated_weights(job.optimizer):  # e.g. schedule-free's averaged ones
         with state.timed("evaluation"):
             improved = evaluator.validate(job.model, state)
         log_record(job, state, split="validation", **state.validation)  # the console shows it as a line

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from effitrain import optimizers
 from effitrain import tasks
 from effitrain.config import TrainConfig
 from effitrain.data import text
@@ -24,12 +25,12 @@ from effitrain.engine import (
     communication,
     compilation,
     memory_fit,
-    optim,
     precision,
     strategies,
 )
 from effitrain.errors import UserError
-from effitrain.models import adapters, loading, transforms
+from effitrain.models import adapters, blocks, loading, transforms
+from effitrain.optimizers import schedule
 from effitrain.outputs import files, run_folder, sinks, tracking
 from effitrain.runtime import libraries
 from effitrain.runtime.distributed import make_accelerator
@@ -229,14 +230,13 @@ def check_pinned(config: TrainConfig, plan: RunPlan) -> None:
     """A plan written by a run with these settings: what they resolve to here must be what it says,
     and what it chose must be a choice the memory planner could make from them (a flag changed since
     the plan was written, or a hand-edited plan, is refused rather than half applied)."""
-    from effitrain.planning.planner import LIGHTER
-
     pinned, budget = config.plan, config.memory_budget is not None
     possible = {
         "grad_accum": pinned.get("grad_accum", plan.grad_accum) == plan.grad_accum,
         "precision": pinned.get("precision", plan.precision) == plan.precision,
         "pieces": pinned.get("pieces", 1) == 1 or budget,
-        "optim": pinned.get("optim", plan.optim) in [plan.optim] + (LIGHTER.get(plan.optim, []) if budget else []),
+        "optim": pinned.get("optim", plan.optim) in [plan.optim,
+                                                     *(optimizers.get(plan.optim).lighter if budget else ())],
         "gradient_checkpointing": pinned.get("gradient_checkpointing", plan.gradient_checkpointing) in
         ({plan.gradient_checkpointing, True} if budget else {plan.gradient_checkpointing}),
     }
@@ -304,9 +304,10 @@ def prepare(config: TrainConfig, task, strategy: strategies.Strategy, plan: RunP
     assert len(train_dl) == math.ceil(len(data.encoded["train"]) / config.batch_size)
     total_steps = config.max_steps or config.epochs * len(sizes)
     model = strategy.setup_module(model)  # before the optimizer, which must hold what it made (FSDP's shards)
-    optimizer = optim.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2))
-    scheduler = optim.linear_schedule(optimizer, total_steps, optim.warmup_steps(total_steps, config.warmup_ratio),
-                                      world, decay=optim.decays(plan.optim))
+    optimizer = optimizers.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2),
+                                 blocks=blocks.blocks(model))
+    warmup = schedule.warmup_steps(total_steps, config.warmup_ratio)
+    scheduler = schedule.linear_schedule(optimizer, total_steps, warmup, world, decay=optimizers.get(plan.optim).decays)
     # Training shards must not recycle examples to even out the processes (accelerate's default):
     # that would train on duplicates that one process with a big batch never sees.
     accelerator.even_batches = False

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from effitrain.engine import optim
 from effitrain.models import adapters
+from effitrain.optimizers import measured_state
 from effitrain.outputs import console, files
 from effitrain.runtime.devices import peak_memory_bytes
 
@@ -17,7 +17,7 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
     config, plan, accelerator = run.config, run.plan, run.accelerator
     # Measured from the optimizer's own state tensors (this process's shard under FSDP/ZeRO).
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
-    state_size = optim.state_bytes(optimizer)
+    state_size = measured_state.state_bytes(optimizer)
     # Per parameter: what the optimizer keeps for each, over the shards of all processes.
     state_all = run.strategy.optimizer_state_bytes(state_size, run.reduce)
     model = accelerator.unwrap_model(run.model)

@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from effitrain import tasks
+from effitrain import optimizers, tasks
 from effitrain.config import accepted_optimizers, shards_weights
 from effitrain.errors import UserError
 from effitrain.models import adapters, blocks, loading
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
-from effitrain.planning import simulate, sizes
+from effitrain.planning import simulate
 
 GiB = 2**30
 MiB = 2**20
@@ -39,24 +39,18 @@ MiB = 2**20
 # included). The constant: what a run builds after its plan besides the model's tensors (the planner's own
 # objects, the loaders); the libraries a run's adapters, optimizer and strategy use are imported before the
 # plan's baseline (memory_fit.plan_run, Fsdp.setup_environment), so they are not in it. Least squares on
-# effitrain's own runs (benchmarks/planner/memory_plan.py --runs, the `fit` rows: peak RSS minus the RSS at
-# planning); the fit and its held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
+# effitrain's own runs (benchmarks/memory_plan.py --runs, the 12 `fit` rows: peak RSS minus the RSS at
+# planning; xeon2c, 2026-12-05); the held-out rows: benchmarks/results/memory_plan_xeon2c_2026-12-05.md.
 CPU_OVERHEAD = {"constant": 152 * MiB, "churn_share": 0.115}
 # Under an allocator that keeps small objects apart from large blocks (the `effitrain` command preloads one:
 # speedups/allocator.py), the freed blocks are reused whole and the overhead is a near constant, whatever
-# the churn: least squares on the same rows run under each (benchmarks/planner/memory_plan.py --runs --calibrate).
+# the churn: least squares on the same rows run under each (benchmarks/memory_plan.py --runs --calibrate).
 PRELOADED_OVERHEAD = {"jemalloc": 89 * MiB, "tcmalloc": 61 * MiB}
 # CUDA: the context (kernels, cuBLAS/cuDNN workspaces) is outside max_memory_allocated; the caching
 # allocator rounds and fragments. Allowances from PyTorch's documentation and common practice, not
 # measured here (no GPU was lent to this project yet).
 CUDA_OVERHEAD = {"context": 600 * MiB, "fragmentation": 0.05}
 
-# Relative speed of a training step with each optimizer vs fused AdamW on CPUs, so that the planner can rank
-# settings that fit: benchmarks/results/optimizers_xeon2c_2026-12-05.md (which keeps epyc2c's `effitrain
-# bench` figures for adafactor and 8-bit). On GPUs: taken as equal.
-OPTIMIZER_SPEED = {"cpu": {"adamw": 1.0, "sgd": 1.0, "adafactor": 0.82, "adamw-8bit": 0.59, "adam-8bit": 0.59,
-                           "galore-adamw": 0.68, "apollo-adamw": 0.78, "muon": 0.53, "schedule-free-adamw": 0.69},
-                   "cuda": {}}
 # Share of a training step's time spent in matmuls (what half precision speeds up): effitrain bench
 # measured bf16 steps 1.66x faster where bf16 matmuls are 3.5x faster on this CPU, i.e. about 0.6.
 MATMUL_TIME_SHARE = 0.6
@@ -64,10 +58,6 @@ MATMUL_TIME_SHARE = 0.6
 # measured on a lent GPU; on CPU it is measured at plan time (devices.bf16_matmul_speedup).
 GPU_HALF_SPEEDUP = 2.0
 
-LIGHTER = {"adamw": ["adamw-8bit", "adafactor"], "adam-8bit": ["adafactor"], "adamw-8bit": ["adafactor"],
-           "sgd": [], "adafactor": [], "galore-adamw": [], "apollo-adamw": [], "muon": [], "schedule-free-adamw": []}
-BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
-BNB_BLOCK = 256  # values per quantisation block (one fp32 absmax each)
 BNB_4BIT_BLOCK = 64  # QLoRA's 4-bit weights: values per block (transformers' default blocksize)
 
 
@@ -183,39 +173,15 @@ def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | N
 
 
 def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], block_matrices=()) -> int:
-    """Bytes of the optimizer's state for trainable parameters of these shapes, as each library stores it."""
-    if name in ("galore-adamw", "apollo-adamw", "muon", "schedule-free-adamw"):  # planning/sizes.py
-        return (sizes.muon_state_bytes(shapes, list(block_matrices)) if name == "muon" else
-                sizes.schedule_free_state_bytes(shapes) if name.startswith("schedule") else
-                sizes.projected_state_bytes(name, shapes))
-    total = 0
-    if name in ("adamw-8bit", "adam-8bit") and any(math.prod(s) >= BNB_MIN_8BIT_SIZE for s in shapes):
-        total += 2 * 256 * 4  # the two quantisation maps (256 fp32 values), shared by all parameters
-    for shape in shapes:
-        n = math.prod(shape)
-        if name == "adamw":  # fused AdamW: exp_avg, exp_avg_sq (fp32) and a float32 step tensor
-            total += 8 * n + 4
-        elif name == "sgd":  # momentum buffer
-            total += 4 * n
-        elif name == "adafactor":  # transformers' Adafactor without beta1: factored second moment + RMS
-            total += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if len(shape) >= 2 else 4 * n
-            total += 4
-        elif name in ("adamw-8bit", "adam-8bit"):  # bitsandbytes blockwise 8-bit: 2 x (1 byte + absmax/256)
-            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK)) if n >= BNB_MIN_8BIT_SIZE else 8 * n
-        else:
-            raise ValueError(name)
-    return total
+    """Bytes of the optimizer's state for trainable parameters of these shapes, as its library stores it
+    (its spec's arithmetic: optimizers/state_sizes.py); `block_matrices`: the 2-D ones inside the blocks."""
+    return optimizers.get(name).state_bytes(shapes, list(block_matrices))
 
 
 def optimizer_step_temporary_bytes(name: str, shapes: list[tuple[int, ...]], weight_decay: bool = True) -> int:
-    """Transient bytes inside optimizer.step(): fused AdamW and bitsandbytes work in place; torch's
-    foreach SGD copies the decayed gradients; Adafactor makes a few tensors per parameter in turn."""
-    largest = max((math.prod(s) for s in shapes), default=0)
-    if name == "sgd" and weight_decay:
-        return 4 * sum(math.prod(s) for s in shapes if len(s) >= 2)
-    if name == "adafactor":
-        return 3 * 4 * largest
-    return 0
+    """Transient bytes inside optimizer.step() (its spec's: fused AdamW and bitsandbytes work in place;
+    torch's foreach SGD copies the decayed gradients; Adafactor makes a few tensors per parameter in turn)."""
+    return optimizers.get(name).step_temporary_bytes(shapes, weight_decay)
 
 
 @dataclass
@@ -348,7 +314,7 @@ class Planner:
         speed = base / flops if flops else 1.0
         if setting.precision != "fp32":  # Amdahl: only the matmul share of the time speeds up
             speed /= (1 - MATMUL_TIME_SHARE) + MATMUL_TIME_SHARE / self.half_speedup()
-        return speed * OPTIMIZER_SPEED.get(self.device, {}).get(setting.optimizer, 1.0)
+        return speed * optimizers.get(setting.optimizer).speed(self.device)
 
     def half_speedup(self) -> float:
         if self._half_speedup is None:
@@ -400,7 +366,7 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
     choices = [(checkpointing, optimizer)]
     if not techniques_fixed:
         can = (checkpointing, True) if planner.shapes.supports_checkpointing else (checkpointing,)
-        lighter = accepted_optimizers(LIGHTER[optimizer], planner.strategy)
+        lighter = accepted_optimizers(optimizers.get(optimizer).lighter, planner.strategy)
         choices += [(ckpt, optimizer) for ckpt in can[1:]] + [(ckpt, name) for name in lighter for ckpt in can]
     for ckpt, optim_name in choices:
         for micro in micro_batches(batch):
@@ -481,7 +447,7 @@ def format_table(rows: list[Estimate], recommended: Estimate | None) -> str:
     def gib(n: int) -> str:
         return f"{n / GiB:.2f}"
 
-    width = max([10, *(len(e.setting.optimizer) for e in rows)])  # schedule-free-adamw is 19 characters
+    width = max([10, *(len(e.setting.optimizer) for e in rows)])  # the longest optimizer name
     lines = [f"{'precision':9} {'optimizer':{width}} {'ckpt':4} {'micro x acc':>11} {'weights':>8} {'grads':>8} "
              f"{'optim':>8} {'activ':>8} {'overhd':>8} {'total':>8} {'speed':>6}  fits"]
     for e in rows:

@@ -1,16 +1,15 @@
 """The optimizers that keep less state than AdamW beyond 8 bits, through their maintained packages:
 GaLore and APOLLO (Adam's moments in a low-rank projection of each weight matrix), torch's Muon
 (orthogonalised momentum for the blocks' matrices) and schedule-free AdamW (no decaying schedule).
-What each stores is counted by planning/sizes.py; engine/optim.py builds them by name."""
+What each stores is counted by state_sizes.py; catalogue.py names their builders."""
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
 from effitrain.errors import UserError
-from effitrain.planning.sizes import LOW_RANK, projected
+from effitrain.optimizers.classic import adamw_of_groups
+from effitrain.optimizers.state_sizes import LOW_RANK, projected
 
 # GaLore's GLUE fine-tuning recipe (its README): projection renewed every 500 steps, scale 4.
 GALORE = {"update_proj_gap": 500, "scale": 4.0, "proj_type": "std"}
@@ -39,21 +38,27 @@ def _split(model: torch.nn.Module, weight_decay: float, chosen) -> tuple[list, l
     return picked, [group for group in rest if group["params"]]
 
 
-def low_rank(name: str, model: torch.nn.Module, lr: float, weight_decay: float, betas):
-    """galore-adamw or apollo-adamw: projected groups for the matrices wider than the rank, one per width
-    (APOLLO's scale follows it), plain Adam moments for the rest."""
+def galore(model: torch.nn.Module, lr: float, weight_decay: float, betas):
+    galore_torch = _package("galore_torch")
+    projector = _package("galore_torch.galore_projector").GaLoreProjector
+    return _low_rank(model, lr, weight_decay, betas, galore_torch.GaLoreAdamW, projector,
+                     lambda width: {"rank": LOW_RANK, **GALORE}, no_deprecation_warning=True)
+
+
+def apollo(model: torch.nn.Module, lr: float, weight_decay: float, betas):
+    apollo_torch = _package("apollo_torch")
+    projector = _package("apollo_torch.random_projector").GradientProjector
+    return _low_rank(model, lr, weight_decay, betas, apollo_torch.APOLLOAdamW, projector,
+                     lambda width: {"rank": LOW_RANK, "scale": width / LOW_RANK, **APOLLO})
+
+
+def _low_rank(model: torch.nn.Module, lr: float, weight_decay: float, betas, cls, projector, extra, **options):
+    """GaLore or APOLLO: projected groups for the matrices wider than the rank, one per width (`extra`:
+    a width's group settings; APOLLO's scale follows it), plain Adam moments for the rest."""
     matrices, rest = _split(model, weight_decay, lambda p: projected(tuple(p.shape)))
     by_width: dict[int, list] = {}
     for param in matrices:
         by_width.setdefault(min(param.shape), []).append(param)
-    if name == "galore-adamw":
-        cls, projector = _package("galore_torch").GaLoreAdamW, _package("galore_torch.galore_projector").GaLoreProjector
-        extra = lambda width: {"rank": LOW_RANK, **GALORE}  # noqa: E731
-        options = {"no_deprecation_warning": True}
-    else:
-        cls, projector = _package("apollo_torch").APOLLOAdamW, _package("apollo_torch.random_projector").GradientProjector
-        extra = lambda width: {"rank": LOW_RANK, "scale": width / LOW_RANK, **APOLLO}  # noqa: E731
-        options = {}
     groups = [{"params": params, "weight_decay": weight_decay, **extra(width)} for width, params in by_width.items()]
     optimizer = cls(groups + rest, lr=lr, betas=betas, weight_decay=weight_decay, **options)
     keep_projectors(optimizer, projector)
@@ -98,7 +103,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     one state dict and accelerate see all the groups. Muon's lr is matched to AdamW's update size
     (adjust_lr_fn="match_rms_adamw", Moonlight's rule), so --lr and --weight-decay serve both."""
 
-    def __init__(self, matrices: list, rest: list[dict], lr: float, weight_decay: float, betas, adamw_of_groups):
+    def __init__(self, matrices: list, rest: list[dict], lr: float, weight_decay: float, betas):
         self._muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         # None where Muon takes every trained tensor (LoRA's matrices alone, say): torch refuses an empty AdamW
         self._adamw = adamw_of_groups(rest, lr, betas) if rest else None
@@ -121,55 +126,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
 
-def muon(model: torch.nn.Module, lr: float, weight_decay: float, betas, adamw_of_groups) -> MuonWithAdamW:
-    """`adamw_of_groups`: engine/optim.py's fused AdamW over parameter groups, for the rest."""
-    from effitrain.models import blocks
-
-    inside = {id(p) for block in blocks.blocks(model) for p in block.parameters()}
+def muon(model: torch.nn.Module, lr: float, weight_decay: float, betas, blocks: list) -> MuonWithAdamW:
+    """`blocks`: the model's transformer blocks (models/blocks.py), whose 2-D weights Muon takes."""
+    inside = {id(p) for block in blocks for p in block.parameters()}
     matrices, rest = _split(model, weight_decay, lambda p: p.ndim == 2 and id(p) in inside)
     if not matrices:
         raise UserError("--optim muon found no trainable 2-D weight inside the model's transformer blocks",
                         "use another --optim")
-    return MuonWithAdamW(matrices, rest, lr, weight_decay, betas, adamw_of_groups)
+    return MuonWithAdamW(matrices, rest, lr, weight_decay, betas)
 
 
 def schedule_free(model: torch.nn.Module, lr: float, weight_decay: float, betas):
-    """Schedule-free AdamW; the warm-up comes from effitrain's schedule (engine/optim.py), constant after."""
+    """Schedule-free AdamW; the warm-up comes from effitrain's schedule (schedule.py), constant after."""
     _, groups = _split(model, weight_decay, lambda p: False)
     optimizer = _package("schedulefree").AdamWScheduleFree(groups, lr=lr, betas=betas, warmup_steps=0)
     optimizer.train()  # training starts at the point y; a resumed run's checkpoint says train mode too
     return optimizer
-
-
-def _switching(optimizer):
-    """The optimizer itself (accelerate wraps it) when it holds train and evaluation weights, else None."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if callable(getattr(inner, "eval", None)) and callable(getattr(inner, "train", None)) else None
-
-
-@contextlib.contextmanager
-def evaluated_weights(optimizer):
-    """Schedule-free: the averaged weights x while the block runs (validation, best/), then exactly the
-    training point y again (copied back: x -> y by interpolation would round, and the run would drift
-    from one that evaluated at other steps). Other optimizers: nothing."""
-    inner = _switching(optimizer)
-    if inner is None:
-        yield
-        return
-    params = [p for group in inner.param_groups for p in group["params"]]
-    kept = [p.detach().clone() for p in params]
-    inner.eval()
-    try:
-        yield
-    finally:
-        inner.train()
-        with torch.no_grad():
-            for param, value in zip(params, kept):
-                param.copy_(value)
-
-
-def use_evaluated_weights(optimizer) -> None:
-    """After the last step: the weights to test and save are schedule-free's averaged ones."""
-    inner = _switching(optimizer)
-    if inner is not None:
-        inner.eval()
