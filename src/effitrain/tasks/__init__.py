@@ -33,8 +33,9 @@ def get(name: str):
 
 
 def for_config(config):
-    """The task object of a run's settings: the registered one, or with --preference the same task on
-    preference pairs (a new object each time: it holds the run's reference model)."""
+    """The task object of a run's settings, the one place tasks are built: the registered one, or with
+    --preference the same task on preference pairs with the objective named (a new object each time: it
+    holds the run's reference model)."""
     import importlib
 
     task = get(config.task)
@@ -43,7 +44,8 @@ def for_config(config):
     if not task.supports_preference:
         task.check_config(config)  # refuses --preference with the task's name
     preference = importlib.import_module("effitrain.tasks.preference")
-    return preference.Preference(task.name, preference.Objective.of(config))
+    objectives = importlib.import_module("effitrain.tasks.objectives")  # the objective --preference names
+    return preference.Preference(task.name, objectives.of(config))
 
 
 def for_model_config(model_config, where: str, expected: str | None = None):
