@@ -43,9 +43,11 @@ class Objective:
         a resume, so that samples do not depend on the process layout (draw by the examples' global
         positions, not this process's). Returns the micro-batches the step trains on: an objective that
         generates (GRPO: completions and their rewards; on-policy distillation: the student's samples)
-        returns the micro-batches with what it made; item_count and loss see those. The model is in
-        training mode: generate under `torch.no_grad()` and, where dropout matters, in evaluation mode.
-        By default the micro-batches are trained on as they are."""
+        returns the micro-batches with what it made; item_count and loss see those. The model is the
+        runner's (wrapped by the run's strategy) in training mode: generate under `torch.no_grad()` and,
+        where dropout matters, in evaluation mode. A process without a micro-batch runs the run's stand-in
+        (a batch as the data gives it, weighted zero), so `loss` must take one of those too. By default
+        the micro-batches are trained on as they are."""
         return group
 
     def item_count(self, batch) -> torch.Tensor:
