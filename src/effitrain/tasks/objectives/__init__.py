@@ -1,7 +1,7 @@
 """The objectives a task trains with, by the --preference name that picks them (tasks/preference.py holds
 one). Adding one, GRPO or on-policy distillation say: its class (tasks/objectives/objective.py's interface,
 with `rollout` if it generates during the step) and one entry here. No module outside this package
-branches on an objective's name (tests/architecture/test_objectives.py)."""
+branches on an objective's name (tests/architecture/test_objective_branches.py)."""
 
 from __future__ import annotations
 
