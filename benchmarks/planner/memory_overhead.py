@@ -316,12 +316,11 @@ def allocators(args) -> int:
 def step_trace(shapes, seq_len: int, precision: str, checkpointing: bool, micro: int) -> list:
     """The ordered (id, bytes) allocations and (id, 0) frees of one micro-step, simulated at full depth."""
     from effitrain.planning import simulate
-    from effitrain.speedups import chunked_lm_loss
 
     trace: list = []
-    with chunked_lm_loss.planned_positions(shapes.loss_positions):
-        simulate._simulate(shapes.task, shapes.config, micro * shapes.rows_per_example, seq_len, precision,
-                           checkpointing, split=False, peft=shapes.peft, packing=shapes.packing, trace=trace)
+    simulate._simulate(shapes.task, shapes.config, micro * shapes.rows_per_example, seq_len, precision,
+                       checkpointing, split=False, peft=shapes.peft, packing=shapes.packing, trace=trace,
+                       loss_positions=shapes.loss_positions)
     return trace
 
 

@@ -58,6 +58,14 @@ def pair_batch(pairs: int = 3, width: int = 12) -> dict:
             "reference_logps": -torch.rand(pairs, 2, generator=generator, dtype=torch.float64) * 20}
 
 
+def preference_task(kind: str, **settings):
+    """The preference task as a run builds it (tasks.for_config), with the objective `kind`."""
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+
+    return tasks.for_config(TrainConfig(task="causal-lm", preference=kind, **settings))
+
+
 def hand_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the whole logits: each position's log-prob of the next token, [pairs, 2, width - 1], and the
     answer and real-token masks of the targets."""
@@ -70,7 +78,7 @@ def hand_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("loss, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
 def test_dpo_loss_equals_a_hand_computation(loss, smoothing):
     model, batch = tiny_llama(), pair_batch()
-    task = preference.Preference("causal-lm", preference.Objective("dpo", 0.3, "precompute", loss, smoothing))
+    task = preference_task("dpo", beta=0.3, reference="precompute", dpo_loss=loss, dpo_label_smoothing=smoothing)
     logps, answers, _ = hand_logps(model, batch)
     policy = (logps * answers).sum(-1)
     ratios = policy - batch["reference_logps"].float()
@@ -94,7 +102,7 @@ def test_orpo_loss_equals_a_hand_computation():
     """TRL's ORPO: the chosen sequences' NLL over all their real tokens (a token mean) minus beta x the pair
     mean of log sigmoid(log odds) of the answers' mean log-probs; two terms, two counts."""
     model, batch = tiny_llama(), pair_batch()
-    task = preference.Preference("causal-lm", preference.Objective("orpo", 0.25))
+    task = preference_task("orpo", beta=0.25)
     logps, answers, real = hand_logps(model, batch)
     nll = -(logps[:, 0] * real[:, 0]).sum()
     mean = (logps * answers).sum(-1) / answers.sum(-1)
@@ -109,15 +117,15 @@ def test_orpo_loss_equals_a_hand_computation():
 
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
 def test_the_step_logs_the_rewards_and_accuracy_evaluation_computes(kind):
-    """The sums loss_sum records for the step's log line (rewards of each answer, margin, pairs ranked right,
-    ORPO's log-odds term; then the pairs) are those the evaluation's metrics make of the same batch."""
+    """The sums train_loss returns with the loss for the step's log line (rewards of each answer, margin, pairs
+    ranked right, ORPO's log-odds term; then the pairs) are those the evaluation's metrics make of the same
+    batch."""
     model, batch = tiny_llama(), pair_batch(pairs=5)
-    task = preference.Preference("causal-lm", preference.Objective(kind, 0.3, "precompute"))
+    task = preference_task(kind, beta=0.3, reference="precompute")  # orpo has no reference: ignored
     batch["reference_logps"][1] = task.answer_logps(model, {k: v[1:2] for k, v in batch.items()})[0].double()
     batch["reference_logps"][1, 0] -= 1.0  # a pair ranked right, the others wrong or right by chance
-    task.loss_sum(model, batch)
-    sums = task.take_train_sums()
-    assert task.take_train_sums() is None  # taken once
+    loss, sums = task.train_loss(model, batch)
+    torch.testing.assert_close(loss, task.loss_sum(model, batch))
     names = task.train_metric_names()
     assert len(sums) == len(names) + 1 and sums[-1] == 5
     with torch.no_grad():

@@ -4,6 +4,7 @@ finished run (same data flags, same seed) gives its metrics.json `test` values a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -93,19 +94,18 @@ def _check_conversations(processor, data, config, split: str) -> None:
 
 
 def _preference_task(task, config, reference_model: str | None):
-    """--preference: the causal-lm task on pairs, its DPO reference a --reference-model's log-probs
-    (precomputed in one pass) or none."""
-    if reference_model is not None and config.preference != "dpo":
+    """--preference: the causal-lm task on pairs (tasks.for_config), its reference, where its objective has
+    one, a --reference-model's log-probs (precomputed in one pass) or none."""
+    from effitrain import tasks
+    from effitrain.tasks import objectives
+
+    if reference_model is not None and not objectives.takes_reference(config.preference):
         raise UserError("--reference-model is DPO's reference", "pass --preference dpo too, or drop --reference-model")
     if config.preference is None:
         return task
-    from effitrain import tasks
-    from effitrain.tasks import preference
-
-    tasks.for_config(config)  # --preference on a model of another task: refused with its name
-    mode = "precompute" if reference_model is not None else "none"
-    return preference.Preference(task.name, preference.Objective(config.preference, config.beta, mode,
-                                                                 config.dpo_loss, config.dpo_label_smoothing))
+    if objectives.takes_reference(config.preference):
+        config = dataclasses.replace(config, reference="precompute" if reference_model is not None else "none")
+    return tasks.for_config(config)  # --preference on a model of another task: refused with its name
 
 
 def _with_reference(task, encoded, processor, config, reference_model: str | None, allow_pickle: bool, device):

@@ -216,7 +216,7 @@ def step_runner(job: Run) -> StepRunner:
     return StepRunner(job.accelerator, job.task, job.model, job.optimizer, job.scheduler, pieces=job.plan.pieces,
                       batch_size=job.config.batch_size, max_grad_norm=job.config.max_grad_norm, synced=synced,
                       budgeted=job.config.memory_budget is not None, strategy=job.strategy,
-                      stand_in=job.stand_in, wire=job.wire, on_retry=said_retry)
+                      stand_in=job.stand_in, wire=job.wire, on_retry=said_retry, seed=job.config.seed)
 
 
 def after_step(job: Run, state: TrainState, result) -> None:

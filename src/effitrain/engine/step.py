@@ -9,11 +9,17 @@ so that every process runs the same passes and DDP's collectives match.
 
 A task whose loss has several terms, each a mean over its own items (ORPO: the chosen answers' tokens
 and the pairs), gives loss_sum and item_count as vectors, one entry per term: each term is divided by its
-own count over the step, and the step's loss is their sum (logged as a mean over the window's steps)."""
+own count over the step, and the step's loss is their sum (logged as a mean over the window's steps).
+
+An objective that generates during the step (GRPO, on-policy distillation) does it in the task's
+`rollout`, which the runner calls once per optimizer step, before the step's forwards, with the step's RNG
+(step_generator): the micro-batches it returns are those the step counts and trains on
+(tasks/objectives/objective.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -37,20 +43,27 @@ def window_size(task) -> int:
     return 2 + (len(names) + 1 if names else 0)
 
 
+def step_generator(seed: int, step: int, device) -> torch.Generator:
+    """The RNG of optimizer step `step`, seeded from (seed, step) only: the same on every process, whatever
+    the layout, and again when a resumed run reaches the step."""
+    mixed = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(mixed, "little") >> 1)
+
+
 class StepRunner:
     """Runs steps for one model and optimizer. `synced`: one loss over all processes (DDP); False
     for one process or local SGD (each process minimises its own loss). `budgeted`: --memory-budget,
     where an out-of-memory error is retried with pieces twice smaller. `strategy`: the run's (None: one
-    process's, for a runner built alone)."""
+    process's, for a runner built alone). `seed`: the run's, for the steps' RNG (step_generator)."""
 
     def __init__(self, accelerator, task, model, optimizer, scheduler, *, pieces: int = 1, batch_size: int,
                  max_grad_norm: float = 0.0, synced: bool = False, budgeted: bool = False,
                  strategy: Strategy | None = None, stand_in: dict | None = None,
-                 wire: communication.Counter | None = None, on_retry=None):
+                 wire: communication.Counter | None = None, on_retry=None, seed: int = 0):
         self.accelerator, self.task, self.model = accelerator, task, model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.pieces, self.batch_size, self.max_grad_norm = pieces, batch_size, max_grad_norm
-        self.synced, self.stand_in = synced, stand_in
+        self.synced, self.stand_in, self.seed = synced, stand_in, seed
         self.strategy = strategy or Single(accelerator)
         self.wire = wire or communication.Counter()
         # DDP with a budget: no piece syncs; the processes first agree that none ran out of memory.
@@ -62,6 +75,7 @@ class StepRunner:
     def run(self, group: list, step: int) -> StepResult:
         """Step `step` (1-based, for messages) over `group`, this process's micro-batches (None where it
         has none); the optimizer and scheduler step unless the step is skipped."""
+        group = self.task.rollout(self.model, group, step_generator(self.seed, step, self.accelerator.device))
         step_items = self._step_items(group)
         while True:  # once, or again with smaller pieces after an out-of-memory error
             window, totals = self._zeros(window_size(self.task)), self._zeros()
@@ -100,12 +114,12 @@ class StepRunner:
                 last = i == len(pieces) - 1 and not self.agree
                 with contextlib.nullcontext() if last else self._no_sync():
                     if piece is None:  # this process has no micro-batch here: a zero-weight stand-in
-                        self.accelerator.backward((self.task.loss_sum(self.model, self.stand_in) * 0.0).sum())
-                        self.task.take_train_sums()  # the stand-in's are not the run's
-                        continue
-                    loss = self.task.loss_sum(self.model, piece)
+                        stand_in = self.task.train_loss(self.model, self.stand_in).loss_sum
+                        self.accelerator.backward((stand_in * 0.0).sum())
+                        continue  # its train sums are not the run's
+                    loss, sums = self.task.train_loss(self.model, piece)
                     self.accelerator.backward((loss * scale / step_items).sum())
-                self._count(piece, loss, window, totals, step_items)
+                self._count(piece, loss, sums, window, totals, step_items)
             if step_items.dim():  # several terms: the window counts steps, 1 over the processes of one
                 window[1] += 1.0 / scale
         except Exception as err:
@@ -118,15 +132,14 @@ class StepRunner:
         """Gradients not reduced on this piece (accumulated for the step's last one)."""
         return self.strategy.no_sync(self.model)
 
-    def _count(self, piece, loss, window, totals, step_items) -> None:
+    def _count(self, piece, loss, sums, window, totals, step_items) -> None:
         count = self.task.item_count(piece).double()
         if count.dim():  # several terms: this piece's share of the step's loss (the step is counted once)
             loss, count = (loss.detach().double() / step_items.double()).sum(), count.new_tensor(0.0)
         tokens = self.task.token_count(piece)
         window[:2] += torch.stack([loss.detach().double(), count])
-        sums = self.task.take_train_sums()
         if sums is not None:
-            window[2:] += sums.to(window.device)
+            window[2:] += sums.detach().double().to(window.device)
         totals += torch.stack([self.task.example_count(piece).double(),
                                count.new_tensor(0.0) if tokens is None else tokens.double()])
 

@@ -187,15 +187,8 @@ def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str,
     packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing);
     `loss_positions`: a causal LM's positions with a loss per row (answer-only data), None: all;
     `sharded`: the weights sharded across processes (fsdp, deepspeed: transforms.Settings.sharded)."""
-    from effitrain.speedups import chunked_lm_loss
-
-    with chunked_lm_loss.planned_positions(loss_positions):
-        return _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing, sharded)
-
-
-def _micro_step(task, config, batch_size, seq_len, precision, checkpointing, peft, packing, sharded=False) -> Phases:
     depth = depth_of(config)
-    model = {"peft": peft, "packing": packing, "sharded": sharded}
+    model = {"peft": peft, "packing": packing, "sharded": sharded, "loss_positions": loss_positions}
     if depth is not None and depth > 3:
         at2 = _simulate(task, with_depth(config, 2), batch_size, seq_len, precision, checkpointing, **model)
         at3 = _simulate(task, with_depth(config, 3), batch_size, seq_len, precision, checkpointing, **model)
@@ -335,7 +328,8 @@ class _Linear4bitStandIn:
 
 
 def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split=True, peft=None,
-              packing=False, trace: list | None = None, sharded: bool = False) -> Phases | None:
+              packing=False, trace: list | None = None, sharded: bool = False,
+              loss_positions: int | None = None) -> Phases | None:
     from torch.utils.flop_counter import flop_registry
 
     mode, model = _fake_model(task, config, checkpointing, peft, precision, packing)
@@ -369,7 +363,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
                     else contextlib.nullcontext())
         with timeline:
             with autocast:
-                loss = tasks.get(task).loss_sum(model, batch) / batch_size
+                loss = tasks.get(task).planned_loss_sum(model, batch, loss_positions) / batch_size
             backward_start = len(timeline.points)
             forward_heap_churn, forward_large_churn = timeline.heap_churn, timeline.large_churn
             loss.backward()

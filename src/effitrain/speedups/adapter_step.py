@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from effitrain.speedups import onednn_linear
+from effitrain.speedups.autocast_dtype import compute_dtype
 from effitrain.speedups.dropout import keep_mask
 
 
@@ -64,14 +65,6 @@ class _DroppedProjection(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(dropped.reshape(-1, dropped.shape[-1]))
         return grad_x, grad_weight, None, None
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the adapter's matmuls run in: autocast's where it is on for x's device, else x's."""
-    kind = x.device.type
-    if x.dtype.is_floating_point and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
 
 
 def plain(layer) -> bool:
@@ -143,7 +136,7 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     dropout = layer.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     if quantised:
         return _four_bit_forward(layer, x, lora_a, lora_b, p, layer.scaling[name], dtype)
     inputs = x.to(dtype)  # cast once, for both products (autocast would cast x again for the base layer)

@@ -22,6 +22,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from effitrain.speedups.autocast_dtype import compute_dtype
+
 CHUNK_BYTES = 64 * 2**20  # fp32 logits per chunk: the softmax and its gradient are about as large again
 
 
@@ -29,14 +31,6 @@ def chunk_rows(vocabulary: int) -> int:
     """Positions per chunk: CHUNK_BYTES of fp32 logits, at least 64 rows, so that the products stay
     large enough to run at full speed."""
     return max(64, CHUNK_BYTES // (4 * vocabulary))
-
-
-def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype the model's head would multiply in: autocast's where it is on, else the hidden states'."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return hidden.dtype
 
 
 class _ChunkBuffers:
@@ -140,40 +134,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-_PLANNED_PER_ROW: list[int | None] = [None]  # the planner's positions with a loss per row (planned_positions)
-
-
-@contextlib.contextmanager
-def planned_positions(per_row: int | None):
-    """While the planner simulates a step on fake tensors (which have no labels to select by): each row has
-    at most `per_row` positions with a loss (answer-only data: the longest answer of the training data),
-    None: every position (text). The chunked head multiplies only those, as training does."""
-    _PLANNED_PER_ROW[0], before = per_row, _PLANNED_PER_ROW[0]
-    try:
-        yield
-    finally:
-        _PLANNED_PER_ROW[0] = before
-
-
-def _planned_count(targets: torch.Tensor) -> int:
-    """How many of a fake `targets`' positions the planner counts (see planned_positions)."""
-    per_row, total = _PLANNED_PER_ROW[0], targets.numel()
+def _planned_count(targets: torch.Tensor, per_row: int | None) -> int:
+    """How many of a fake `targets`' positions the planner counts: the planner simulates a step on fake
+    tensors, which have no labels to select by; each row has at most `per_row` positions with a loss
+    (answer-only data: the longest answer of the training data), None: every position (text). The chunked
+    head multiplies only those, as training does."""
+    total = targets.numel()
     rows = total // max(targets.shape[-1], 1) if targets.dim() > 1 else 1
     return total if per_row is None else min(total, per_row * rows)
 
 
 def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             targets: torch.Tensor, ignore_index: int = -100, rows_per_chunk: int | None = None) -> torch.Tensor:
+             targets: torch.Tensor, ignore_index: int = -100, rows_per_chunk: int | None = None,
+             planned_per_row: int | None = None) -> torch.Tensor:
     """The summed cross-entropy of `hidden @ weight^T + bias` against `targets` over the rows whose target
     is not `ignore_index`: those rows are dropped before the product. `hidden` is [..., H], `targets`
-    the matching [...]. Returns an fp32 scalar, differentiable in hidden, weight and bias."""
+    the matching [...]. Returns an fp32 scalar, differentiable in hidden, weight and bias.
+    `planned_per_row`: the planner's positions with a loss per row, for fake tensors (_planned_count)."""
     rows, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if not _fake(targets):
         keep = wanted != ignore_index
         rows, wanted = rows[keep], wanted[keep]
-    else:  # the planner's fake tensors have no values to select by: as many as planned_positions says,
-        # gathered as the mask gathers them (a copy of the rows)
-        where = torch.arange(_planned_count(targets), device=wanted.device)
+    else:  # the planner's fake tensors have no values to select by: as many as it plans, gathered as the
+        # mask gathers them (a copy of the rows)
+        where = torch.arange(_planned_count(targets, planned_per_row), device=wanted.device)
         rows, wanted = rows[where], wanted[where]
     return _LinearCrossEntropy.apply(rows, weight, bias, wanted, compute_dtype(hidden),
                                      rows_per_chunk or chunk_rows(weight.shape[0]), torch.is_grad_enabled())
@@ -228,14 +212,15 @@ class _LinearTokenLogProbs(torch.autograd.Function):
 
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    ignore_index: int = -100, rows_per_chunk: int | None = None) -> torch.Tensor:
+                    ignore_index: int = -100, rows_per_chunk: int | None = None,
+                    planned_per_row: int | None = None) -> torch.Tensor:
     """Each position's log-probability of its target (0 where the target is `ignore_index`), shaped as
     `targets`, fp32, differentiable in hidden, weight and bias: a sequence's log-probability is its sum.
-    Only the positions that count are multiplied."""
+    Only the positions that count are multiplied (`planned_per_row`: as loss_sum's)."""
     flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     out = flat.new_zeros(wanted.shape, dtype=torch.float32)
-    if _fake(targets):  # the planner's fake tensors: as many positions as planned_positions says
-        where = torch.arange(_planned_count(targets), device=wanted.device)
+    if _fake(targets):  # the planner's fake tensors: as many positions as it plans
+        where = torch.arange(_planned_count(targets, planned_per_row), device=wanted.device)
     else:
         where = (wanted != ignore_index).nonzero().squeeze(1)
     picked = _LinearTokenLogProbs.apply(flat[where], weight, bias, wanted[where], compute_dtype(hidden),

@@ -48,16 +48,17 @@ def get(name: str):
 
 
 def for_config(config):
-    """The task object of a run's settings: the registered one, or with --preference the same task on
-    preference pairs (a new object each time: it holds the run's reference model)."""
+    """The task object of a run's settings, the one place tasks are built: the registered one, or with
+    --preference the same task on preference pairs with the objective named (a new object each time: it
+    holds the run's reference model)."""
     task = get(config.task)
     if getattr(config, "preference", None) is None:
         return task
     if not task.supports_preference:
         task.check_config(config)  # refuses --preference with the task's name
-    from effitrain.tasks import preference
+    from effitrain.tasks import objectives, preference
 
-    return preference.Preference(task.name, preference.Objective.of(config))
+    return preference.Preference(task.name, objectives.of(config))
 
 
 def for_model_config(model_config, where: str, expected: str | None = None):

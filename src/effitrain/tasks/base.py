@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from effitrain.errors import UserError
 from effitrain.models import loading
+
+
+class TrainLoss(NamedTuple):
+    """What a training micro-batch gives the step runner: its loss summed over items, and the sums the
+    step's log line shows beside the loss (train_metric_names' sums, then the count they are divided by;
+    None for tasks without them). Returned with the loss, so that no state is kept between the two."""
+
+    loss_sum: torch.Tensor
+    sums: torch.Tensor | None = None
 
 
 class Task:
@@ -233,20 +243,27 @@ class Task:
         that no model-side reduction decides the normalisation."""
         raise NotImplementedError
 
-    # What a task's training loss computes on the way and the step's log line shows beside the loss
-    # (preference tuning: the rewards and the pairs ranked right): loss_sum records, per micro-batch, one
-    # sum per name and last the count they are divided by; the step sums them over its micro-batches and
-    # processes, as it does the loss.
+    def train_loss(self, model, batch) -> TrainLoss:
+        """What the step runner calls on each training micro-batch: loss_sum and, for tasks that log sums of
+        their own (preference tuning: the rewards and the pairs ranked right), those sums."""
+        return TrainLoss(self.loss_sum(model, batch))
+
+    def planned_loss_sum(self, model, batch, loss_positions: int | None) -> torch.Tensor:
+        """loss_sum on the planner's fake tensors, which have no labels to select by: `loss_positions`, a
+        causal LM's positions with a loss per row (answer-only data); None: every position."""
+        return self.loss_sum(model, batch)
+
+    # What a task's training loss computes on the way and the step's log line shows beside the loss:
+    # train_loss returns, per micro-batch, one sum per name and last the count they are divided by; the
+    # step sums them over its micro-batches and processes, as it does the loss.
     def train_metric_names(self) -> tuple[str, ...]:
         return ()
 
-    def record_train_sums(self, sums: torch.Tensor) -> None:
-        self._train_sums = sums.detach().double()
-
-    def take_train_sums(self) -> torch.Tensor | None:
-        """The sums the latest loss_sum recorded (len(train_metric_names()) + 1 of them), and forgets them."""
-        sums, self._train_sums = getattr(self, "_train_sums", None), None
-        return sums
+    def rollout(self, model, group: list, generator: torch.Generator) -> list:
+        """The micro-batches an optimizer step trains on, from this process's `group` (called once per step
+        by engine/step.py, with the step's RNG): the objective's, for tasks that hold one
+        (tasks/objectives/objective.py); as they are for the others."""
+        return group
 
     # -- evaluation --------------------------------------------------------------------------------
     def eval_setting(self, processor, config, split):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from effitrain.errors import UserError
 from effitrain.models import loading
-from effitrain.speedups import chunked_lm_loss
 from effitrain.tasks.base import Task
+from effitrain.tasks.lm_head import LMHead
 
 
 class CausalLM(Task):
@@ -177,12 +176,6 @@ class CausalLM(Task):
         return (text.packing_collator() if config.packing else padded), padded
 
     # -- the loss and its counts -------------------------------------------------------------------
-    def logits_and_targets(self, model, batch):
-        """Next-token prediction: position t predicts token t+1; -100 targets (padding, and the first
-        token of each packed example) are ignored."""
-        logits = model(**self.inputs(batch), use_cache=False).logits  # no cache: packed masks need cache=None
-        return logits[:, :-1].float(), batch["labels"][:, 1:]
-
     def loss_positions(self, train) -> int | None:
         """Answer-only data (labels of its own): the most labelled positions of a row; text: every position."""
         columns = [name for name in train.column_names if name.endswith("labels")]  # a pair's chosen_/rejected_
@@ -199,21 +192,13 @@ class CausalLM(Task):
             return (batch["position_ids"] == 0).sum()
         return super().example_count(batch)
 
-    def hidden_and_targets(self, model, batch, head):
-        """The final hidden states where the logits would be (the output layer passes its input through),
-        for the chunked loss to multiply only the positions that count."""
-        with chunked_lm_loss.hidden_states_of(head):
-            hidden = model(**self.inputs(batch), use_cache=False).logits
-        return hidden[:, :-1], batch["labels"][:, 1:]
-
     def loss_sum(self, model, batch) -> torch.Tensor:
-        head = chunked_lm_loss.output_layer(model)
-        if head is not None:
-            hidden, targets = self.hidden_and_targets(model, batch, head)
-            return chunked_lm_loss.loss_sum(hidden, *chunked_lm_loss.weight_and_bias(head), targets)
-        logits, targets = self.logits_and_targets(model, batch)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
-                               ignore_index=-100)
+        """Next-token prediction: position t predicts token t+1; -100 targets (padding, and the first token of
+        each packed example) are ignored."""
+        return LMHead(model).loss_sum(self.inputs(batch), batch["labels"][:, 1:])
+
+    def planned_loss_sum(self, model, batch, loss_positions: int | None) -> torch.Tensor:
+        return LMHead(model, planned_per_row=loss_positions).loss_sum(self.inputs(batch), batch["labels"][:, 1:])
 
     # -- evaluation --------------------------------------------------------------------------------
     def eval_setting(self, processor, config, split):
@@ -229,14 +214,8 @@ class CausalLM(Task):
         """Per example: the loss summed over its answer tokens, their count, the correct next-token
         guesses; with a generation setting also whether its generated answer matches the reference,
         and whether it stopped at the end of turn."""
-        head = chunked_lm_loss.output_layer(model)
-        if head is not None:
-            hidden, targets = self.hidden_and_targets(model, batch, head)
-            losses, correct = chunked_lm_loss.per_position(hidden, *chunked_lm_loss.weight_and_bias(head), targets)
-        else:
-            logits, targets = self.logits_and_targets(model, batch)
-            losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
-            correct = logits.argmax(-1) == targets
+        targets = batch["labels"][:, 1:]
+        losses, correct = LMHead(model).per_position(self.inputs(batch), targets)
         mask = targets != -100
         outputs = (losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1))
         if setting is None:

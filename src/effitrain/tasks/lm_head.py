@@ -1,0 +1,62 @@
+"""A causal LM's output layer and what the losses read from it: the summed loss, each position's log-prob of
+its target, and evaluation's per-position loss and hits. Chunked (speedups/chunked_lm_loss.py: the whole
+logits never exist) where the chunked loss prepared the model's output layer, plain logits otherwise (an
+adapter on the output layer, soft-capped logits): the choice is made here, once, for every task that reads
+a causal LM's outputs (causal-lm, the preference objectives)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from effitrain.speedups import chunked_lm_loss
+
+
+class LMHead:
+    """The head of `model`. Every method takes the model's inputs and the targets of positions 0..n-2
+    (position t predicts token t+1; -100: no loss there) and runs the model's forward itself.
+    `planned_per_row`: for the planner's fake tensors, which have no targets to select by, the positions
+    with a loss per row (answer-only data); None: every position."""
+
+    def __init__(self, model, planned_per_row: int | None = None):
+        self.model, self.planned_per_row = model, planned_per_row
+        self.layer = chunked_lm_loss.output_layer(model)  # None: the plain logits
+
+    @property
+    def chunked(self) -> bool:
+        return self.layer is not None
+
+    def _outputs(self, inputs: dict) -> torch.Tensor:
+        """What the positions that predict hold: the final hidden states (chunked), else fp32 logits."""
+        if self.layer is None:
+            return self.model(**inputs, use_cache=False).logits[:, :-1].float()  # no cache: packed masks need None
+        with chunked_lm_loss.hidden_states_of(self.layer):
+            return self.model(**inputs, use_cache=False).logits[:, :-1]
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return chunked_lm_loss.weight_and_bias(self.layer)  # read after the forward (FSDP: gathered then)
+
+    def loss_sum(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy summed over the positions whose target counts (fp32 scalar)."""
+        outputs = self._outputs(inputs)
+        if self.layer is not None:
+            return chunked_lm_loss.loss_sum(outputs, *self._weights(), targets, planned_per_row=self.planned_per_row)
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), reduction="sum",
+                               ignore_index=-100)
+
+    def token_log_probs(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
+        """Each position's log-prob of its target, shaped as `targets`, 0 where it does not count."""
+        outputs = self._outputs(inputs)
+        if self.layer is not None:
+            return chunked_lm_loss.token_log_probs(outputs, *self._weights(), targets,
+                                                   planned_per_row=self.planned_per_row)
+        logps = torch.log_softmax(outputs, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        return logps * (targets != -100)
+
+    def per_position(self, inputs: dict, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation's view: each position's loss (0 where ignored) and whether its arg-max is the target."""
+        outputs = self._outputs(inputs)
+        if self.layer is not None:
+            return chunked_lm_loss.per_position(outputs, *self._weights(), targets)
+        losses = F.cross_entropy(outputs.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+        return losses, outputs.argmax(-1) == targets
