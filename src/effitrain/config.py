@@ -17,6 +17,7 @@ from typing import Any
 
 from effitrain import optimizers
 from effitrain.errors import UserError
+from effitrain.catalog import objective_names
 from effitrain.catalog.task_names import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
@@ -41,7 +42,7 @@ LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules") 
 ALL_LINEAR = "all-linear"
 TRACKERS = ("tensorboard", "trackio", "mlflow")  # --report-to: local, file-based stores only
 LOSS_ON = ("completion", "all")  # --loss-on: the answers only, or every token
-PREFERENCES = ("dpo", "orpo")  # --preference: the objectives on chosen/rejected pairs
+PREFERENCES = objective_names.NAMES  # --preference: the objectives on chosen/rejected pairs (tasks/objectives/)
 REFERENCES = ("precompute", "copy", "adapters")  # --reference: where DPO's reference log-probs come from
 DPO_LOSSES = ("sigmoid", "ipo")  # --dpo-loss: TRL's loss_type names
 PREFERENCE_SETTINGS = ("beta", "reference", "dpo_loss", "dpo_label_smoothing")  # what no --preference leaves alone
@@ -144,11 +145,8 @@ class TrainConfig:
                                     "of the body, not the head) or a comma list of module names (e.g. query,value)",
                                     "adapters", check=lambda value: _check_lora_targets(value),
                                     resume="must_match", added_later=True)
-    preference: str | None = _opt(None, "--task causal-lm on preference pairs (`prompt`, `chosen`, `rejected`, or "
-                                  "`chosen` and `rejected` conversations): dpo (direct preference optimisation "
-                                  "against a reference model) or orpo (odds-ratio preference optimisation: the "
-                                  "chosen answer's loss plus an odds-ratio term, no reference)", "preference",
-                                  choices=PREFERENCES, resume="must_match", added_later=True)
+    preference: str | None = _opt(None, objective_names.help_text, "preference", choices=PREFERENCES,
+                                  resume="must_match", added_later=True)
     beta: float = _opt(0.1, "dpo: the temperature of the implicit reward (beta x log-ratio to the reference); "
                        "orpo: the weight of the odds-ratio term (TRL's beta, the paper's lambda)", "preference",
                        positive=True, fix="pass e.g. {flag} 0.1", resume="must_match", added_later=True)
@@ -439,7 +437,8 @@ def resolved(config: TrainConfig) -> TrainConfig:
     """Defaults that depend on other settings, filled in (config.yaml records the values used)."""
     if config.lr is None:
         config = dataclasses.replace(config, lr=DEFAULT_LR.get(config.peft, 1e-4))
-    if config.preference == "dpo" and config.reference is None:
+    objective = objective_names.get(config.preference)
+    if objective is not None and objective.reference and config.reference is None:
         # The cheapest exact reference: adapters switched off cost nothing; else one pass before training.
         config = dataclasses.replace(config, reference="adapters" if config.peft != "none" else "precompute")
     return config
@@ -629,20 +628,23 @@ def validate(config: TrainConfig) -> None:
 
 
 def _check_preference(config: TrainConfig) -> None:
-    """--preference's own flags: only with it; a reference only for dpo, adapters only with adapters."""
+    """--preference's own flags: only with it, each only with an objective that takes it (a reference: dpo's),
+    adapters only with adapters."""
+    names = list(objective_names.NAMES)
     if config.preference is None:
         defaults = TrainConfig()
         changed = [name for name in PREFERENCE_SETTINGS if getattr(config, name) != getattr(defaults, name)]
         if changed:
             raise UserError(f"{flag(changed[0])} applies to preference tuning, and --preference is not set",
-                            f"pass --preference dpo (or orpo), or drop {flag(changed[0])}")
+                            f"pass --preference {names[0]} (or {', '.join(names[1:])}), or drop {flag(changed[0])}")
         return
-    if config.preference != "dpo":
-        changed = [name for name in ("reference", "dpo_loss", "dpo_label_smoothing")
-                   if getattr(config, name) != getattr(TrainConfig, name)]
-        if changed:
-            raise UserError(f"{flag(changed[0])} applies to --preference dpo; {config.preference} has no reference "
-                            "model and its own loss", f"drop {flag(changed[0])}, or pass --preference dpo")
+    objective = objective_names.get(config.preference)
+    changed = [name for name in PREFERENCE_SETTINGS if name != "beta" and name not in objective.settings
+               and getattr(config, name) != getattr(TrainConfig, name)]
+    if changed:
+        owners = [entry for entry in names if changed[0] in objective_names.get(entry).settings]
+        raise UserError(f"{flag(changed[0])} applies to --preference {' or '.join(owners)}; {config.preference} "
+                        f"{objective.without}", f"drop {flag(changed[0])}, or pass --preference {owners[0]}")
     if config.reference == "adapters" and config.peft == "none":
         raise UserError("--reference adapters is the model with its adapters switched off, and --peft is none",
                         "pass --peft lora (or qlora), or --reference precompute (or copy)")

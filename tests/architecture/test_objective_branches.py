@@ -1,7 +1,8 @@
 """Each objective is decided on in its own class: no module outside tasks/objectives/ branches on an
 objective's name (--preference dpo | orpo, --dpo-loss sigmoid | ipo) or on an objective's kind; the rest
-asks the objective (tasks/objectives/objective.py). config.py's validation of the flags only one
-objective takes (--reference, --dpo-loss with dpo) may name them, as it names strategies."""
+asks the objective (tasks/objectives/objective.py), or its catalog entry (catalog/objective_names.py: the
+flags only it takes, whether it has a reference) before anything loads. config.py keeps one flag rule
+between two of DPO's own flags (--dpo-label-smoothing only with --dpo-loss sigmoid)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "effitrain"
 OBJECTIVE_NAMES = ("dpo", "orpo", "ipo", "sigmoid")
-ALLOWED = {"config.py"}
+ALLOWED = {"config.py": 1}  # file: how many such lines it may keep
 
 
 def branches_on_objectives(tree: ast.AST) -> list[int]:
@@ -27,15 +28,16 @@ def branches_on_objectives(tree: ast.AST) -> list[int]:
 
 
 def test_no_objective_is_branched_on_outside_its_class():
-    found, allowed = [], []
+    found = []
     for path in SRC.rglob("*.py"):
         relative = path.relative_to(SRC)
         lines = branches_on_objectives(ast.parse(path.read_text()))
-        if relative.parts[:2] == ("tasks", "objectives") or relative.as_posix() in ALLOWED:
-            allowed += lines
+        if relative.parts[:2] == ("tasks", "objectives"):
+            continue
+        if relative.as_posix() in ALLOWED:
+            assert len(lines) <= ALLOWED[relative.as_posix()], f"{relative}: {lines}"
             continue
         found += [f"{relative}:{line}" for line in lines]
-    assert allowed, "the rule finds no branch even in config.py's flag checks: it is broken"
     assert not found, found
 
 

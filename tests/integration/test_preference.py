@@ -371,3 +371,56 @@ def test_conversations_that_differ_before_their_last_answer_are_told_so():
     assert problem == ("its chosen and rejected conversations differ from message 3 on, and the chosen one has a "
                        "user turn after that: only the final assistant answer may differ")
     assert "give the pair a `prompt` column" in fix
+
+
+FAKE_OBJECTIVE = r'''
+import contextlib, io, json, sys
+from effitrain.catalog.objective_names import ObjectiveName
+from effitrain.tasks import objectives
+from effitrain.tasks.objectives.orpo import Orpo
+
+
+class FakeOrpo(Orpo):
+    name = "fake-orpo"
+
+
+objectives.register(FakeOrpo, ObjectiveName("fake-orpo", "a test's own: ORPO's loss under another name"))
+from effitrain import cli
+
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+    cli.main(["train", "--help"])
+plans = {}
+for name in ("orpo", "fake-orpo"):
+    planned = io.StringIO()
+    with contextlib.redirect_stdout(planned):
+        code = cli.main(["plan", "--model", sys.argv[1], "--task", "causal-lm", "--preference", name, "--seq-len", "64",
+                         "--memory", "4GiB", "--json", "--precision", "fp32", "--optim", "adamw"])
+    plans[name] = (code, json.loads(planned.getvalue()))
+codes = {name: cli.main(["train", "--preference", name, "--output-dir", f"{sys.argv[2]}/{name}", *sys.argv[3:]])
+         for name in ("orpo", "fake-orpo")}
+print("RESULT", json.dumps({"help": " ".join(shown.getvalue().split()), "plans": plans, "codes": codes}))
+'''
+
+
+def test_a_registered_objective_is_one_that_train_plan_and_help_know(tmp_path):
+    """One class and its catalog entry, registered in one call: --help lists it, plan plans it as the
+    objective it copies, and train trains it to the same losses (ORPO's arithmetic under another name)."""
+    import subprocess
+    import sys
+
+    flags = ["--model", TINY_LLAMA, "--task", "causal-lm", "--data", write_pairs(tmp_path, 24), "--batch-size", "4",
+             "--max-steps", "2", "--log-every", "1", "--max-length", "64", "--precision", "fp32", "--lr", "1e-2"]
+    out = subprocess.run([sys.executable, "-c", FAKE_OBJECTIVE, TINY_LLAMA, str(tmp_path), *flags],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert "fake-orpo (a test's own: ORPO's loss under another name)" in result["help"]
+    (code, plan), (fake_code, fake_plan) = result["plans"]["orpo"], result["plans"]["fake-orpo"]
+    assert code == fake_code == 0 and [r["total"] for r in fake_plan["rows"]] == [r["total"] for r in plan["rows"]]
+    assert result["codes"] == {"orpo": 0, "fake-orpo": 0}
+    losses = run_losses(tmp_path / "orpo")
+    assert len(losses) == 2 and run_losses(tmp_path / "fake-orpo") == losses
+    metrics = json.loads((tmp_path / "fake-orpo" / "metrics.json").read_text())
+    assert metrics["test"]["log_odds_ratio"] == json.loads((tmp_path / "orpo" / "metrics.json").read_text())["test"][
+        "log_odds_ratio"]

@@ -68,6 +68,13 @@ def runner(task, seed: int):
     return StepRunner(make_accelerator(), task, model, optimizer, scheduler, batch_size=4, seed=seed), model
 
 
+def test_the_catalog_names_the_registered_objectives():
+    from effitrain.catalog import objective_names
+
+    assert tuple(objectives.REGISTRY) == tuple(objective_names.NAMES) == ("dpo", "orpo")
+    assert [objectives.takes_reference(name) for name in ("dpo", "orpo", None)] == [True, False, False]
+
+
 def test_the_task_holds_the_registered_objective(drawn):
     assert drawn.objective.name == "drawn" and drawn.train_metric_names() == ("weight",)
 

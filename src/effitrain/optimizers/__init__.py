@@ -8,33 +8,13 @@ names. This module stays light (no torch): the config and the CLI read NAMES fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from effitrain.catalog.live_names import LiveNames
 from effitrain.optimizers import catalogue
 from effitrain.optimizers.spec import OptimizerSpec
 
 
 _SPECS: dict[str, OptimizerSpec] = {}
-
-
-class _Names(Sequence):
-    """The registered names in their order, read when asked: `--optim`'s choices, and a spec registered
-    later (a plug-in, a test) is one of them too."""
-
-    def __getitem__(self, index):
-        return tuple(_SPECS)[index]
-
-    def __len__(self) -> int:
-        return len(_SPECS)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    def __repr__(self) -> str:
-        return repr(tuple(_SPECS))
-
-
-NAMES = _Names()
+NAMES = LiveNames(_SPECS)  # --optim's choices: a spec registered later is one too
 
 
 def register(spec: OptimizerSpec) -> OptimizerSpec:

@@ -1,15 +1,27 @@
 """The objectives a task trains with, by the --preference name that picks them (tasks/preference.py holds
 one). Adding one, GRPO or on-policy distillation say: its class (tasks/objectives/objective.py's interface,
-with `rollout` if it generates during the step) and one entry here. No module outside this package
-branches on an objective's name (tests/architecture/test_objective_branches.py)."""
+with `rollout` if it generates during the step), registered with what config reads of it (`register`: its
+--help words, the flags only it takes, kept torch-free in catalog/objective_names.py). No module outside
+this package branches on an objective's name (tests/architecture/test_objective_branches.py)."""
 
 from __future__ import annotations
 
+from effitrain.catalog import objective_names
+from effitrain.catalog.objective_names import ObjectiveName
 from effitrain.tasks.objectives.dpo import Dpo
 from effitrain.tasks.objectives.objective import Objective
 from effitrain.tasks.objectives.orpo import Orpo
 
-REGISTRY: dict[str, type[Objective]] = {cls.name: cls for cls in (Dpo, Orpo)}
+REGISTRY: dict[str, type[Objective]] = {cls.name: cls for cls in (Dpo, Orpo)}  # their names: in the catalog
+
+
+def register(cls: type[Objective], name: ObjectiveName) -> type[Objective]:
+    """A new objective: its class, and what config, --help and plan read of it (`name.name` == cls.name)."""
+    if name.name != cls.name:
+        raise ValueError(f"{cls.__name__} is named {cls.name}, its catalog entry {name.name}")
+    objective_names.add(name)
+    REGISTRY[cls.name] = cls
+    return cls
 
 
 def of(config) -> Objective:
@@ -19,4 +31,5 @@ def of(config) -> Objective:
 
 def takes_reference(name: str | None) -> bool:
     """Whether the objective `name` (None: no preference tuning) compares the policy with a reference model."""
-    return name in REGISTRY and REGISTRY[name].takes_reference
+    entry = objective_names.get(name)
+    return entry is not None and entry.reference

@@ -19,7 +19,6 @@ from effitrain.tasks.objectives.objective import PAIR_METRICS, Objective
 class Dpo(Objective):
     name = "dpo"
     loss_name = "sigmoid"  # --dpo-loss
-    takes_reference = True
     train_metric_names = PAIR_METRICS[1:]
 
     def __init__(self, beta: float, reference: str | None = None, smoothing: float = 0.0):

@@ -20,7 +20,6 @@ class Objective:
 
     name = ""
     reference = None
-    takes_reference = False  # evaluate's --reference-model applies (a class attribute: read before building)
     train_metric_names: tuple[str, ...] = ()  # the sums `loss` returns beside the loss, one per name
     metric_names: tuple[str, ...] = PAIR_METRICS
 
