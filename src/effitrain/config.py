@@ -61,8 +61,9 @@ def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rul
     says what a resume does with it (engine/checkpoint.py): `resume="must_match"` (it decides the arithmetic,
     the data order or the schedule: a checkpoint made with another value is refused) or `resume="free"`;
     `added_later=True` on a must-match setting newer than the first checkpoints: one that lacks it was
-    made with its default. A callable `help` is read when a parser is built (--optim's: every registered
-    optimizer's words)."""
+    made with its default; `resume_first=True`: named before the others when several differ, `resume_fix`:
+    its own fix ({made}: the checkpoint's value). A callable `help` is read when a parser is built
+    (--optim's: every registered optimizer's words)."""
     return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
@@ -133,7 +134,10 @@ class TrainConfig:
     peft: str = _opt("none", "parameter-efficient fine-tuning through peft: lora (low-rank adapters on the "
                      "linear layers, the rest frozen; the task's new head trained in full) or qlora (LoRA over the "
                      "frozen base loaded in 4-bit NF4, bitsandbytes); model/ holds the merged weights, adapter/ "
-                     "the adapter", "adapters", choices=PEFT_METHODS, resume="must_match", added_later=True)
+                     "the adapter", "adapters", choices=PEFT_METHODS, resume="must_match", added_later=True,
+                     # named first when a resume differs: its default lr follows from it (DEFAULT_LR)
+                     resume_first=True, resume_fix="resume with --peft {made} (and the checkpoint's other settings), "
+                     "or start a new --output-dir")
     lora_r: int = _opt(8, "LoRA rank (the inner size of each update B @ A)", "adapters", at_least=1,
                        fix="pass e.g. {flag} 8", resume="must_match", added_later=True)
     lora_alpha: float = _opt(16.0, "LoRA scale: the update is multiplied by alpha / r", "adapters", positive=True,

@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-from effitrain.config import fields
+from effitrain.config import fields, meta
 from effitrain.errors import UserError
 from effitrain.outputs import files as outputs_files
 
@@ -21,10 +21,11 @@ from effitrain.outputs import files as outputs_files
 # depends on the number of steps): resuming with others would not continue the run. Each field of
 # TrainConfig says whether it is one (`resume="must_match"`, config.py). The micro-batch, accumulation and
 # processes may change as long as their product does (see `check`).
-# Compared in the fields' order, the first difference named, but peft first: its default lr follows from
-# it (config.DEFAULT_LR), and a LoRA checkpoint resumed without --peft must be told so, not that its lr differs.
+# Compared in the fields' order, the first difference named, but those marked `resume_first` first (peft:
+# its default lr follows from it, and a LoRA checkpoint resumed without --peft must be told so, not that its
+# lr differs).
 MUST_MATCH = tuple(sorted((f.name for f in fields() if f.metadata["resume"] == "must_match"),
-                          key=lambda name: name != "peft"))
+                          key=lambda name: not meta(name).get("resume_first")))
 # Settings added after checkpoints were first written (`added_later`): a checkpoint without them was made
 # with their defaults.
 EARLIER_DEFAULTS = {f.name: f.default for f in fields() if f.metadata.get("added_later")}
@@ -156,12 +157,9 @@ def check(path: Path, config_values: dict, world_size: int, grad_accum: int) -> 
     made_with = {**EARLIER_DEFAULTS, **state["config"]}
     for key in MUST_MATCH:
         if key in made_with and not same_setting(key, made_with[key], config_values.get(key)):
-            fix = "resume with the same settings, or start a new --output-dir"
-            if key == "peft":
-                fix = f"resume with --peft {made_with[key]} (and the checkpoint's other settings), or start a new " \
-                      "--output-dir"
+            fix = meta(key).get("resume_fix", "resume with the same settings, or start a new --output-dir")
             raise UserError(f"checkpoint {path} was made with {key}={made_with[key]!r}, this run has "
-                            f"{config_values.get(key)!r}", fix)
+                            f"{config_values.get(key)!r}", fix.format(made=made_with[key]))
     earlier = made_with["batch_size"] * state.get("plan", {}).get("grad_accum", made_with.get("grad_accum", 1)) \
         * state["world_size"]
     now = config_values["batch_size"] * grad_accum * world_size

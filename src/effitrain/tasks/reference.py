@@ -101,8 +101,7 @@ def compute(model, split, collate, batch_size: int, answer_logps) -> torch.Tenso
 
     device = next(model.parameters()).device
     out = []
-    off = adapters.switched_off(model) if adapters.is_adapted(model) else contextlib.nullcontext()
-    with evaluating(model), off:
+    with evaluating(model), adapters.as_its_base(model):
         for start in range(0, len(split), batch_size):
             batch = collate([split[i] for i in range(start, min(start + batch_size, len(split)))])
             batch = {key: value.to(device) for key, value in batch.items()}

@@ -12,7 +12,8 @@ is trained in full through peft's `modules_to_save`: left frozen, a classifier s
     model_parts.py     the head, the linear layers, a tied output layer
     four_bit_base.py   QLoRA's 4-bit base: load options, bitsandbytes' checks, the layout kept
     trained_tokens.py  the rows of tokens the vocabulary gained, trained in full
-    wrapping.py        apply (peft's get_peft_model on the chosen targets), is_adapted, switched_off, counts
+    wrapping.py        apply (peft's get_peft_model on the chosen targets), is_adapted, switched_off, as_its_base,
+                       counts
     merging.py         the merged weights and plain config of model/
     adapter_folder.py  peft's folder of a run (adapter/, best/): saved, put back, its size
     base_record.py     the base an adapter folder belongs to: recorded when saved, checked when loaded
@@ -31,8 +32,8 @@ from effitrain.models.adapters.saved_adapter import (absent_targets, apply_saved
                                                      is_adapter_dir, load_for_inference)
 from effitrain.models.adapters.trained_tokens import (NEW_TOKENS, keep_chunked_loss, mark_new_tokens, new_tokens,
                                                       token_rows)
-from effitrain.models.adapters.wrapping import (apply, check_rank, counts, is_adapted, peft_task_type, switched_off,
-                                                targets)
+from effitrain.models.adapters.wrapping import (apply, as_its_base, check_rank, counts, is_adapted, peft_task_type,
+                                                switched_off, targets)
 
 __all__ = [
     "ADAPTER", "NEW_TOKENS", "AdaptedModel", "Peft", "PlainModel", "absent_targets", "adapter_bytes", "adapter_state",
@@ -40,5 +41,5 @@ __all__ = [
     "grown_vocabulary", "head_modules", "import_libraries", "is_adapted", "is_adapter_dir", "keep_4bit_layout",
     "keep_chunked_loss", "load_adapter_weights", "load_for_inference", "load_options", "mark_new_tokens",
     "merged_state_dict", "method", "new_tokens", "peft_task_type", "plain_config", "quantization_config",
-    "quantized", "save_adapter", "save_merged", "shape", "switched_off", "targets", "token_rows",
+    "as_its_base", "quantized", "save_adapter", "save_merged", "shape", "switched_off", "targets", "token_rows",
 ]

@@ -3,6 +3,8 @@ rank checked, peft's get_peft_model; and what an adapted model is (peft's PeftMo
 
 from __future__ import annotations
 
+import contextlib
+
 from effitrain.config import ALL_LINEAR, lora_target_names
 from effitrain.errors import UserError
 from effitrain.models.adapters.four_bit_base import keep_4bit_layout
@@ -83,6 +85,12 @@ def switched_off(model):
     if not is_adapted(inner):
         raise ValueError("the model has no adapters to switch off")
     return inner.disable_adapter()
+
+
+def as_its_base(model):
+    """The model (unwrapped) computing as its base did before training: its adapters switched off where it
+    has any, else as it is."""
+    return switched_off(model) if is_adapted(model) else contextlib.nullcontext()
 
 
 def counts(model) -> dict[str, int]:
