@@ -272,8 +272,8 @@ def apply(model: torch.nn.Module) -> bool:
 
 def pass_through(layer: torch.nn.Module) -> None:
     """Let `layer` return its input inside `hidden_states_of`; the loss then multiplies by its `weight`
-    (and `bias`, if it has one). `apply` does this to a linear output layer; models/adapters.py to the
-    wrapper peft's trainable tokens put around it."""
+    (and `bias`, if it has one). `apply` does this to a linear output layer; models/adapters/trained_tokens.py
+    to the wrapper peft's trainable tokens put around it."""
     layer.effitrain_forward = layer.forward  # the forward it has (oneDNN's, where that applies)
     setattr(layer, PASS_THROUGH, False)
     layer.forward = types.MethodType(_forward, layer)  # a bound method: deepcopy rebinds it
@@ -292,7 +292,7 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output layer `apply` prepared, inside whatever wraps the model (DDP, FSDP, peft, compile);
     None when it did not, or when an adapter wraps it (--lora-target-modules lm_head: the adapter's
     product is added to the logits). The outermost one prepared: peft's trainable-tokens wrapper, when
-    models/adapters.py prepared it, before the layer it wraps."""
+    models/adapters/trained_tokens.py prepared it, before the layer it wraps."""
     for name, module in model.named_modules():
         if hasattr(module, PASS_THROUGH):
             wrapped = name.rpartition(".")[2] == "base_layer"  # peft's tuner layers hold the layer they adapt there
