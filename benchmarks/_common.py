@@ -229,6 +229,19 @@ def dry_run_model() -> Path:
 
 def _tiny_model() -> Path:
     """tests/conftest.py's tiny_model_dir, in a temporary folder removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-dry-run-")) / "tiny-bert"
+    atexit.register(shutil.rmtree, folder.parent, True)
+    save_tiny_bert(folder, one_thread=True)
+    os.environ[DRY_RUN_MODEL] = str(folder)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return folder
+
+
+def save_tiny_bert(folder: Path, one_thread: bool = False) -> Path:
+    """tests/conftest.py's tiny_model_dir written to `folder` (the dry runs' model, gpu/gpu_equivalence.py's):
+    a 2-layer, hidden-32 BERT classifier, random weights from seed 0 (torch's generator left as it was),
+    dropout off so that runs which see the same examples compute the same arithmetic, the packaged
+    all-MiniLM tokenizer. `one_thread`: torch set to one thread first (a dry run)."""
     from effitrain.models.loading import default_model_dir
     from effitrain.runtime.libraries import quiet_import_warnings, quiet_libraries
 
@@ -237,20 +250,17 @@ def _tiny_model() -> Path:
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     quiet_libraries(debug=False)
-    folder = Path(tempfile.mkdtemp(prefix="bench-dry-run-")) / "tiny-bert"
-    atexit.register(shutil.rmtree, folder.parent, True)
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
     state = torch.random.get_rng_state()
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(folder)
     torch.random.set_rng_state(state)
     tokenizer.save_pretrained(folder)
-    os.environ[DRY_RUN_MODEL] = str(folder)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return folder
 
 

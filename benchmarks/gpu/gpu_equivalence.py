@@ -35,26 +35,6 @@ import _common  # noqa: E402
 RUNS = ("single", "ddp", "fsdp")
 
 
-def build_tiny_model(path: Path) -> Path:
-    """tests/conftest.py's tiny_model_dir, as a plain function."""
-    from effitrain.models.loading import default_model_dir
-    from effitrain.runtime.libraries import quiet_import_warnings, quiet_libraries
-
-    quiet_import_warnings()
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    quiet_libraries(debug=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def commands(nproc: int, micro: int, steps: int, model: Path, work: Path) -> dict[str, list[str]]:
     """name -> the effitrain command line (after `effitrain`)."""
     common = ["--model", str(model), "--max-train-samples", str(nproc * micro * steps), "--max-eval-samples", "32",
@@ -176,7 +156,7 @@ def main(argv=None) -> int:
             print("  valid (effitrain's parser and config validation; not run)")
         _common.skipped(f"the three runs ({args.nproc} GPUs) and the comparison of their weights")
         return 0
-    build_tiny_model(model)
+    _common.save_tiny_bert(model)
     runs = {}
     for (name, argv), line in zip(planned.items(), shown):
         print(f"$ {line}", flush=True)

@@ -2,25 +2,69 @@
 each runs: the peer library there or the dry run's effitrain side alone, the versions, the Llama-shaped model
 and BPE tokenizer the TRL comparisons train, effitrain's own split of the data, the batch order both sides
 draw, the digest that shows they drew the same batch, effitrain's step observer, and one run in a fresh
-process. Not a benchmark of its own: equal starts are what make the figures comparable, so they are written
-once."""
+process. For the TRL comparisons also their flags, their step log's speed figures, each side's run around
+its trainer and their main: a next one (GRPO) writes only its sides, data and report. Not a benchmark of its
+own: equal starts are what make the figures comparable, so they are written once."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import cpu_snapshot, rss_peak_bytes  # benchmarks/ is on sys.path: this module is imported as peers._sides
+import _common  # benchmarks/ is on sys.path: this module is imported as peers._sides
+from _common import cpu_share, cpu_snapshot, rss_peak_bytes
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML's tokens, special in the BPE tokenizer
+PRECISIONS = ("fp32", "bf16")
+
+
+# --- the TRL comparisons' command line ---------------------------------------------------------------
+
+
+def common_arguments(parser, sides: tuple[str, ...], *, steps: int, batch_size: int, batch_help: str,
+                     precisions: bool, dry_run: str, sides_help: str | None = None) -> None:
+    """The flags every TRL comparison takes, in the order --help shows them. `precisions`: a run measures
+    several (--precision fp32 bf16, the default both) rather than one (fp32 by default); `sides_help`: --sides
+    is left None when not given, for the script to fill (a dry run has a default of its own)."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"optimizer steps of each run (default {steps})")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--runs", type=int, default=3,
+                        help=f"runs of each side{' and precision' if precisions else ''} (default 3)")
+    if precisions:
+        parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    else:
+        parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--sides", nargs="+", choices=sides, default=None if sides_help else list(sides),
+                        help=sides_help)
+    parser.add_argument("--vocab", type=int, default=8192, help="the BPE tokenizer's vocabulary (default 8192)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every run's figures")
+    parser.add_argument("--only", choices=sides, default=None, help="run one side in this process (the children)")
+    parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true", help=dry_run)
+
+
+def parsed(parser, argv, dry_run_batch: int) -> argparse.Namespace:
+    """common_arguments' flags read and checked; a dry run's: 2 steps of `dry_run_batch`, 1 run, fp32, no --json
+    (its sides are the script's to choose)."""
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.steps < 2 or args.runs < 1:
+        parser.error("--batch-size and --runs must be at least 1, --steps at least 2")
+    if args.dry_run:
+        args.steps, args.batch_size, args.runs, args.json = 2, dry_run_batch, 1, None
+        args.precision = ["fp32"] if isinstance(args.precision, list) else "fp32"
+    return args
 
 
 def require_peer(parser, args, module: str, name: str, alone: str) -> None:
@@ -74,6 +118,19 @@ def make_model(folder: Path, vocab: int, seed: int, template: str, tiny: bool = 
     return {"vocab": len(tokenizer), "parameters": sum(p.numel() for p in model.parameters()), **shape}
 
 
+def comparison_model(args, folder: Path, template: str) -> dict:
+    """make_model for a TRL comparison, saved to `folder`/model (args.model_dir): --vocab, or a 1-layer model
+    with a 512-token vocabulary for a dry run."""
+    args.model_dir = Path(folder) / "model"
+    return make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, template, tiny=args.dry_run)
+
+
+def model_text(shape: dict) -> str:
+    """The report's first words on make_model's model."""
+    return (f"Llama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+            f"vocabulary {shape['vocab']}, {shape['parameters'] / 1e6:.1f}M parameters), ChatML with generation blocks")
+
+
 def effitrain_splits(**settings):
     """effitrain train's split of the built-in data under `settings` (TrainConfig's fields): test then
     validation held out, by seed. The peer is given those very rows."""
@@ -113,6 +170,32 @@ def digest(examples: list) -> str:
     return hashlib.sha256(json.dumps(sorted(examples)).encode()).hexdigest()[:16]
 
 
+class StepLog:
+    """What both sides of a TRL comparison record alike: each step's end (perf_counter) and real tokens
+    (`real_tokens(batch)`), the first batch's examples (`examples(batch)`) and the CPU readings from then on.
+    Each comparison adds the losses and digests it compares."""
+
+    def __init__(self, examples, real_tokens):
+        self.examples, self.real_tokens = examples, real_tokens
+        self.ends: list[float] = []
+        self.tokens: list[int] = []
+        self.first_batch: list | None = None
+        self.cpu_start = None
+
+    def batch(self, batch: dict) -> None:
+        if self.first_batch is None:
+            self.first_batch = self.examples(batch)
+            self.cpu_start = cpu_snapshot()
+        self.tokens.append(self.real_tokens(batch))
+
+    def speed(self, steps: int) -> dict:
+        """tokens/s = the real tokens of steps 2..N over the time from the end of step 1 to the end of step N."""
+        seconds = self.ends[-1] - self.ends[0]
+        tokens = sum(self.tokens[1:steps])
+        return {"steps_timed": len(self.ends) - 1, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                "tokens_per_step": statistics.mean(self.tokens[:steps])}
+
+
 class Observer:
     """effitrain's callbacks (engine/callbacks.py) feeding a step log (vs_trl.py's or vs_trl_preference.py's
     StepLog): each step's batch, end and loss; the peak RSS and CPU when the loop ends."""
@@ -133,6 +216,65 @@ class Observer:
 
     def on_train_end(self, state):
         self.rss, self.cpu_end = rss_peak_bytes(), cpu_snapshot()
+
+
+# --- each side's run (a child process) -----------------------------------------------------------------
+
+
+def trl_side(trainer, args, side: str, log: StepLog, out_dir: str, evaluate, loss_key: str) -> dict:
+    """A TRL side once its trainer is built: trained (peak RSS and CPU read as training ends), evaluated
+    (`evaluate(trainer)`, whose eval_loss is reported as `loss_key`), saved; its figures."""
+    import trl
+
+    trainer.train()
+    rss = rss_peak_bytes()
+    cpu_end = cpu_snapshot()
+    evaluated = evaluate(trainer)
+    trainer.save_model(os.path.join(out_dir, "model"))
+    saved_at = time.time()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"side": side, "precision": args.precision, "steps": trainer.state.global_step, "peak_rss_bytes": rss,
+            "saved_at": saved_at, loss_key: evaluated.get("eval_loss"),
+            "cpu": cpu_share(log.cpu_start, cpu_end), **log.figures(args.steps),
+            "versions": {"trl": trl.__version__, **versions()}}
+
+
+def effitrain_side(args, side: str, log: StepLog, prefix: str, loss_key: str, settings: dict) -> dict:
+    """An effitrain side: effitrain.train on args.model_dir, the causal-lm task, --steps of --batch-size,
+    --seed and --precision, with `settings` (the comparison's data, hyper-parameters and the side's switches),
+    observed into `log` and saved to a temporary folder (`prefix`); its figures, the validation loss as
+    `loss_key`."""
+    import effitrain
+
+    observer = Observer(log)
+    out_dir = Path(tempfile.mkdtemp(prefix=prefix)) / "run"
+    config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm",
+              "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "seed": args.seed,
+              "precision": args.precision, **settings}
+    try:
+        metrics = effitrain.train(config, callbacks=[observer])
+        saved_at = time.time()
+    finally:
+        shutil.rmtree(out_dir.parent, ignore_errors=True)
+    return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
+            "saved_at": saved_at, loss_key: (metrics.get("validation") or {}).get("loss"),
+            "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
+            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **versions()}}
+
+
+def main(args, compare, run_trl, run_effitrain, skipped: str) -> None:
+    """A TRL comparison's main: the parent compares the sides (`compare(args)`, each side a child); a child
+    (--only SIDE) runs its side (`run_trl` or `run_effitrain`) and writes the figures to --result."""
+    if args.dry_run:
+        _common._one_thread()
+        if args.only is None:
+            _common.skipped(skipped)
+    if args.only is None:
+        compare(args)
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result = run_trl(args, args.only) if args.only.startswith("trl") else run_effitrain(args, args.only)
+    args.result.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def run_side(script: Path, side: str, precision: str, args, tmp: Path) -> dict:

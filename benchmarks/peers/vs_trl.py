@@ -42,18 +42,13 @@ Needs TRL: pip install -e '.[bench]' (trl pinned). Compare the ratios, not the a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
-from _common import cpu_share, cpu_snapshot, machine, rss_peak_bytes  # noqa: E402
+from _common import machine  # noqa: E402
 from peers import _report, _sides  # noqa: E402
 
 DATA = "sms-spam-chat"
@@ -71,26 +66,15 @@ TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of each run (default 40)")
-    parser.add_argument("--batch-size", type=int, default=16, help="micro-batch (default 16)")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--runs", type=int, default=3, help="runs of each side and precision (default 3)")
-    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    parser.add_argument("--vocab", type=int, default=8192, help="the BPE tokenizer's vocabulary (default 8192)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every run's figures")
-    parser.add_argument("--only", choices=SIDES, default=None, help="run one side in this process (the children)")
-    parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--dry-run", action="store_true",
-                        help="trl and effitrain once each, fp32, a 1-layer model, 2 steps of 4; no --json")
-    args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.steps < 2 or args.runs < 1:
-        parser.error("--batch-size and --runs must be at least 1, --steps at least 2")
+    _sides.common_arguments(parser, SIDES, steps=40, batch_size=16, batch_help="micro-batch (default 16)",
+                            precisions=True,
+                            dry_run="trl and effitrain once each, fp32, a 1-layer model, 2 steps of 4; no --json")
+    args = _sides.parsed(parser, argv, dry_run_batch=4)
     if args.dry_run:
-        args.steps, args.batch_size, args.runs, args.precision, args.json = 2, 4, 1, ["fp32"], None
         args.sides = [side for side in args.sides if side in ("trl", "effitrain")] or ["trl", "effitrain"]
     _sides.require_peer(parser, args, "trl", "TRL", alone="effitrain")
+    if args.only is not None:
+        args.precision = args.precision[0]  # a child runs one side in one precision
     return args
 
 
@@ -126,31 +110,19 @@ def real_tokens(batch: dict) -> int:
     return int(batch["attention_mask"].sum()) if "attention_mask" in batch else int(batch["input_ids"].numel())
 
 
-class StepLog:
+class StepLog(_sides.StepLog):
     """Each step's end (perf_counter) and real tokens, the first batch's examples and loss."""
 
     def __init__(self):
-        self.ends: list[float] = []
-        self.tokens: list[int] = []
-        self.first_batch: list | None = None
+        super().__init__(examples_of, real_tokens)
         self.first_loss: float | None = None
-        self.cpu_start = None
-
-    def batch(self, batch: dict) -> None:
-        if self.first_batch is None:
-            self.first_batch = examples_of(batch)
-            self.cpu_start = cpu_snapshot()
-        self.tokens.append(real_tokens(batch))
 
     def step_loss(self, loss: float) -> None:
         if self.first_loss is None:
             self.first_loss = loss
 
     def figures(self, steps: int) -> dict:
-        seconds = self.ends[-1] - self.ends[0]
-        tokens = sum(self.tokens[1:steps])
-        return {"steps_timed": len(self.ends) - 1, "seconds": seconds, "tokens_per_second": tokens / seconds,
-                "tokens_per_step": statistics.mean(self.tokens[:steps]), "first_loss": self.first_loss,
+        return {**self.speed(steps), "first_loss": self.first_loss,
                 "first_batch_digest": _sides.digest(self.first_batch),
                 "first_batch_examples": len(self.first_batch),
                 "first_batch_answer_tokens": sum(sum(lab != -100 for lab in labels)
@@ -200,47 +172,27 @@ def run_trl(args, side: str) -> dict:
         def _get_train_sampler(self, train_dataset=None):
             return _sides.in_effitrains_order(super()._get_train_sampler(train_dataset), args.seed)
 
+    def evaluate(trainer) -> dict:
+        """The first EVAL_SAMPLES validation conversations (the loss reported), then the test ones."""
+        limit = range(min(EVAL_SAMPLES, len(splits["validation"])))
+        validation = trainer.evaluate(splits["validation"].select(limit))
+        trainer.evaluate(splits["test"].select(range(min(EVAL_SAMPLES, len(splits["test"])))),
+                         metric_key_prefix="test")
+        return validation
+
     trainer = Recorded(model=model, args=config, train_dataset=splits["train"], processing_class=tokenizer,
                        callbacks=[_sides.step_clock(log.ends)])
-    trainer.train()
-    rss = rss_peak_bytes()
-    cpu_end = cpu_snapshot()
-    limit = range(min(EVAL_SAMPLES, len(splits["validation"])))
-    validation = trainer.evaluate(splits["validation"].select(limit))
-    trainer.evaluate(splits["test"].select(range(min(EVAL_SAMPLES, len(splits["test"])))), metric_key_prefix="test")
-    trainer.save_model(os.path.join(out_dir, "model"))
-    saved_at = time.time()
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return {"side": side, "precision": args.precision, "steps": trainer.state.global_step,
-            "peak_rss_bytes": rss, "saved_at": saved_at, "validation_loss": validation.get("eval_loss"),
-            "cpu": cpu_share(log.cpu_start, cpu_end), **log.figures(args.steps),
-            "versions": {"trl": trl.__version__, **_sides.versions()}}
+    return _sides.trl_side(trainer, args, side, log, out_dir, evaluate, "validation_loss")
 
 
 # --- effitrain ----------------------------------------------------------------------------------------
 
 
 def run_effitrain(args, side: str) -> dict:
-    import effitrain
-
-    log = StepLog()
-    observer = _sides.Observer(log)
-    out_dir = Path(tempfile.mkdtemp(prefix="vs_trl_effitrain_")) / "run"
-    config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm", "data": DATA,
-              "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "lr": LR,
-              "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO, "max_grad_norm": MAX_GRAD_NORM,
-              "seed": args.seed, "max_length": MAX_LENGTH, "max_eval_samples": EVAL_SAMPLES,
-              "eval_batch_size": EVAL_BATCH, "log_every": args.steps, "precision": args.precision,
-              "packing": side == "effitrain-packing"}
-    try:
-        metrics = effitrain.train(config, callbacks=[observer])
-        saved_at = time.time()
-    finally:
-        shutil.rmtree(out_dir.parent, ignore_errors=True)
-    return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
-            "saved_at": saved_at, "validation_loss": (metrics.get("validation") or {}).get("loss"),
-            "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
-            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **_sides.versions()}}
+    settings = {"data": DATA, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
+                "max_grad_norm": MAX_GRAD_NORM, "max_length": MAX_LENGTH, "max_eval_samples": EVAL_SAMPLES,
+                "eval_batch_size": EVAL_BATCH, "log_every": args.steps, "packing": side == "effitrain-packing"}
+    return _sides.effitrain_side(args, side, StepLog(), "vs_trl_effitrain_", "validation_loss", settings)
 
 
 # --- the parent ---------------------------------------------------------------------------------------
@@ -293,16 +245,13 @@ def first_step_lines(results: dict, precision: str, sides: list[str]) -> list[st
 
 def compare(args) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
-        args.model_dir = Path(tmp) / "model"
-        shape = _sides.make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, TEMPLATE,
-                                  tiny=args.dry_run)
+        shape = _sides.comparison_model(args, Path(tmp), TEMPLATE)
         turns = _common.take_turns([(side, p) for p in args.precision for side in args.sides], args.runs,
                                    lambda side_precision: _sides.run_side(Path(__file__), *side_precision, args,
                                                                           Path(tmp)))
     results = dict(turns)
-    print(f"\nLlama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
-          f"vocabulary {shape['vocab']}, {shape['parameters'] / 1e6:.1f}M parameters), ChatML with generation blocks, "
-          f"loss on the assistant turns; {DATA} (effitrain's training split); {args.steps} steps of {args.batch_size} "
+    print(f"\n{_sides.model_text(shape)}, loss on the assistant turns; {DATA} (effitrain's training split); "
+          f"{args.steps} steps of {args.batch_size} "
           f"(trl-packing: {PACK_BATCH} rows of {PACK_LENGTH}); seed {args.seed}; {args.runs} run(s) each, medians; "
           f"{machine()}; {_report.versions_text(results)}\n")
     for precision in args.precision:
@@ -320,18 +269,8 @@ def compare(args) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.dry_run:
-        _common._one_thread()
-        if args.only is None:
-            _common.skipped("bf16, the padding-free and packing sides, repeats and --json")
-    if args.only is None:
-        compare(args)
-        return
-    args.precision = args.precision[0]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = run_trl(args, args.only) if args.only.startswith("trl") else run_effitrain(args, args.only)
-    args.result.write_text(json.dumps(result, indent=2) + "\n")
+    _sides.main(parse_args(argv), compare, run_trl, run_effitrain,
+                skipped="bf16, the padding-free and packing sides, repeats and --json")
 
 
 if __name__ == "__main__":

@@ -42,18 +42,13 @@ Needs TRL: pip install -e '.[bench]' (trl pinned). Compare the ratios, not the a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
-from _common import cpu_share, cpu_snapshot, machine, rss_peak_bytes  # noqa: E402
+from _common import machine  # noqa: E402
 from peers import _report, _sides  # noqa: E402
 
 DATA = "sms-spam-preference"
@@ -73,24 +68,13 @@ TEMPLATE = ("{% for message in messages %}{% if not loop.first %}{{ '\n' }}{% en
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default 20)")
-    parser.add_argument("--batch-size", type=int, default=8, help="pairs a step (default 8: 16 sequences)")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--runs", type=int, default=3, help="runs of each side (default 3)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=None, help="default: all (a dry run: the DPO pair)")
-    parser.add_argument("--vocab", type=int, default=8192, help="the BPE tokenizer's vocabulary (default 8192)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every run's figures")
-    parser.add_argument("--only", choices=SIDES, default=None, help="run one side in this process (the children)")
-    parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--dry-run", action="store_true",
-                        help="trl-dpo and effitrain-dpo once each, fp32, a 1-layer model, 2 steps of 2; no --json")
-    args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.steps < 2 or args.runs < 1:
-        parser.error("--batch-size and --runs must be at least 1, --steps at least 2")
+    _sides.common_arguments(parser, SIDES, steps=20, batch_size=8,
+                            batch_help="pairs a step (default 8: 16 sequences)", precisions=False,
+                            sides_help="default: all (a dry run: the DPO pair)",
+                            dry_run="trl-dpo and effitrain-dpo once each, fp32, a 1-layer model, 2 steps of 2; "
+                                    "no --json")
+    args = _sides.parsed(parser, argv, dry_run_batch=2)
     if args.dry_run:
-        args.steps, args.batch_size, args.runs, args.precision, args.json = 2, 2, 1, "fp32", None
         args.sides = args.sides or ["trl-dpo", "effitrain-dpo"]
     args.sides = args.sides or list(SIDES)
     _sides.require_peer(parser, args, "trl", "TRL", alone="effitrain-dpo")
@@ -171,36 +155,26 @@ def real_tokens(batch: dict) -> int:
 COMPARED_STEPS = 5  # the first steps whose losses are compared: step 1's DPO loss is ln 2 whatever the model
 
 
-class StepLog:
+class StepLog(_sides.StepLog):
     """Each step's end (perf_counter), real tokens and loss; the first steps' batch digests; the first
     step's metrics."""
 
     def __init__(self, examples):
-        self.examples = examples
-        self.ends: list[float] = []
-        self.tokens: list[int] = []
+        super().__init__(examples, real_tokens)
         self.losses: list[float] = []
         self.digests: list[str] = []
-        self.first_batch: list | None = None
         self.first_metrics: dict = {}
-        self.cpu_start = None
 
     def batch(self, batch: dict) -> None:
-        if self.first_batch is None:
-            self.first_batch = self.examples(batch)
-            self.cpu_start = cpu_snapshot()
+        super().batch(batch)
         if len(self.digests) < COMPARED_STEPS:
             self.digests.append(_sides.digest(self.examples(batch)))
-        self.tokens.append(real_tokens(batch))
 
     def step_loss(self, loss: float) -> None:
         self.losses.append(loss)
 
     def figures(self, steps: int) -> dict:
-        seconds = self.ends[-1] - self.ends[0]
-        tokens = sum(self.tokens[1:steps])
-        return {"steps_timed": len(self.ends) - 1, "seconds": seconds, "tokens_per_second": tokens / seconds,
-                "tokens_per_step": statistics.mean(self.tokens[:steps]), "first_loss": self.losses[0],
+        return {**self.speed(steps), "first_loss": self.losses[0],
                 "losses": self.losses[:COMPARED_STEPS], "digests": self.digests,
                 "first_metrics": self.first_metrics, "first_batch_digest": self.digests[0],
                 "first_batch_pairs": len(self.first_batch),
@@ -238,7 +212,6 @@ def trl_trainer_class(side: str):
 
 def run_trl(args, side: str) -> dict:
     import torch
-    import trl
     from datasets import concatenate_datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
@@ -274,17 +247,7 @@ def run_trl(args, side: str) -> dict:
     trainer = Recorded(model=model, args=trl_config(args, side, out_dir), train_dataset=splits["train"],
                        eval_dataset=held_out,
                        processing_class=tokenizer, callbacks=[_sides.step_clock(log.ends)])
-    trainer.train()
-    rss = rss_peak_bytes()
-    cpu_end = cpu_snapshot()
-    evaluated = trainer.evaluate()
-    trainer.save_model(os.path.join(out_dir, "model"))
-    saved_at = time.time()
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return {"side": side, "precision": args.precision, "steps": trainer.state.global_step, "peak_rss_bytes": rss,
-            "saved_at": saved_at, "held_out_loss": evaluated.get("eval_loss"),
-            "cpu": cpu_share(log.cpu_start, cpu_end), **log.figures(args.steps),
-            "versions": {"trl": trl.__version__, **_sides.versions()}}
+    return _sides.trl_side(trainer, args, side, log, out_dir, lambda trainer: trainer.evaluate(), "held_out_loss")
 
 
 def first_metrics(trainer, orpo: bool) -> dict:
@@ -313,26 +276,12 @@ def effitrain_settings(args, side: str) -> dict:
 
 
 def run_effitrain(args, side: str) -> dict:
-    import effitrain
-
-    log = StepLog(effitrain_examples)
-    observer = _sides.Observer(log)
-    out_dir = Path(tempfile.mkdtemp(prefix="vs_trl_preference_effitrain_")) / "run"
-    config = {"output_dir": str(out_dir), "model": str(args.model_dir), "task": "causal-lm", "data": DATA,
-              "max_steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1, "lr": LR,
-              "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO, "max_grad_norm": MAX_GRAD_NORM,
-              "seed": args.seed, "max_length": MAX_LENGTH, "max_train_samples": args.steps * args.batch_size,
-              "max_eval_samples": EVAL_SAMPLES, "eval_batch_size": EVAL_BATCH, "log_every": 1,
-              "precision": args.precision, **effitrain_settings(args, side)}
-    try:
-        metrics = effitrain.train(config, callbacks=[observer])
-        saved_at = time.time()
-    finally:
-        shutil.rmtree(out_dir.parent, ignore_errors=True)
-    return {"side": side, "precision": args.precision, "steps": metrics["steps"], "peak_rss_bytes": observer.rss,
-            "saved_at": saved_at, "held_out_loss": (metrics.get("validation") or {}).get("loss"),
-            "cpu": cpu_share(log.cpu_start, observer.cpu_end), "transforms": metrics.get("transforms"),
-            **log.figures(args.steps), "versions": {"effitrain": effitrain.__version__, **_sides.versions()}}
+    settings = {"data": DATA, "lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_ratio": WARMUP_RATIO,
+                "max_grad_norm": MAX_GRAD_NORM, "max_length": MAX_LENGTH,
+                "max_train_samples": args.steps * args.batch_size, "max_eval_samples": EVAL_SAMPLES,
+                "eval_batch_size": EVAL_BATCH, "log_every": 1, **effitrain_settings(args, side)}
+    return _sides.effitrain_side(args, side, StepLog(effitrain_examples), "vs_trl_preference_effitrain_",
+                                 "held_out_loss", settings)
 
 
 # --- the parent ---------------------------------------------------------------------------------------
@@ -387,14 +336,11 @@ def first_step_lines(results: dict) -> list[str]:
 
 def compare(args) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl_preference_") as tmp:
-        args.model_dir = Path(tmp) / "model"
-        shape = _sides.make_model(args.model_dir, 512 if args.dry_run else args.vocab, args.seed, TEMPLATE,
-                                  tiny=args.dry_run)
+        shape = _sides.comparison_model(args, Path(tmp), TEMPLATE)
         results = _common.take_turns(args.sides, args.runs, lambda side: _sides.run_side(
             Path(__file__), side, args.precision, args, Path(tmp)))
-    print(f"\nLlama-shaped model from a config ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
-          f"vocabulary {shape['vocab']}, {shape['parameters'] / 1e6:.1f}M parameters), ChatML with generation blocks; "
-          f"{DATA} (the first {args.steps * args.batch_size} pairs of effitrain's training split); {args.steps} steps "
+    print(f"\n{_sides.model_text(shape)}; {DATA} (the first {args.steps * args.batch_size} pairs of effitrain's "
+          f"training split); {args.steps} steps "
           f"of {args.batch_size} pairs; beta {BETA}; {args.precision}; seed {args.seed}; {args.runs} run(s) each, "
           f"medians; {machine()}; {_report.versions_text(results)}\n")
     rows, medians = summary(results)
@@ -410,16 +356,8 @@ def compare(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.dry_run:
-        _common._one_thread()
-        if args.only is None:
-            _common.skipped("repeats and --json" if len(args.sides) != 2 else "the precompute and ORPO sides, repeats and --json")
-    if args.only is None:
-        compare(args)
-        return
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = run_trl(args, args.only) if args.only.startswith("trl") else run_effitrain(args, args.only)
-    args.result.write_text(json.dumps(result, indent=2) + "\n")
+    _sides.main(args, compare, run_trl, run_effitrain, skipped="repeats and --json" if len(args.sides) != 2 else
+                "the precompute and ORPO sides, repeats and --json")
 
 
 if __name__ == "__main__":

@@ -54,11 +54,8 @@ def peak_mib() -> float:
 
 def child(precision: str) -> dict:
     import torch
-    from speedups.dropout import make_step  # benchmarks/speedups/dropout.py: the same training step
-    from speedups.first_token_head import (  # and its batches and evaluation forward
-        batch_of,
-        make_eval,
-    )
+    from speedups.dropout import batch_of, make_step  # benchmarks/speedups/dropout.py: the same step and batch
+    from speedups.first_token_head import make_eval  # and its evaluation forward
     from transformers import AutoModelForSequenceClassification
 
     from effitrain import tasks

@@ -17,6 +17,9 @@ the same weights, in this one process:
 `--keep-freed-memory` makes glibc keep freed memory for reuse in this process (speedups/allocator.py, as
 `effitrain train` does on CPUs), for every variant.
 
+The step (make_step), its random batch (batch_of), the flags that shape and time them and the start of the
+process are also lora_step.py's, first_token_head.py's and allocator.py's: they import them from here.
+
 Variants take turns (`--rounds` rounds of `--steps` steps each, after 2 warm-up steps each), so a
 slower or busier moment of the machine hits all of them, each turn after one untimed step (the first
 step after another variant's runs slower: `_common.timed_turns`); the median step time of each is
@@ -52,23 +55,50 @@ DROPOUT = {"aten::bernoulli_", "aten::uniform_", "aten::ge", "aten::ge_", "aten:
            "aten::native_dropout_backward", "_KeepMask"}
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def batch_arguments(parser) -> None:
+    """--precision, --batch-size, --length: the random batch a step trains on (lora_step.py's too)."""
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
+
+
+def timing_arguments(parser, profile: str) -> None:
+    """--steps, --rounds, --profile (`profile`: its help), --keep-freed-memory, --dry-run: how the variants'
+    steps are timed, in turns (lora_step.py's too)."""
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print the operator shares of torch, both and effitrain")
+    parser.add_argument("--profile", action="store_true", help=profile)
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc keeps freed memory for reuse in this process, as `effitrain train` on CPUs")
     parser.add_argument("--dry-run", action="store_true",
                         help="a tiny model (benchmarks/_common.py), batch 2 x 16, 1 round of 1 step, and --profile")
+
+
+def parsed(parser, argv):
+    """batch_arguments' and timing_arguments' flags read; a dry run's: 2 x 16, 1 round of 1 step, --profile."""
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.length, args.steps, args.rounds, args.profile = 2, 16, 1, 1, True
     return args
+
+
+def start(args) -> None:
+    """The process set up as `effitrain train` sets its own (glibc keeping freed memory with
+    --keep-freed-memory), on the tiny model for a dry run."""
+    _common.measure_as_the_command()
+    if args.dry_run:
+        _common.dry_run_model()
+    if args.keep_freed_memory:
+        from effitrain.speedups import allocator
+
+        assert allocator.keep_freed_memory()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    batch_arguments(parser)
+    timing_arguments(parser, profile="also print the operator shares of torch, both and effitrain")
+    return parsed(parser, argv)
 
 
 def variants() -> dict:
@@ -93,6 +123,13 @@ def variants() -> dict:
         model.train()
         built[name] = (model, optim.adamw(model, 1e-4, 0.01))
     return built
+
+
+def batch_of(rows: int, length: int) -> dict:
+    """A random classification batch: token ids in the default model's common range, all real, labels 0 or 1."""
+    return {"input_ids": torch.randint(1000, 20000, (rows, length)),
+            "attention_mask": torch.ones(rows, length, dtype=torch.long),
+            "labels": torch.randint(0, 2, (rows,))}
 
 
 def make_step(model, optimizer, batch: dict, precision: str):
@@ -124,17 +161,9 @@ def shares(step) -> tuple[dict, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    _common.measure_as_the_command()
-    if args.dry_run:
-        _common.dry_run_model()
-    if args.keep_freed_memory:
-        from effitrain.speedups import allocator
-
-        assert allocator.keep_freed_memory()
+    start(args)
     torch.manual_seed(1)
-    batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
-             "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
-             "labels": torch.randint(0, 2, (args.batch_size,))}
+    batch = batch_of(args.batch_size, args.length)
     steps = {name: make_step(model, optimizer, batch, args.precision)
              for name, (model, optimizer) in variants().items()}
     times = _common.timed_turns(steps, args.rounds, args.steps)

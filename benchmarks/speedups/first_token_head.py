@@ -31,23 +31,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
-from speedups.dropout import make_step  # noqa: E402  benchmarks/speedups/dropout.py: the same training step
+from speedups.dropout import batch_of, make_step  # noqa: E402  speedups/dropout.py: the same step and batch
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--length", nargs="+", type=int, default=[30, 128])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--eval-batch-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="steps per copy per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
+    copies_arguments(parser, steps="steps per copy per round (default 3)")
     parser.add_argument("--dry-run", action="store_true",
                         help="a tiny model (benchmarks/_common.py), length 16, batches 2 and 4, 1 round of 1 call")
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.length, args.batch_size, args.eval_batch_size, args.steps, args.rounds = [16], 2, 4, 1, 1
+        small_copies(args)
     return args
+
+
+def copies_arguments(parser, steps: str) -> None:
+    """--batch-size, --eval-batch-size, --steps (`steps`: its help) and --rounds: the flags timed_copies reads
+    (onednn_linear.py's too)."""
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--eval-batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help=steps)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
+
+
+def small_copies(args) -> None:
+    """A dry run's --length and copies_arguments' flags: length 16, batches 2 and 4, 1 round of 1 call."""
+    args.length, args.batch_size, args.eval_batch_size, args.steps, args.rounds = [16], 2, 4, 1, 1
 
 
 def copies() -> dict:
@@ -65,12 +76,6 @@ def copies() -> dict:
     pruned, applied = transforms.apply_all(model, settings, skip={"onednn-linear"})
     assert "first-token-head" in applied and "forward" in vars(pruned.bert.encoder.layer[-1])
     return {"whole": base, "first-token": pruned}
-
-
-def batch_of(rows: int, length: int) -> dict:
-    return {"input_ids": torch.randint(1000, 20000, (rows, length)),
-            "attention_mask": torch.ones(rows, length, dtype=torch.long),
-            "labels": torch.randint(0, 2, (rows,))}
 
 
 def make_eval(model, batch: dict, precision: str):

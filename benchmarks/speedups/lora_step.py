@@ -55,6 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
+from speedups import dropout as dropout_bench  # noqa: E402  speedups/dropout.py: the same step, batch, flags
 
 VARIANTS = ("full", "peft", "recompute", "fast-mask", "effitrain", "lean", "p0", "p0-nodes", "p0-cast", "qlora-peft",
             "qlora")
@@ -74,9 +75,7 @@ GROUPS = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--length", type=int, default=128)
+    dropout_bench.batch_arguments(parser)
     parser.add_argument("--job-batches", type=int, default=0, metavar="N",
                         help="instead of one random batch: the default job's first N training batches (sms-spam, "
                              "batch 16, length grouping, seed 42), each variant stepping through all N per turn, "
@@ -87,16 +86,9 @@ def parse_args(argv=None):
                              "layers, 12 heads, feed-forward 3072; 109M parameters, random weights from seed 0), "
                              "to see how the LoRA / full ratio moves with the model's size (same tokens)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list (default: all)")
-    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    parser.add_argument("--profile", action="store_true", help="also profile full, recompute, effitrain and p0")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc keeps freed memory for reuse in this process, as `effitrain train` on CPUs")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="a tiny model (benchmarks/_common.py), batch 2 x 16, 1 round of 1 step, and --profile")
-    args = parser.parse_args(argv)
+    dropout_bench.timing_arguments(parser, profile="also profile full, recompute, effitrain and p0")
+    args = dropout_bench.parsed(parser, argv)
     if args.dry_run:
-        args.batch_size, args.length, args.steps, args.rounds, args.profile = 2, 16, 1, 1, True
         args.job_batches = min(args.job_batches, 2)
     args.variants = [v for v in VARIANTS if v in args.variants.split(",")]
     return args
@@ -239,20 +231,6 @@ def make_job_step(model, optimizer, batches: list[dict], precision: str):
     return steps
 
 
-def make_step(model, optimizer, batch: dict, precision: str):
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-
-    def step() -> None:
-        with autocast:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float(), batch["labels"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def saved_bytes(model, batch: dict, precision: str) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward."""
     storages, weights = {}, {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
@@ -288,13 +266,7 @@ def profile(step, calls: int = 3, steps_per_call: int = 1) -> tuple[dict, list, 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    _common.measure_as_the_command()
-    if args.dry_run:
-        _common.dry_run_model()
-    if args.keep_freed_memory:
-        from effitrain.speedups import allocator
-
-        assert allocator.keep_freed_memory()
+    dropout_bench.start(args)
     from transformers import AutoModelForSequenceClassification
 
     from effitrain.models import loading
@@ -305,9 +277,7 @@ def main(argv=None) -> None:
     if args.shape == "bert-base":
         base = bert_base_shaped(base.config)
     torch.manual_seed(1)
-    batch = {"input_ids": torch.randint(1000, 20000, (args.batch_size, args.length)),
-             "attention_mask": torch.ones(args.batch_size, args.length, dtype=torch.long),
-             "labels": torch.randint(0, 2, (args.batch_size,))}
+    batch = dropout_bench.batch_of(args.batch_size, args.length)
     built = {name: build(name, base, args.lora_dropout, args.precision) for name in args.variants}
     if args.job_batches:  # a "step" is then a pass over the job's batches
         batches = job_batches(args.job_batches, args.batch_size)
@@ -317,7 +287,8 @@ def main(argv=None) -> None:
         shape = f"the default job's first {len(batches)} batches of {args.batch_size} ({min(widths)}-{max(widths)} " \
                 f"tokens wide, {sum(widths) / len(widths):.0f} on average; ms per pass over them)"
     else:
-        steps = {name: make_step(model, optimizer, batch, args.precision) for name, (model, optimizer) in built.items()}
+        steps = {name: dropout_bench.make_step(model, optimizer, batch, args.precision)
+                 for name, (model, optimizer) in built.items()}
         shape = f"{args.batch_size} x {args.length} tokens"
     # one untimed step at each turn: the first step after another variant's is slower (see the module's doc)
     times = _common.timed_turns(steps, args.rounds, args.steps, warmup=1 if args.job_batches else 2)

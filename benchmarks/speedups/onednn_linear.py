@@ -30,8 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py and the topic packages
 import _common  # noqa: E402
-from speedups.first_token_head import (  # noqa: E402  the same copies' measurements
+from speedups.first_token_head import (  # noqa: E402  the same copies' measurements and flags
+    copies_arguments,
     logit_differences,
+    small_copies,
     timed_copies,
 )
 
@@ -40,15 +42,13 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", nargs="+", type=int, default=[30, 128])
     parser.add_argument("--tokens", nargs="+", type=int, default=[160, 480, 2048])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--eval-batch-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="calls per copy per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
+    copies_arguments(parser, steps="calls per copy per round (default 3)")
     parser.add_argument("--dry-run", action="store_true",
                         help="a tiny model (benchmarks/_common.py), 16 rows, length 16, batches 2 and 4, 1 call")
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.length, args.tokens, args.batch_size, args.eval_batch_size, args.steps, args.rounds = [16], [16], 2, 4, 1, 1
+        small_copies(args)
+        args.tokens = [16]
     return args
 
 
