@@ -83,6 +83,17 @@ def test_a_rows_completion_does_not_depend_on_the_rows_beside_it(model):
     assert len({tuple(row) for row in rows(batched)}) == 5
 
 
+def test_samples_of_one_prompt_share_its_pass_and_each_is_its_own_row(model):
+    """Three samples of each prompt, the copies spread through the batch (one prompt pass, its cache
+    copied to its rows): each row is what it is alone, and a prompt's samples differ."""
+    order = [(prompt, sample) for sample in range(3) for prompt in range(5)]
+    prompts, row_keys = [PROMPTS[p] for p, _ in order], [(3, p, s) for p, s in order]
+    batched = sampling.sample(model, prompts, row_keys, stop_ids=[2, 30], **SETTINGS)
+    alone = [rows(sampling.sample(model, [p], [k], stop_ids=[2, 30], **SETTINGS))[0] for p, k in zip(prompts, row_keys)]
+    assert rows(batched) == alone
+    assert all(len({tuple(alone[s * 5 + p]) for s in range(3)}) == 3 for p in range(5))
+
+
 def test_same_keys_same_completions_another_sample_index_others(model):
     first = sampling.sample(model, PROMPTS, keys(5), stop_ids=[], **SETTINGS)
     again = sampling.sample(model, PROMPTS, keys(5), stop_ids=[], **SETTINGS)

@@ -1,12 +1,14 @@
 """Completions sampled inside a training step (GRPO's rollouts): prompts x samples drawn in one batch with
-the KV cache, at a temperature and top-p, each row stopping at its first stop id or after max_new_tokens.
+the KV cache (each distinct prompt run once, its cache copied to its samples), at a temperature and top-p,
+each row stopping at its first stop id or after max_new_tokens.
 
 What a row draws depends only on its key (the integrator passes (step, prompt's global index, sample
 index)) and the run's seed, never on the rows beside it: each row has its own random stream, a CPU
 torch.Generator seeded from a hash of (seed, *key), of which new token t uses the t-th uniform u. The token
 is drawn by inverse CDF: the temperature-scaled probabilities sorted (stable, so ties keep the vocabulary's
 order), cut to the top-p nucleus, and the first token whose cumulative probability exceeds u x the
-nucleus' mass is taken. No draw is shared between rows and no row's draw depends on how many rows there
+nucleus' mass is taken (one uniform per token, drawn on the CPU whatever the device, rather than Gumbel
+noise over the whole vocabulary per token). No draw is shared between rows and no row's draw depends on how many rows there
 are (unlike torch.multinomial on a batch, which reads one stream in row order), so the completions are the
 same alone, in any batch, in any order, on any process, and again after a resume, as far as the model's
 logits for a row are (the test checks bitwise ids in fp32 on CPU; a kernel whose rounding changes with the
@@ -103,29 +105,41 @@ def sample(model, prompt_ids: list[list[int]], keys: list[tuple[int, ...]], *, m
 
 
 def _decode(model, prompt_ids, u, max_new_tokens, temperature, top_p, stop_ids, pad_id):
-    """The sampling loop: the left-padded prompts once (positions counted from each row's first token, so
-    padding moves nothing), then one token per row per forward through the cache. Rows that stopped are
-    fed padding until every row has stopped; their tokens there are cut by `_completions`."""
-    batch = left_padded(prompt_ids, pad_id, next(model.parameters()).device)
-    mask, inputs = batch["attention_mask"], batch["input_ids"]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    """The sampling loop: each distinct prompt once, left-padded (positions counted from each row's first
+    token, so padding moves nothing), its cache then copied to each of its rows (G samples of a prompt
+    share one prompt pass, as beam search shares a beam's); then one token per row per forward through
+    the cache. Rows that stopped are fed padding until every row has stopped; `_completions` cuts them."""
+    distinct = {tuple(prompt): None for prompt in prompt_ids}
+    index = {prompt: i for i, prompt in enumerate(distinct)}
+    batch = left_padded([list(prompt) for prompt in distinct], pad_id, next(model.parameters()).device)
+    rows = torch.tensor([index[tuple(prompt)] for prompt in prompt_ids], device=batch["input_ids"].device)
+    keyword = _cache_keyword()
+    out = model(**batch, position_ids=_positions(batch["attention_mask"]), use_cache=True, logits_to_keep=1)
+    cache, logits = getattr(out, keyword), out.logits[:, -1].index_select(0, rows)
+    cache.reorder_cache(rows)
+    mask = batch["attention_mask"].index_select(0, rows)
+    position = _positions(mask)[:, -1:]
     stops = torch.tensor(stop_ids, dtype=torch.long, device=mask.device)
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=mask.device)
-    keyword, cache, tokens, logps = _cache_keyword(), None, [], []
+    tokens, logps = [], []
     for t in range(max_new_tokens):
-        out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, **{keyword: cache})
-        token, logp = draw(out.logits[:, -1], u[:, t], temperature, top_p)
+        token, logp = draw(logits, u[:, t], temperature, top_p)
         token = token.masked_fill(done, pad_id)
         tokens.append(token)
         logps.append(logp)
         done = done | torch.isin(token, stops)
-        if bool(done.all()):
+        if t + 1 == max_new_tokens or bool(done.all()):
             break
-        cache, inputs = getattr(out, keyword), token[:, None]
-        mask = torch.cat([mask, mask.new_ones((len(mask), 1))], dim=1)
-        positions = positions[:, -1:] + 1
+        mask, position = torch.cat([mask, mask.new_ones((len(mask), 1))], dim=1), position + 1
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+                    logits_to_keep=1, **{keyword: cache})
+        cache, logits = getattr(out, keyword), out.logits[:, -1]
     return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted from its row's first token (left padding at 0)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _completions(tokens: torch.Tensor, logps: torch.Tensor | None, stop_ids: list[int], pad_id: int) -> Completions:
