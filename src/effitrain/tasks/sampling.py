@@ -121,7 +121,7 @@ def _decode(model, prompt_ids, u, max_new_tokens, temperature, top_p, stop_ids, 
     position = _positions(mask)[:, -1:]
     stops = torch.tensor(stop_ids, dtype=torch.long, device=mask.device)
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=mask.device)
-    tokens, logps = [], []
+    u, tokens, logps = u.to(mask.device), [], []  # drawn on the CPU, moved once
     for t in range(max_new_tokens):
         token, logp = draw(logits, u[:, t], temperature, top_p)
         token = token.masked_fill(done, pad_id)
