@@ -55,5 +55,5 @@ def test_held_out_pairs_are_never_trained_on_by_sft_nor_by_prompts_alone(seed):
     assert prompts["train"].column_names == ["prompt", "completion", "answer"]
     assert conversations.of_prompts(prompts["train"], "addition") == conversations.PROMPT_ONLY
     for name in sft:
-        assert prompts[name]["prompt"] == sft[name]["prompt"]
-        assert prompts[name]["answer"] == sft[name]["completion"]
+        assert list(prompts[name]["prompt"]) == list(sft[name]["prompt"])
+        assert list(prompts[name]["answer"]) == list(sft[name]["completion"])
