@@ -47,7 +47,8 @@ REFERENCES = ("precompute", "copy", "adapters")  # --reference: where DPO's refe
 DPO_LOSSES = ("sigmoid", "ipo")  # --dpo-loss: TRL's loss_type names
 PREFERENCE_SETTINGS = ("beta", "reference", "dpo_loss", "dpo_label_smoothing")  # what no --preference leaves alone
 # The built-in data sets' names (data/builtins.py makes them; a test keeps the two the same).
-BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits")
+BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits",
+                "addition")
 
 
 # The sections of `effitrain train --help`, in their order; every field names one.

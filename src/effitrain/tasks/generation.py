@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from effitrain.data import answers
+from effitrain.data.prompt_batches import left_padded  # one padding for prediction, evaluation and RL prompts
 
 
 @dataclass
@@ -43,17 +44,6 @@ def prompts_and_references(batch: dict) -> tuple[list[list[int]], list[list[int]
         prompts.append(ids[:start])
         references.append(ids[start:end])
     return prompts, references
-
-
-def left_padded(rows: list[list[int]], pad_id: int, device=None) -> dict:
-    """Prompts padded on the left, so that every row's next token is generated at the same position."""
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
 def generate(model, prompts: list[list[int]], setting: AnswerGeneration) -> list[list[int]]:
