@@ -1,6 +1,6 @@
 """Reward functions for online RL (GRPO, RLOO), with TRL's signature so a user's reward file ports unchanged:
-`f(prompts, completions, **columns) -> list[float | None]`. The names --reward takes, and the checks that need
-no import, are in catalog/reward_names.py; here: `load` (--reward's values and weights as functions),
+`f(prompts, completions, **columns) -> list[float | None]`. The names a run gives them, and the checks that need
+no import, are in catalog/reward_names.py; here: `load` (the names and weights as functions),
 `check_columns` (before the first step: each function finds the columns it needs), `score` (one batch of
 completions: the weighted reward and each function's, every value checked). docs/rl.md is the user's page."""
 

@@ -1,4 +1,4 @@
-"""The rewards --reward names without a file (catalog/reward_names.py holds their names and words), written
+"""The rewards named without a file (catalog/reward_names.py holds their names and words), written
 as a user's would be, with TRL's signature: exact match of the completion's text, the last number in it
 within a tolerance, and whether it ended with the end-of-turn token. A row whose answer is None is not scored
 (None, as TRL's functions do for rows they do not apply to)."""
@@ -39,7 +39,7 @@ def answers(name: str, answer: list | None, solution: list | None) -> list:
     """Each row's expected answer: its `answer`, else its `solution` (None where the row has neither)."""
     if answer is None and solution is None:
         raise UserError(f"the {name} reward compares with an `answer` or `solution` column, and the data has neither",
-                        "add an `answer` column holding each prompt's expected answer, or pass another --reward")
+                        "add an `answer` column holding each prompt's expected answer, or use another reward")
     rows = len(answer if answer is not None else solution)
     answer = answer if answer is not None else [None] * rows
     solution = solution if solution is not None else [None] * rows
@@ -65,8 +65,8 @@ def expected_number(value) -> float:
         number = last_number(str(value))
     if number is None or not math.isfinite(number):
         raise UserError(f"the answer {str(value)[:60]!r} holds no number to compare with",
-                        "give each row's answer as a number (or a text that ends with one), or use --reward "
-                        "exact-match")
+                        "give each row's answer as a number (or a text that ends with one), or use the "
+                        "exact-match reward")
     return number
 
 

@@ -26,12 +26,12 @@ def function_of(spec: RewardSpec, imported: dict[Path, ModuleType]) -> Callable:
                          if callable(value) and getattr(value, "__module__", None) == module.__name__
                          and not name.startswith("_"))
         listed = f"it defines {', '.join(defined)}" if defined else "it defines no function"
-        raise UserError(f"--reward {spec.text}: {spec.path.name} has no {spec.name!r} ({listed})",
+        raise UserError(f"reward {spec.text}: {spec.path.name} has no {spec.name!r} ({listed})",
                         f"name a function of the file, or define def {spec.name}(prompts, completions, **kwargs) "
                         "in it")
     function = getattr(module, spec.name)
     if not callable(function):
-        raise UserError(f"--reward {spec.text}: {spec.name} in {spec.path.name} is a {type(function).__name__}, "
+        raise UserError(f"reward {spec.text}: {spec.name} in {spec.path.name} is a {type(function).__name__}, "
                         "not a function", "name a function f(prompts, completions, **kwargs) -> list of floats")
     return function
 
@@ -50,7 +50,7 @@ def _imported(spec: RewardSpec) -> ModuleType:
         module.__spec__.loader.exec_module(module)
     except (Exception, SystemExit) as error:  # SystemExit: a script's argparse or exit() at import
         del sys.modules[name]
-        raise UserError(f"--reward {spec.text}: {path.name} fails to import: {first_line(error)}",
+        raise UserError(f"reward {spec.text}: {path.name} fails to import: {first_line(error)}",
                         f"run `python {path}` to see the traceback, and fix the file") from error
     return module
 

@@ -1,5 +1,5 @@
 """A reward function as the run holds it: the user's callable (or a built-in) with its name, where it came
-from, and the keywords it takes, read once from its signature; `load` makes them from --reward's values and
+from, and the keywords it takes, read once from its signature; `load` makes them from the names a run gives and
 `check_columns` refuses, before the first step, a function that needs a column the data lacks."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ NOT_COLUMNS = ("prompt", "completion", *GENERATED)
 
 @dataclass(frozen=True)
 class RewardFunction:
-    name: str  # in messages and metrics: the built-in's name, or the function's as --reward wrote it
+    name: str  # in messages and metrics: the built-in's name, or the function's as the user wrote it
     function: Callable
-    source: str  # the --reward value it came from
+    source: str  # the name it came from: built-in, or path.py:name
     takes_any: bool  # it has **kwargs: every column reaches it
     keywords: frozenset[str]  # the parameters it takes by name
     required: frozenset[str]  # those without a default
@@ -42,7 +42,7 @@ class RewardFunction:
             return cls(name, function, source, True, frozenset(), frozenset(), needs_one_of)
         positional_only = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
         if positional_only:
-            raise UserError(f"--reward {source}: {name} takes {', '.join(positional_only)} by position only, and "
+            raise UserError(f"reward {source}: {name} takes {', '.join(positional_only)} by position only, and "
                             "reward functions are called with keywords (prompts=, completions=, one per column)",
                             "drop the `/` from its parameters")
         named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -62,11 +62,11 @@ class RewardFunction:
 
 
 def load(texts: Sequence[str], weights: Sequence | None = None) -> tuple[list[RewardFunction], list[float]]:
-    """--reward's values (built-in names or path.py:name) as functions, and --reward-weights as one float each
+    """The rewards named (built-in names or path.py:name) as functions, and their weights as one float each
     (all 1.0 when None). Imports the users' files: their import errors are one-line UserErrors."""
     if not texts:
         raise UserError("no reward function given",
-                        f"pass --reward path.py:name or a built-in ({', '.join(reward_names.BUILTINS)})")
+                        f"name a reward function, path.py:name, or a built-in ({', '.join(reward_names.BUILTINS)})")
     specs = [reward_names.parse(text) for text in texts]
     weights = reward_names.check_weights(weights, len(specs))
     imported = {}
@@ -76,8 +76,8 @@ def load(texts: Sequence[str], weights: Sequence | None = None) -> tuple[list[Re
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         sources = ", ".join(function.source for function in functions if function.name == twice[0])
-        raise UserError(f"--reward names {twice[0]} twice ({sources})",
-                        "give each reward function once (weigh it with --reward-weights), or rename one of two "
+        raise UserError(f"the reward {twice[0]} is named twice ({sources})",
+                        "give each reward function once (with a larger weight), or rename one of two "
                         "functions of the same name")
     return functions, weights
 
@@ -95,14 +95,14 @@ def check_columns(functions: Sequence[RewardFunction], columns: Sequence[str],
     available = {"prompts", "completions", *generated, *(column for column in columns if column not in NOT_COLUMNS)}
     for function in functions:
         if function.needs_one_of and not available.intersection(function.needs_one_of):
-            raise UserError(f"--reward {function.source} compares with an `answer` or `solution` column, and the data "
+            raise UserError(f"reward {function.source} compares with an `answer` or `solution` column, and the data "
                             f"has neither (it has {', '.join(columns)})",
-                            "add an `answer` column holding each prompt's expected answer, or pass another --reward")
+                            "add an `answer` column holding each prompt's expected answer, or use another reward")
         missing = sorted(function.required - available)
         if missing and missing[0] in TRL_ONLY:
-            raise UserError(f"--reward {function.source}: {function.name} requires {missing[0]}, which TRL's trainer "
+            raise UserError(f"reward {function.source}: {function.name} requires {missing[0]}, which TRL's trainer "
                             "passes and effitrain does not", f"give it a default in the function ({missing[0]}=None)")
         if missing:
-            raise UserError(f"--reward {function.source}: {function.name} requires a column {missing[0]!r}, which the "
+            raise UserError(f"reward {function.source}: {function.name} requires a column {missing[0]!r}, which the "
                             f"data does not have (it has {', '.join(columns)})",
                             f"add the column to the data, or give the parameter a default ({missing[0]}=None)")
