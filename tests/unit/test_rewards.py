@@ -147,7 +147,7 @@ def test_no_such_function_lists_those_the_file_defines(tmp_path):
 
 def test_a_name_that_is_not_a_function_is_refused(tmp_path):
     path = write(tmp_path, TRL_STYLE)
-    assert "not_a_function in my_rewards.py is a int, not a function" in refused(
+    assert "not_a_function in my_rewards.py is an int, not a function" in refused(
         rewards.load, [f"{path}:not_a_function"])
 
 
@@ -326,7 +326,7 @@ def test_a_builtins_refusal_keeps_its_fix_and_gains_the_row():
 
 
 @pytest.mark.parametrize("output, words", [
-    ([1.0], "returned 1 values for 2 completions; fix: return a list of 2 rewards"),
+    ([1.0], "returned 1 reward(s) for 2 completions; fix: return a list of 2 rewards"),
     (1.0, "returned a float for 2 completions"),
     ("ab", "returned a str for 2 completions"),
     ([1.0, "yes"], "returned 'yes', a str, on completion 1 of 2 ('b'); fix: return a number (float, int or bool)"),

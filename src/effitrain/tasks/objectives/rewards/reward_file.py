@@ -31,7 +31,9 @@ def function_of(spec: RewardSpec, imported: dict[Path, ModuleType]) -> Callable:
                         "in it")
     function = getattr(module, spec.name)
     if not callable(function):
-        raise UserError(f"reward {spec.text}: {spec.name} in {spec.path.name} is a {type(function).__name__}, "
+        kind = type(function).__name__
+        kind = f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+        raise UserError(f"reward {spec.text}: {spec.name} in {spec.path.name} is {kind}, "
                         "not a function", "name a function f(prompts, completions, **kwargs) -> list of floats")
     return function
 

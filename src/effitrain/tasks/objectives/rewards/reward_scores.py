@@ -69,7 +69,7 @@ class _Batch:
             output = list(output)  # a generator: TRL takes one too
         count = len(self.completions)
         if not isinstance(output, (list, tuple)) or len(output) != count:
-            got = f"{len(output)} values" if isinstance(output, (list, tuple)) else f"a {type(output).__name__}"
+            got = f"{len(output)} reward(s)" if isinstance(output, (list, tuple)) else f"a {type(output).__name__}"
             raise UserError(f"reward {function.name} ({function.source}) returned {got} for {count} completions",
                             f"return a list of {count} rewards (a number, or None to leave one unscored), one per "
                             "completion, in their order")
