@@ -263,6 +263,18 @@ def test_conversational_completions_reach_the_functions_as_messages():
     assert scores.weighted.tolist() == [1.0, 0.0]
 
 
+def test_a_function_that_edits_its_lists_does_not_change_the_next_ones():
+    def greedy(completions, answer, **_):
+        answer.clear()
+        completions.clear()
+        return [0.0, 0.0]
+
+    functions, _ = rewards.load(["exact-match"])
+    scores = rewards.score([rewards.RewardFunction.of(greedy, "greedy", "test"), *functions], [1.0, 1.0],
+                           ["p", "p"], ["a", "b"], {"answer": ["a", "a"]})
+    assert scores.weighted.tolist() == [1.0, 0.0]
+
+
 def test_a_function_without_kwargs_gets_only_what_it_names():
     def short(completions, answer):
         return [float(c == a) for c, a in zip(completions, answer)]
@@ -333,6 +345,7 @@ def test_a_builtins_refusal_keeps_its_fix_and_gains_the_row():
     ([1.0, [1.0]], "returned '[1.0]', a list, on completion 1 of 2"),
     ([NAN, 1.0], "returned nan on completion 0 of 2 ('a'); fix: return a finite number, or None"),
     ([1.0, float("-inf")], "returned -inf on completion 1 of 2"),
+    ([1e39, 0.0], "returned 1e+39 on completion 0 of 2"),  # finite, but inf in float32
     (torch.tensor([1.0, NAN]), "returned nan on completion 1 of 2"),
 ])
 def test_a_wrong_output_is_one_line(output, words):

@@ -19,6 +19,9 @@ from effitrain.tasks.objectives.rewards.reward_file import first_line
 from effitrain.tasks.objectives.rewards.reward_function import NOT_COLUMNS, RewardFunction
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 class RewardScores(NamedTuple):
     weighted: torch.Tensor  # [N] float32: sum over functions of weight x value, NaN-skipping; NaN if unscorable
     per_function: torch.Tensor  # [N, F] float32: each function's values, NaN where it returned None
@@ -60,7 +63,9 @@ class _Batch:
     def values(self, function: RewardFunction) -> list[float]:
         """The function's value for each completion, NaN for None; a UserError on anything else it does."""
         try:
-            output = function(self.prompts, self.completions, **self.keywords)
+            # Copies: a function that edits its lists in place must not change what the next one sees.
+            output = function(list(self.prompts), list(self.completions),
+                              **{key: list(values) for key, values in self.keywords.items()})
         except Exception as error:
             raise self._failed(function, error, self._first_failing(function)) from error
         if hasattr(output, "tolist") and not isinstance(output, (list, tuple)):  # a tensor or an array
@@ -83,7 +88,7 @@ class _Batch:
             raise UserError(f"reward {function.name} ({function.source}) returned {str(value)[:40]!r}, a "
                             f"{type(value).__name__}, {self._where(index)}",
                             "return a number (float, int or bool) or None for each completion")
-        if not math.isfinite(value):
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # rewards are float32, as TRL's
             raise UserError(f"reward {function.name} ({function.source}) returned {value} {self._where(index)}",
                             "return a finite number, or None for a completion it cannot score")
         return float(value)
