@@ -45,7 +45,7 @@ def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     values: TRL's `nanstd` (a reward function may return None, which the rewards hold as NaN)."""
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
-    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True).to(values.dtype)  # TRL's: float32 whatever the values
     variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
     std = variance.sqrt()
     return std.squeeze() if dim is None else std.squeeze(dim)
@@ -78,7 +78,7 @@ def advantages(rewards: torch.Tensor, scale_rewards: str = "group", rloo: bool =
                         "use group (GRPO's default), batch, or none (Dr. GRPO)")
     if rloo and scale_rewards == "group":
         raise UserError("RLOO does not scale its advantages by each group's spread (TRL's RLOO has no such option)",
-                        "use --scale-rewards none (TRL's RLOO default) or batch (its normalize_advantages)")
+                        "set scale_rewards to none (TRL's RLOO default) or batch (its normalize_advantages)")
     values = _rloo_advantages(rewards, scale_rewards) if rloo else _group_advantages(rewards, scale_rewards)
     values = torch.nan_to_num(values, nan=0.0)
     return torch.where(zero_spread(rewards)[:, None], torch.zeros_like(values), values)
@@ -158,7 +158,8 @@ def sequence_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torc
     loss = -torch.min(ratio * advantages, clipped * advantages)
     low, high = (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
     metrics = {"clip_ratio_low": low.double().sum(), "clip_ratio_high": high.double().sum(),
-               "clip_ratio_region": (low | high).double().sum(), "sequences": low.new_tensor(len(low)).double()}
+               "clip_ratio_region": (low | high).double().sum(),
+               "sequences": torch.tensor(float(len(low)), dtype=torch.float64, device=low.device)}
     return loss, metrics
 
 
