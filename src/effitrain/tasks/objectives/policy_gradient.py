@@ -45,7 +45,8 @@ def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     values: TRL's `nanstd` (a reward function may return None, which the rewards hold as NaN)."""
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
-    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True).to(values.dtype)  # TRL's: float32 whatever the values
+    # In the values' dtype: TRL's count / (count - 1) is float32 whatever the values (fp64 differs by ~1e-8)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True).to(values.dtype)
     variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
     std = variance.sqrt()
     return std.squeeze() if dim is None else std.squeeze(dim)
