@@ -259,12 +259,17 @@ class Planner:
         fsdp, zero = self._fsdp, self._zero
         weights = self._shard(self.shapes.weight_bytes, fsdp or zero >= 3) + self.shapes.buffer_bytes
         weights += self.shapes.reference_bytes  # a frozen copy is whole on every device, never sharded
-        gradients = self._shard(4 * self.shapes.trainable, fsdp or zero >= 2)
+        gradients = self.step_gradient_bytes()
         states = self._shard(optimizer_state_bytes(optimizer, self._trainable_shapes, self.shapes.block_matrices or ()),
                              fsdp or zero >= 1)
         if self.strategy == "ddp" and self.world_size > 1:
             gradients += 4 * self.shapes.trainable  # DDP's gradient buckets: a second copy, all-reduced
         return weights, gradients, states
+
+    def step_gradient_bytes(self) -> int:
+        """The gradients a step makes on this device (sharded where the strategy shards them), freed after its
+        optimizer step; DDP's buckets, counted by `model_states` on top, stay."""
+        return self._shard(4 * self.shapes.trainable, self._fsdp or self._zero >= 2)
 
     def estimate(self, setting: Setting) -> Estimate:
         fsdp, zero = self._fsdp, self._zero

@@ -1,0 +1,159 @@
+"""Peak memory per device of an online-RL step (GRPO, RLOO): the step generates, then updates, so its peak is
+the larger of two phases on top of what both hold.
+
+- generation (tasks/sampling.py's `sample`, the model in eval, no gradients): the KV cache of prompts x G rows
+  of prompt + max_new_tokens positions (2 x layers x kv_heads x head_dim x positions x rows, keys and values
+  at their dtypes), plus the larger of the cache's growth (torch.cat makes a layer's keys anew while the old
+  ones are held, and the previous token's logits are still referenced) and the sampler's vocabulary-wide
+  temporaries for the one position it keeps (the logits, fp32 log-probs, sorted probabilities, their int64
+  order, the cumulative sum; top-p adds a difference and a mask); under a half precision, autocast's cached
+  half copies of the trained weights. Held besides: weights (and a reference copy), optimizer states, DDP's
+  gradient buckets; not the gradients, which the step runner frees after each optimizer step
+  (engine/step.py: zero_grad(set_to_none=True)) and which the update makes afresh.
+- update: micro-batches of micro_batch x G sequences of prompt + completion length as causal-LM rows with the
+  loss on the completion's positions: the planner's simulated micro-step (`Planner.estimate`) of the shapes
+  `for_rl` gives.
+
+Not counted: the prompt pass's transient activations (one layer of prompts x prompt positions, under the
+decode's cache whenever G x (prompt + new tokens) rows-positions outweigh them), the attention masks
+(8 bytes a position a row), the reference's no-grad forward (KL to a reference), the prompts' own tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from effitrain.models import adapters
+from effitrain.planning.planner import Estimate, ModelShapes, Planner, Setting
+
+# Bytes of a cached key and value per element, by the precision the generation's autocast runs in. Under a
+# half precision the value projection's output is half, but the key leaves the rotary embedding in fp32
+# (Llama, Mistral, Qwen compute cos/sin in the hidden states' fp32 and the half key is promoted by the
+# product): measured on a tiny Llama (tests/unit/test_rl_plan.py).
+KV_BYTES = {"fp32": (4, 4), "bf16": (4, 2), "fp16": (4, 2)}
+# The sampler's (tasks/sampling.py `draw`) bytes per vocabulary entry of a row beyond the logits themselves,
+# at its peak (the sort): fp32 log-probs, their exp, the sorted probabilities (4 each) and the int64 order (8).
+# Top-p < 1 holds two more at its cut: the fp32 mass above each token and the bool comparison.
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8
+TOP_P_BYTES_PER_LOGIT = 4 + 1
+HALF_BYTES = 2
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one cached position of one row costs per layer: kv_heads x head_dim keys and as many values."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(config) -> "AttentionShape":
+        """From a transformers config: num_key_value_heads (grouped-query attention; all heads when absent),
+        head_dim when the config gives one, else hidden_size / num_attention_heads."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return AttentionShape(config.num_hidden_layers, kv_heads, head_dim)
+
+
+def kv_cache_bytes(config, rows: int, positions: int, key_bytes: int = 4, value_bytes: int | None = None) -> int:
+    """A DynamicCache of `rows` rows x `positions` positions: layers x kv_heads x head_dim keys and values per
+    position per row (value_bytes: key_bytes when not given)."""
+    shape = AttentionShape.of(config)
+    per_element = key_bytes + (key_bytes if value_bytes is None else value_bytes)
+    return shape.layers * shape.kv_heads * shape.head_dim * positions * rows * per_element
+
+
+def sampled_logits_bytes(config, rows: int, logit_bytes: int = 4) -> int:
+    """The logits the sampler reads: one position per row (logits_to_keep=1), the whole vocabulary."""
+    return rows * config.vocab_size * logit_bytes
+
+
+@dataclass
+class Generation:
+    """Bytes the generation phase adds to the weights and optimizer states (see the module's doc)."""
+
+    kv_cache: int
+    cache_growth: int  # a layer's keys made anew by torch.cat, and the previous token's logits
+    sampler: int  # the logits and the sampler's temporaries at its peak
+    weight_casts: int  # autocast's half copies of the trained weights (half precisions only)
+
+    @property
+    def total(self) -> int:
+        return self.kv_cache + max(self.cache_growth, self.sampler) + self.weight_casts
+
+
+def generation_bytes(shapes: ModelShapes, rows: int, positions: int, precision: str = "fp32",
+                     top_p: float = 1.0) -> Generation:
+    """The generation of `rows` sequences (prompts x G) of up to `positions` positions (the prompt's + the new
+    tokens'), under `precision`'s autocast ("fp32": none)."""
+    config = shapes.config
+    key_bytes, value_bytes = KV_BYTES[precision]
+    logit_bytes = 4 if precision == "fp32" else HALF_BYTES  # the output layer's dtype under autocast
+    attention = AttentionShape.of(config)
+    one_layer = rows * positions * attention.kv_heads * attention.head_dim * max(key_bytes, value_bytes)
+    per_logit = logit_bytes + SAMPLER_BYTES_PER_LOGIT + (TOP_P_BYTES_PER_LOGIT if top_p < 1 else 0)
+    return Generation(kv_cache_bytes(config, rows, positions, key_bytes, value_bytes),
+                      cache_growth=one_layer + sampled_logits_bytes(config, rows, logit_bytes),
+                      sampler=sampled_logits_bytes(config, rows, per_logit),
+                      weight_casts=0 if precision == "fp32" else HALF_BYTES * _cast_weights(shapes))
+
+
+def _cast_weights(shapes: ModelShapes) -> int:
+    """Elements autocast caches a half copy of: the trained (requires_grad) matrices that reach a linear
+    layer; an untied input embedding is looked up, not multiplied, so it is left out. Frozen weights (LoRA's
+    bases) are cast anew for each use, not cached."""
+    matrices = sum(math.prod(s) for s, trained in shapes.param_shapes if trained and len(s) == 2)
+    config, peft = shapes.config, shapes.peft
+    if adapters.method(peft) is None and not getattr(config, "tie_word_embeddings", True):
+        matrices -= config.vocab_size * config.hidden_size
+    return matrices
+
+
+def for_rl(shapes: ModelShapes, generations: int, max_new_tokens: int, kl_beta: float = 0.0) -> ModelShapes:
+    """The update's shapes: G sequences per prompt (`--batch-size` counts prompts), the loss on the completion's
+    positions only; with kl_beta > 0 (KL to a reference) a frozen reference copy of the weights (and buffers),
+    except with --peft, where the reference is the same weights with the adapters switched off."""
+    peft = shapes.peft
+    copied = kl_beta > 0 and adapters.method(peft) is None
+    reference = shapes.weight_bytes + shapes.buffer_bytes if copied else 0
+    return replace(shapes, rows_per_example=generations, loss_positions=max_new_tokens, reference_bytes=reference)
+
+
+@dataclass
+class RlStepEstimate:
+    """The step's two phases and its peak; `estimate`: the peak as a planner row (its activations the larger
+    of the update's and what generation holds beyond the weights and states), for `format_table`."""
+
+    update: Estimate
+    generation: Generation
+    generation_total: int  # the generation phase's peak: what it holds, weights and overhead included
+    estimate: Estimate
+
+    @property
+    def total(self) -> int:
+        return self.estimate.total
+
+    @property
+    def peak_phase(self) -> str:
+        return "generation" if self.generation_total > self.update.total else "update"
+
+
+def rl_step(planner: Planner, setting: Setting, prompts: int, prompt_len: int, max_new_tokens: int,
+            top_p: float = 1.0) -> RlStepEstimate:
+    """The peak of one RL step on one device: `planner` built on `for_rl`'s shapes with seq_len = prompt_len +
+    max_new_tokens; `setting.micro_batch` prompts (x G sequences) per micro-batch; `prompts` this device's
+    prompts per step (generated in one batch of prompts x G rows)."""
+    shapes = planner.shapes
+    update = planner.estimate(setting)
+    weights, gradients, states = planner.model_states(setting.optimizer)
+    buckets = gradients - planner.step_gradient_bytes()  # DDP's buckets stay; the step's gradients are freed
+    generation = generation_bytes(shapes, prompts * shapes.rows_per_example, prompt_len + max_new_tokens,
+                                  setting.precision, top_p)
+    generation_total = weights + states + buckets + generation.total + update.overhead
+    # As a planner row: weights, gradients, states and overhead as the update's; the rest is activations.
+    activations = max(update.activations, generation_total - (weights + gradients + states + update.overhead))
+    estimate = replace(update, activations=activations)
+    return RlStepEstimate(update, generation, generation_total, estimate)
