@@ -175,6 +175,7 @@ class Grpo(Objective):
             part = slice(start, start + count)
             micro = completion_batches.sequences(repeat(batch["input_ids"]), repeat(batch["attention_mask"]),
                                                  made.ids[part], mask[part])
+            micro["row_index"] = repeat(batch["row_index"])
             micro["completion_mask"] = mask[part].to(device)
             micro["old_logps"] = made.logps[part].to(device)
             if self.reference is not None:
