@@ -45,7 +45,7 @@ def seen(folder) -> list[str]:
 
 def settings(tmp_path, name: str, **more) -> dict:
     return {**dict(model=TINY_LLAMA, task="causal-lm", data="addition", rl="grpo", reward=reward_file(tmp_path / name),
-                   num_generations=4, max_new_tokens=4, max_train_samples=18, max_eval_samples=8, epochs=1, lr=1e-2,
+                   num_generations=4, max_new_tokens=4, max_train_samples=18, max_eval_samples=8, epochs=1, lr=2e-3,
                    warmup_ratio=0.0, log_every=1, precision="fp32", eval_batch_size=4), **more}
 
 
