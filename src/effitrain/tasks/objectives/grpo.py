@@ -129,7 +129,7 @@ class Grpo(Objective):
                                 "or add an `answer` column")
             texts = ["exact-match"]
         self.functions, self.weights = rewards.load(texts, self.reward_weights)
-        rewards.check_columns(self.functions, [column for column in columns if column != "prompt"])
+        rewards.check_columns(self.functions, columns)
 
     def score(self, data: PromptData, rows: list[int], ids: list[list[int]], ended: list[bool]):
         """The completions `ids` of the data's `rows` (a row per completion) scored: RewardScores."""
