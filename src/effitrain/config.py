@@ -17,7 +17,7 @@ from typing import Any
 
 from effitrain import optimizers
 from effitrain.errors import UserError
-from effitrain.catalog import objective_names
+from effitrain.catalog import objective_names, reward_names, rl_names
 from effitrain.catalog.task_names import NAMES as TASKS
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
@@ -46,6 +46,11 @@ PREFERENCES = objective_names.NAMES  # --preference: the objectives on chosen/re
 REFERENCES = ("precompute", "copy", "adapters")  # --reference: where DPO's reference log-probs come from
 DPO_LOSSES = ("sigmoid", "ipo")  # --dpo-loss: TRL's loss_type names
 PREFERENCE_SETTINGS = ("beta", "reference", "dpo_loss", "dpo_label_smoothing")  # what no --preference leaves alone
+RL = rl_names.NAMES  # --rl: the online RL objectives (tasks/objectives/grpo.py)
+# What no --rl leaves alone (--max-new-tokens aside: evaluation by generation takes it too).
+RL_SETTINGS = ("num_generations", "temperature", "top_p", "clip_epsilon", "clip_epsilon_high", "loss_type",
+               "scale_rewards", "kl_beta", "mask_truncated", "reward", "reward_weights")
+RL_MAX_NEW_TOKENS = 64  # --max-new-tokens with --rl when none is given
 # The built-in data sets' names (data/builtins.py makes them; a test keeps the two the same).
 BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits",
                 "addition")
@@ -53,7 +58,7 @@ BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
 SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters", "preference",
-            "distributed", "evaluation", "checkpoints", "logging")
+            "online RL", "distributed", "evaluation", "checkpoints", "logging")
 
 
 def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rules: Any) -> Any:
@@ -166,6 +171,48 @@ class TrainConfig:
     dpo_label_smoothing: float = _opt(0.0, "dpo sigmoid loss: the assumed share of pairs whose preference is "
                                       "flipped (conservative DPO)", "preference", within=(0, 0.5),
                                       resume="must_match", added_later=True)
+    rl: str | None = _opt(None, rl_names.help_text, "online RL", choices=RL, resume="must_match", added_later=True)
+    num_generations: int = _opt(8, "online RL: completions sampled per prompt in each step (the group its rewards are "
+                                "compared within); --batch-size counts prompts, so a micro-batch trains on batch x "
+                                "this many completions", "online RL", at_least=2,
+                                problem="{flag} must be >= 2, got {value} (a group of one completion has no spread "
+                                "to learn from: its advantage is 0)", fix="pass e.g. {flag} 8",
+                                resume="must_match", added_later=True)
+    temperature: float = _opt(1.0, "online RL: the sampling temperature (the log-probs of the loss are taken at it, "
+                              "as TRL's)", "online RL", positive=True,
+                              problem="{flag} must be > 0, got {value} (greedy sampling gives the same completion "
+                              "--num-generations times: no spread in a group, nothing to learn)",
+                              fix="pass e.g. {flag} 1.0", resume="must_match", added_later=True)
+    top_p: float = _opt(1.0, "online RL: sample from the smallest set of tokens holding this probability (1: all)",
+                        "online RL", within=(0, 1), ends="(]", fix="pass e.g. {flag} 1.0", resume="must_match",
+                        added_later=True)
+    clip_epsilon: float = _opt(0.2, "online RL: the ratio to the generating policy is clipped to [1 - this, 1 + "
+                               "--clip-epsilon-high]", "online RL", within=(0, 1), ends="()",
+                               resume="must_match", added_later=True)
+    clip_epsilon_high: float | None = _opt(None, "online RL: the clip's upper side (DAPO's clip-higher: e.g. 0.28; "
+                                           "default: --clip-epsilon)", "online RL", positive=True,
+                                           fix="pass e.g. {flag} 0.28", resume="must_match", added_later=True)
+    loss_type: str = _opt("dapo", "grpo's loss normalisation, as TRL's: dapo (the step's completion tokens), grpo "
+                          "(each completion's token mean, then the mean over completions), dr-grpo (completions x "
+                          "--max-new-tokens)", "online RL", choices=rl_names.LOSS_TYPES, resume="must_match",
+                          added_later=True)
+    scale_rewards: str | None = _opt(None, "online RL: advantages divided by the std of each group's rewards "
+                                     "(group), of the whole step's (batch), or by nothing (none, Dr. GRPO); default "
+                                     "group for grpo, none for rloo", "online RL", choices=rl_names.SCALE_REWARDS,
+                                     resume="must_match", added_later=True)
+    kl_beta: float = _opt(0.0, "online RL: the weight of the KL to the starting model (0: no reference held; with "
+                          "--peft the reference is the model with its adapters switched off, else a frozen copy)",
+                          "online RL", at_least=0, fix="pass e.g. {flag} 0.04", resume="must_match",
+                          added_later=True)
+    mask_truncated: bool = _opt(False, "online RL: completions cut at --max-new-tokens (no end of turn) are left out "
+                                "of the loss", "online RL", resume="must_match", added_later=True)
+    reward: list[str] | None = _opt(None, lambda: "online RL: " + reward_names.help_text() + "; repeatable, or a "
+                                    "comma list (default: exact-match when the data has an `answer` or `solution` "
+                                    "column)", "online RL", check=lambda value: _check_rewards(value),
+                                    example="exact-match", resume="must_match", added_later=True)
+    reward_weights: list[float] | None = _opt(None, "online RL: one weight per --reward, in their order (default "
+                                              "1.0 each)", "online RL", example="1.0", resume="must_match",
+                                              added_later=True)
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
@@ -317,6 +364,9 @@ def _add_flag(parser, f: dataclasses.Field, note: str | None, defaults: dict[str
     common = {"dest": f.name, "default": default, "help": help_of(f.name) + note}
     if kind is bool:
         parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **common)
+    elif typing.get_origin(kind) is list:  # repeatable, each time one or more values
+        parser.add_argument(flag(f.name), type=typing.get_args(kind)[0], nargs="+", action="extend",
+                            metavar=f.name.upper(), **common)
     else:
         parser.add_argument(flag(f.name), type=kind, choices=f.metadata.get("choices"),
                             metavar=f.name.upper(), **common)
@@ -372,6 +422,14 @@ def coerce(key: str, value: Any, where: str) -> Any:
     kind, nullable = base_type(field_types()[key])
     if value is None and nullable:
         return None
+    if typing.get_origin(kind) is list:  # a list, or one value alone
+        return [coerce_item(key, item, typing.get_args(kind)[0], where)
+                for item in (value if isinstance(value, (list, tuple)) else [value])]
+    return coerce_item(key, value, kind, where, nullable)
+
+
+def coerce_item(key: str, value: Any, kind: type, where: str, nullable: bool = False) -> Any:
+    """One value of `key` (a list's item, for a list field) against its type."""
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -442,6 +500,12 @@ def resolved(config: TrainConfig) -> TrainConfig:
     """Defaults that depend on other settings, filled in (config.yaml records the values used)."""
     if config.lr is None:
         config = dataclasses.replace(config, lr=DEFAULT_LR.get(config.peft, 1e-4))
+    if config.rl is not None:
+        config = dataclasses.replace(
+            config, scale_rewards=config.scale_rewards or rl_names.get(config.rl).scale_rewards,
+            max_new_tokens=config.max_new_tokens or RL_MAX_NEW_TOKENS,
+            reward=reward_texts(config.reward) if config.reward is not None else None,
+            reward_weights=[float(w) for w in config.reward_weights] if config.reward_weights is not None else None)
     objective = objective_names.get(config.preference)
     if objective is not None and objective.reference and config.reference is None:
         # The cheapest exact reference: adapters switched off cost nothing; else one pass before training.
@@ -627,6 +691,7 @@ def validate(config: TrainConfig) -> None:
                         "pass --early-stopping-patience too, or drop the threshold")
     _check_peft(config)
     _check_preference(config)
+    _check_rl(config)
     _check_optimizer(config)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
@@ -656,6 +721,60 @@ def _check_preference(config: TrainConfig) -> None:
     if config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
         raise UserError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {config.dpo_loss}",
                         "drop --dpo-label-smoothing, or pass --dpo-loss sigmoid")
+
+
+def reward_texts(value) -> list[str]:
+    """--reward as a list of names: repeated, or comma lists (`a.py:f,exact-match` -> [a.py:f, exact-match])."""
+    texts = [value] if isinstance(value, str) else list(value or [])
+    return [part.strip() for text in texts for part in str(text).split(",") if part.strip()]
+
+
+def _check_rewards(value) -> None:
+    """Each --reward named as far as can be checked without importing it (catalog/reward_names.py)."""
+    texts = reward_texts(value)
+    if not texts:
+        raise UserError("--reward is empty", "name a reward: a built-in (exact-match) or path.py:name")
+    for text in texts:
+        reward_names.parse(text)
+
+
+def _check_rl(config: TrainConfig) -> None:
+    """--rl's own flags only with it; --rl not with --preference; what only one objective takes, with it;
+    its --scale-rewards; the strategies whose processes keep generating together."""
+    names = list(rl_names.NAMES)
+    if config.rl is None:
+        defaults = TrainConfig()
+        changed = [name for name in RL_SETTINGS if getattr(config, name) != getattr(defaults, name)]
+        if changed:
+            raise UserError(f"{flag(changed[0])} applies to online RL, and --rl is not set",
+                            f"pass --rl {names[0]} (or {', '.join(names[1:])}), or drop {flag(changed[0])}")
+        return
+    if config.preference is not None:
+        raise UserError(f"--rl {config.rl} and --preference {config.preference} are two ways to train a causal LM: "
+                        "on generated completions and their rewards, or on given preference pairs",
+                        "pass one of --rl and --preference")
+    entry = rl_names.get(config.rl)
+    changed = [name for name in rl_names.owners_of_any() if name not in entry.settings
+               and getattr(config, name) != getattr(TrainConfig, name)]
+    if changed:
+        owners = rl_names.owners(changed[0])
+        raise UserError(f"{flag(changed[0])} applies to --rl {' or '.join(owners)}, not {config.rl}",
+                        f"drop {flag(changed[0])}, or pass --rl {owners[0]}")
+    if config.scale_rewards is not None and config.scale_rewards not in entry.scalings:
+        raise UserError(f"--scale-rewards {config.scale_rewards} does not apply to --rl {config.rl}",
+                        f"pass --scale-rewards {' or '.join(entry.scalings)}")
+    if config.strategy != "ddp":
+        # Sampling runs as many forwards as its longest completion needs, which differs between processes: where
+        # every forward is a collective (sharded weights) the processes would wait on each other forever.
+        raise UserError(f"--rl with --strategy {config.strategy} is not supported by effitrain yet (each process "
+                        "generates for its own prompts)", "use --strategy ddp")
+    if config.packing:
+        raise UserError("--packing does not apply to --rl (each step trains on the completions it generates)",
+                        "drop --packing")
+    if config.reward_weights is not None and config.reward is not None:
+        reward_names.check_weights(config.reward_weights, len(reward_texts(config.reward)))
+    elif config.reward_weights is not None:
+        reward_names.check_weights(config.reward_weights, 1)  # the default reward: one
 
 
 def _check_peft(config: TrainConfig) -> None:

@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "effitrain"
-OBJECTIVE_NAMES = ("dpo", "orpo", "ipo", "sigmoid")
+OBJECTIVE_NAMES = ("dpo", "orpo", "ipo", "sigmoid", "grpo", "rloo", "dapo", "dr-grpo", "dr_grpo", "bnpo")
 ALLOWED = {"config.py": 1}  # file: how many such lines it may keep
 
 

@@ -57,6 +57,7 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_report_cases(root)
     write_chat_cases(root)
     write_preference_cases(root)
+    write_rl_cases(root)
     write_mismatched_media(root)
     return root
 
@@ -193,6 +194,22 @@ def write_grown_adapter(root, base, tokenizer):
 WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
             "conv_dim=[8,8],conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,"
             "num_conv_pos_embeddings=4,num_conv_pos_embedding_groups=2")  # receptive field (8-1)*5+10 = 45 samples
+
+
+def write_rl_cases(root):
+    """Online RL (issue 43): prompts with an answer, prompts alone, and reward files with a mistake each."""
+    import json
+
+    def jsonl(name, rows):
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    jsonl("rl.jsonl", [{"prompt": f"{n}+{n}=", "answer": str(2 * n)} for n in range(12)])
+    jsonl("rl_no_answer.jsonl", [{"prompt": f"{n}+{n}="} for n in range(12)])
+    (root / "rl_rewards.py").write_text("def correct(completions, answer, **kwargs):\n"
+                                        "    return [float(c == a) for c, a in zip(completions, answer)]\n\n"
+                                        "def nan(completions, **kwargs):\n    return [float('nan')] * len(completions)\n\n"
+                                        "def graded(completions, grade, **kwargs):\n    return [1.0] * len(completions)\n")
+    (root / "rl_broken.py").write_text("def correct(completions:\n")
 
 
 def write_mismatched_media(root):
@@ -760,6 +777,35 @@ CASES = [
     (["evaluate", "--model", "lm-chat", "--data", "pairs.jsonl", "--preference", "dpo", "--reference-model",
       "prev/model"], "--reference-model prev/model: --task causal-lm does not fit the model in prev/model: it is a "
                      "sequence-classification model (BertForSequenceClassification); fix: pass the causal-lm model"),
+    # online RL (issue 43)
+    (["train", *LLAMA, "--data", "d.csv", "--rl", "grpo", "--output-dir", "new"],
+     "--data d.csv has no `prompt` column (columns: text, label)"),
+    (["train", *LLAMA, "--data", "rl_no_answer.jsonl", "--rl", "grpo", "--output-dir", "new"],
+     "--rl grpo needs a reward function, and the data has no `answer` or `solution` column"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "missing.py:correct", "--output-dir", "new"],
+     "reward missing.py:correct: the file"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "rl_rewards.py:corect", "--output-dir",
+      "new"], "reward rl_rewards.py:corect: rl_rewards.py has no 'corect' (it defines correct, graded, nan)"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "rloo", "--reward", "rl_broken.py:correct", "--output-dir",
+      "new"], "reward rl_broken.py:correct: rl_broken.py fails to import: SyntaxError"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "rl_rewards.py:graded", "--output-dir",
+      "new"], "graded requires a column 'grade', which the data does not have (it has prompt, answer)"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "rl_rewards.py:nan", "--max-new-tokens", "2",
+      "--num-generations", "2", "--batch-size", "2", "--output-dir", "new"],
+     "reward nan (rl_rewards.py:nan) returned nan on row"),
+    (["train", *LLAMA, "--rl", "grpo", "--reward", "rl_rewards.py:correct,exact-match", "--reward-weights", "1"],
+     "the reward weights are 1 value(s) for 2 reward function(s)"),
+    (["train", *LLAMA, "--rl", "grpo", "--num-generations", "1"], "--num-generations must be >= 2, got 1"),
+    (["train", *LLAMA, "--rl", "grpo", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["train", *LLAMA, "--rl", "grpo", "--temperature", "0"], "--temperature must be > 0, got 0.0 (greedy sampling "
+                                                               "gives the same completion --num-generations times"),
+    (["train", *LLAMA, "--rl", "grpo", "--preference", "dpo"], "--rl grpo and --preference dpo are two ways"),
+    (["train", "--rl", "grpo", "--output-dir", "new"], "--rl applies to --task causal-lm, not sequence-classification"),
+    (["train", *LLAMA, "--kl-beta", "0.1"], "--kl-beta applies to online RL, and --rl is not set"),
+    (["train", *LLAMA, "--rl", "rloo", "--loss-type", "grpo"], "--loss-type applies to --rl grpo, not rloo"),
+    (["train", *LLAMA, "--rl", "rloo", "--scale-rewards", "group"], "--scale-rewards group does not apply to --rl rloo"),
+    (["train", *LLAMA, "--rl", "grpo", "--strategy", "fsdp"], "--rl with --strategy fsdp is not supported"),
+    pytest.param(["train", *LLAMA, "--rl", "ppo"], "--rl", marks=FRESH),
     # experiment trackers (--report-to)
     pytest.param(["train", "--report-to", "wandb"], "--report-to: unknown tracker `wandb`", marks=FRESH),
     (["train", "--report-to", "TensorBoard"], "unknown tracker `TensorBoard`"),

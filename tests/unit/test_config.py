@@ -99,7 +99,10 @@ def test_every_field_has_a_section_help_and_only_known_rules():
 
 
 def _base(name: str) -> dict:
-    """Values under which the field's own rule is the one that speaks (--lora-* apply with --peft)."""
+    """Values under which the field's own rule is the one that speaks (--lora-* apply with --peft, online RL's
+    flags with --rl)."""
+    if name in cfg.RL_SETTINGS:
+        return {"rl": "grpo", "task": "causal-lm"}
     return {"peft": "lora"} if name in cfg.LORA_SETTINGS else {}
 
 
@@ -233,3 +236,26 @@ def test_a_yaml_number_in_exponent_form_without_a_dot_is_a_float(tmp_path):
     path.write_text("lr: 2e-5x\n")
     with pytest.raises(UserError, match="`lr` must be float or null, got str 2e-5x"):
         config.load_yaml(path)
+
+
+def test_rewards_are_repeatable_or_a_comma_list_on_the_cli_and_a_list_or_a_text_in_yaml(tmp_path):
+    from effitrain.commands.train import configured
+
+    args = build_parser().parse_args(["train", "--task", "causal-lm", "--rl", "grpo", "--reward", "exact-match",
+                                      "--reward", "number-match:0.5,ends-turn", "--reward-weights", "1", "0.5", "2"])
+    config, _ = configured(args)
+    assert config.reward == ["exact-match", "number-match:0.5", "ends-turn"] and config.reward_weights == [1.0, 0.5, 2.0]
+    path = tmp_path / "rl.yaml"
+    path.write_text("task: causal-lm\nrl: rloo\nreward: exact-match\nreward_weights: [2]\n")
+    config, _ = configured(build_parser().parse_args(["train", "--config", str(path)]))
+    assert config.reward == ["exact-match"] and config.reward_weights == [2.0]
+    with pytest.raises(UserError, match="`reward_weights` must be float"):
+        cfg.load_yaml(path.write_text("reward_weights: [one]\n") and path)
+
+
+def test_online_rl_defaults_follow_the_objective():
+    grpo = cfg.build(cli_values={"task": "causal-lm", "rl": "grpo"})
+    rloo = cfg.build(cli_values={"task": "causal-lm", "rl": "rloo", "max_new_tokens": 8})
+    assert (grpo.scale_rewards, grpo.max_new_tokens, grpo.reward) == ("group", cfg.RL_MAX_NEW_TOKENS, None)
+    assert (rloo.scale_rewards, rloo.max_new_tokens) == ("none", 8)
+    assert cfg.build().max_new_tokens is None and cfg.build().scale_rewards is None  # no --rl: nothing filled in

@@ -95,7 +95,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     return [
         f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else ""),
         f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
-                                       else ""),
+                                       else "") + (f", online RL: {rl_said(config)}" if config.get("rl") else ""),
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
         f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
@@ -114,6 +114,13 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"- seed {config['seed']}",
     ]
+
+
+def rl_said(config: dict) -> str:
+    """--rl and its settings in words (docs/rl.md)."""
+    rewards = ", ".join(config.get("reward") or ["exact-match"])
+    return (f"{config['rl']}, {config['num_generations']} completions per prompt of at most {config['max_new_tokens']} "
+            f"tokens at temperature {config['temperature']}, rewards {rewards}, KL beta {config['kl_beta']}")
 
 
 def preference_said(config: dict) -> str:

@@ -49,9 +49,15 @@ def get(name: str):
 
 def for_config(config):
     """The task object of a run's settings, the one place tasks are built: the registered one, or with
-    --preference the same task on preference pairs with the objective named (a new object each time: it
-    holds the run's reference model)."""
+    --preference the same task on preference pairs with the objective named, or with --rl on prompts with its
+    online RL objective (a new object each time: it holds the run's reference model)."""
     task = get(config.task)
+    if getattr(config, "rl", None) is not None:
+        if not task.supports_rl:
+            task.check_config(config)  # refuses --rl with the task's name
+        from effitrain.tasks import objectives, online_rl
+
+        return online_rl.OnlineRL(task.name, objectives.of_rl(config))
     if getattr(config, "preference", None) is None:
         return task
     if not task.supports_preference:

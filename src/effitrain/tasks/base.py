@@ -33,6 +33,7 @@ class Task:
     grows_vocabulary: bool = False  # a pretrained model's embeddings grow to its tokenizer's (a chat template's tokens)
     supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     supports_preference: bool = False  # preference pairs: --preference (tasks/preference.py)
+    supports_rl: bool = False  # prompts to generate answers to, learnt from their rewards: --rl (tasks/online_rl.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
     def __init__(self, name: str):
@@ -50,6 +51,8 @@ class Task:
 
     def check_config(self, config) -> None:
         """Settings that make no sense for this task (checked before anything loads)."""
+        if getattr(config, "rl", None) is not None and not self.supports_rl:
+            raise UserError(f"--rl applies to --task causal-lm, not {self.name}", "drop --rl, or pass --task causal-lm")
         if config.packing and not self.supports_packing:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")

@@ -22,6 +22,7 @@ class CausalLM(Task):
     grows_vocabulary = True  # adapt_model
     supports_chat = True
     supports_preference = True  # tasks/preference.py: this task on chosen/rejected pairs
+    supports_rl = True  # tasks/online_rl.py: this task on prompts, learnt from the rewards of its completions
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy", "exact_match", "end_of_turn_share")
     GENERATION_METRICS = ("exact_match", "end_of_turn_share")  # prompt-completion and chat data only

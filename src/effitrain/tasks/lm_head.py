@@ -44,12 +44,17 @@ class LMHead:
         return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), reduction="sum",
                                ignore_index=-100)
 
-    def token_log_probs(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
-        """Each position's log-prob of its target, shaped as `targets`, 0 where it does not count."""
+    def token_log_probs(self, inputs: dict, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Each position's log-prob of its target, shaped as `targets`, 0 where it does not count; at a
+        `temperature`, the log-softmax of the logits divided by it (online RL's, as TRL's)."""
         outputs = self._outputs(inputs)
         if self.layer is not None:
-            return chunked_lm_loss.token_log_probs(outputs, *self._weights(), targets,
+            weight, bias = self._weights()
+            if temperature != 1.0:  # (h W^T + b) / T, without the whole logits: h / T and b / T
+                outputs, bias = outputs / temperature, None if bias is None else bias / temperature
+            return chunked_lm_loss.token_log_probs(outputs, weight, bias, targets,
                                                    planned_per_row=self.planned_per_row)
+        outputs = outputs / temperature if temperature != 1.0 else outputs
         logps = torch.log_softmax(outputs, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
         return logps * (targets != -100)
 

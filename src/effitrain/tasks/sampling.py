@@ -2,12 +2,12 @@
 the KV cache (each distinct prompt run once, its cache copied to its samples), at a temperature and top-p,
 each row stopping at its first stop id or after max_new_tokens.
 
-What a row draws depends only on its key (the integrator passes (step, prompt's global index, sample
-index)) and the run's seed, never on the rows beside it: each row has its own random stream, a CPU
+What a row draws depends only on its key (online RL passes (the prompt's index in the data, the sample's
+index), with the step's seed: engine/step.py's step_generator) and the seed, never on the rows beside it: each row has its own random stream, a CPU
 torch.Generator seeded from a hash of (seed, *key), of which new token t uses the t-th uniform u. The token
-is drawn by inverse CDF: the temperature-scaled probabilities sorted (stable, so ties keep the vocabulary's
-order), cut to the top-p nucleus, and the first token whose cumulative probability exceeds u x the
-nucleus' mass is taken (one uniform per token, drawn on the CPU whatever the device, rather than Gumbel
+is drawn by inverse CDF: the temperature-scaled probabilities cut to the top-p nucleus (chosen in sorted
+order), and the first token, in vocabulary order, whose cumulative probability exceeds u x the nucleus' mass
+is taken (one uniform per token, drawn on the CPU whatever the device, rather than Gumbel
 noise over the whole vocabulary per token). No draw is shared between rows and no row's draw depends on how many rows there
 are (unlike torch.multinomial on a batch, which reads one stream in row order), so the completions are the
 same alone, in any batch, in any order, on any process, and again after a resume, as far as the model's
@@ -56,20 +56,26 @@ def uniforms(seed: int, keys: list[tuple[int, ...]], count: int) -> torch.Tensor
 
 
 def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's token drawn by inverse CDF over its sorted, top-p-cut probabilities, with its uniform in
-    `u` (rows,); and the token's log-prob at the temperature (fp32, before the cut). Row by row: nothing
-    here mixes rows."""
+    """Each row's token drawn by inverse CDF over its top-p-cut probabilities in vocabulary order, with its
+    uniform in `u` (rows,); and the token's log-prob at the temperature (fp32, before the cut). Row by row:
+    nothing here mixes rows.
+
+    Vocabulary order, not sorted order: a token then changes only when u falls within the change of a
+    cumulative sum, which float noise in the weights (another process layout's sums after an update) moves by
+    next to nothing; in sorted order two nearly equal probabilities that swap places move every u that falls on
+    either of them (a random model's near-uniform distribution has thousands of such pairs)."""
     logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs, order = logps.exp().sort(dim=-1, descending=True, stable=True)
-    cumulative = probs.cumsum(-1)
+    probs = logps.exp()
     if top_p < 1:  # a token stays while the mass above it is under top_p: the first always does (HF's TopP)
-        kept = ((cumulative - probs) < top_p).sum(-1, keepdim=True)
-    else:  # every token: the rounding of a full cumsum must not drop the tail
-        kept = torch.full_like(order[:, :1], probs.shape[-1])
-    mass = cumulative.gather(-1, kept - 1)
-    target = u.to(cumulative.device, cumulative.dtype)[:, None] * mass
-    position = torch.searchsorted(cumulative, target, right=True).clamp(max=kept - 1)  # rounding: stay inside
-    tokens = order.gather(-1, position).squeeze(-1)
+        ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+        inside = (ordered.cumsum(-1) - ordered) < top_p
+        probs = probs * torch.zeros_like(inside).scatter(-1, order, inside)
+    cumulative = probs.cumsum(-1)
+    target = u.to(cumulative.device, cumulative.dtype)[:, None] * cumulative[:, -1:]
+    # The first token whose cumulative sum exceeds the target (one of positive probability); rounding that puts
+    # the target at the very top stays on the last such token.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
+    tokens = torch.searchsorted(cumulative, target, right=True).clamp(max=last).squeeze(-1)
     return tokens, logps.gather(-1, tokens[:, None]).squeeze(-1)
 
 

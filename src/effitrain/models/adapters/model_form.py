@@ -26,6 +26,9 @@ class PlainModel:
     `run` in the methods below: the engine's Run (its accelerator, model as prepared, strategy, task)."""
 
     folders_beside_model: tuple[str, ...] = ()  # what a run's end saves beside model/ (save_trained's)
+    # Where the starting model's log-probs come from while it trains (online RL's KL: tasks/reference.py's
+    # modes): a frozen copy, the one way to keep a model trained in full as it started.
+    reference: str = "copy"
 
     def write_model(self, run, folder: Path) -> None:
         """model/: the whole model (the strategy gathers it where it is sharded)."""
@@ -74,6 +77,7 @@ class AdaptedModel:
 
     method: str  # lora | qlora
     folders_beside_model: tuple[str, ...] = ("adapter",)
+    reference: str = "adapters"  # the starting model is the base: the adapters switched off, no second copy
 
     def write_model(self, run, folder: Path) -> None:
         model = run.accelerator.unwrap_model(run.model)

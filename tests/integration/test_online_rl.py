@@ -1,0 +1,119 @@
+"""Online RL end to end (issue 43): `train --rl grpo | rloo` on the built-in addition prompts with a tiny Llama
+from a config. 2 processes x 2 prompts x accumulation 2 against one process with 8 prompts (the same
+completions, as the reward function saw them, and the same weights within 1e-5 fp32), with a short last step
+where one process runs the zero-weight stand-in; a run killed mid-way and resumed against one never stopped
+(bitwise); a reward that fails mid-run stops it with one line and leaves the last checkpoint to resume from."""
+
+import json
+import signal
+import time
+
+import effitrain
+import pytest
+import torch
+from test_distributed import torchrun
+from test_resume import finished, train
+
+from conftest import as_flags, read_jsonl, read_weights
+
+TINY_LLAMA = ("llama:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2,"
+              "intermediate_size=64,max_position_embeddings=64")
+# A reward with spread on a random model (the parity of the first token, plus the length), which records what
+# it was given, one file per process: the completions each run drew.
+REWARD = '''
+import json, os
+from pathlib import Path
+
+def parity(prompts, completions, completion_ids, **kwargs):
+    with open(Path(__file__).parent / f"seen-{os.getpid()}.jsonl", "a") as seen:
+        for prompt, ids in zip(prompts, completion_ids):
+            seen.write(json.dumps([prompt, ids]) + "\\n")
+    return [float(ids[0] % 2) + len(ids) / 10 for ids in completion_ids]
+'''
+
+
+def reward_file(folder, text: str = REWARD) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rewards.py").write_text(text)
+    return f"{folder / 'rewards.py'}:parity"
+
+
+def seen(folder) -> list[str]:
+    """Every [prompt, completion ids] the reward function was given, over the processes, sorted."""
+    return sorted(line for path in folder.glob("seen-*.jsonl") for line in path.read_text().splitlines())
+
+
+def settings(tmp_path, name: str, **more) -> dict:
+    return {**dict(model=TINY_LLAMA, task="causal-lm", data="addition", rl="grpo", reward=reward_file(tmp_path / name),
+                   num_generations=4, max_new_tokens=4, max_train_samples=18, max_eval_samples=8, epochs=1, lr=2e-3,
+                   warmup_ratio=0.0, log_every=1, precision="fp32", eval_batch_size=4), **more}
+
+
+def step_records(folder) -> list[dict]:
+    return [r for r in read_jsonl(folder / "log.jsonl") if "split" not in r and "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rl, loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("rloo", None)])
+def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, rl, loss_type):
+    """18 prompts: steps of 8, 8 and 2 (the last: one micro-batch of 2, so the second process runs the
+    stand-in). The completions are keyed by (row, sample) under the step's seed: the same in both layouts."""
+    extra = {"rl": rl, **({"loss_type": loss_type} if loss_type else {})}
+    ddp = settings(tmp_path, "ddp", **extra)
+    result = torchrun(2, "train", *as_flags(ddp), "--batch-size", 2, "--grad-accum", 2,
+                      "--output-dir", tmp_path / "ddp-run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    effitrain.train({**settings(tmp_path, "one", **extra), "batch_size": 8, "output_dir": str(tmp_path / "one-run")})
+    assert seen(tmp_path / "ddp") == seen(tmp_path / "one")
+    assert len(seen(tmp_path / "one")) == 18 * 4 + 2 * 8  # each prompt's 4 samples, then 8 + 8 greedy answers
+    single, weights = read_weights(tmp_path / "one-run"), read_weights(tmp_path / "ddp-run")
+    for name in single:
+        torch.testing.assert_close(weights[name], single[name], rtol=1e-5, atol=1e-5)
+    got, wanted = step_records(tmp_path / "ddp-run"), step_records(tmp_path / "one-run")
+    assert len(got) == len(wanted) == 3
+    for mine, theirs in zip(got, wanted):
+        for key in ("loss", "reward", "reward_parity", "zero_spread_share", "completion_length", "truncated_share"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+        assert mine["reward_parity"] > 0 and mine["zero_spread_share"] < 1  # there is something to learn from
+
+
+@pytest.mark.slow
+def test_killed_after_step_3_and_resumed_equals_uninterrupted(tmp_path, cli_here):
+    common = as_flags(settings(tmp_path, "rewards", max_steps=6, save_every=3, seed=3, batch_size=2))
+    straight = cli_here("train", *common, "--output-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    job = train(*common, "--output-dir", out)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step-3" / "trainer_state.json").is_file():
+        assert job.poll() is None and time.time() < deadline, finished(job)
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    resumed = cli_here("train", *common, "--output-dir", out, "--resume", "auto")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    wanted, got = read_weights(tmp_path / "straight"), read_weights(out)
+    assert all(torch.equal(wanted[name], got[name]) for name in wanted)
+    assert [r["reward"] for r in step_records(out)][-3:] == [r["reward"] for r in step_records(tmp_path / "straight")][-3:]
+
+
+FAILING = REWARD.replace("    return [", '''    calls = Path(__file__).parent / "calls"
+    calls.write_text(str(int(calls.read_text()) + 1 if calls.exists() else 1))
+    if int(calls.read_text()) >= 3:
+        raise ValueError("the grader is down")
+    return [''')
+
+
+def test_a_reward_that_fails_mid_run_stops_it_with_one_line_and_the_checkpoint_resumes(tmp_path, cli_here):
+    common = as_flags({**settings(tmp_path, "rewards", max_steps=4, save_every=2, batch_size=2),
+                       "reward": reward_file(tmp_path / "rewards", FAILING)})
+    failed = cli_here("train", *common, "--output-dir", tmp_path / "run")
+    lines = [line for line in failed.stderr.splitlines() if line.strip()]
+    assert failed.returncode == 2 and len(lines) == 1, failed.stderr[-3000:]
+    assert "reward parity" in lines[0] and "raised ValueError: the grader is down on row" in lines[0] \
+        and "fix:" in lines[0], lines[0]
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "trainer_state.json").is_file()
+    reward_file(tmp_path / "rewards")  # fixed in place
+    resumed = cli_here("train", *common, "--output-dir", tmp_path / "run", "--resume", "auto")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 4
