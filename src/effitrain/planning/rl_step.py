@@ -33,10 +33,12 @@ from effitrain.planning.planner import Estimate, ModelShapes, Planner, Setting
 # product): measured on a tiny Llama (tests/unit/test_rl_plan.py).
 KV_BYTES = {"fp32": (4, 4), "bf16": (4, 2), "fp16": (4, 2)}
 # The sampler's (tasks/sampling.py `draw`) bytes per vocabulary entry of a row beyond the logits themselves,
-# at its peak (the sort): fp32 log-probs, their exp, the sorted probabilities (4 each) and the int64 order (8).
-# Top-p < 1 holds two more at its cut: the fp32 mass above each token and the bool comparison.
-SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8
-TOP_P_BYTES_PER_LOGIT = 4 + 1
+# at its peak: fp32 log-probs, their exp and the cumulative sum (4 each), the positive-probability mask and its
+# flip (1 each) and that as int32 (4). Top-p < 1 peaks at its cut instead, beside the log-probs and their exp:
+# the sorted probabilities (4), their int64 order (8), the cumulative sum and the mass above each token (4 each)
+# and three bool masks (the cut, its zeros, scattered back): 13 more than the draw's own peak.
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 1 + 1 + 4
+TOP_P_BYTES_PER_LOGIT = 13
 HALF_BYTES = 2
 
 
