@@ -288,7 +288,8 @@ class TrainConfig:
     max_new_tokens: int | None = _opt(None, "causal-lm on prompt-completion or chat data: tokens generated per "
                                       "validation and test prompt for exact_match and end_of_turn_share (greedy, "
                                       "stopped at the end of turn; default: the split's longest reference answer "
-                                      "with its end of turn)", "evaluation", positive=True, resume="free")
+                                      "with its end of turn)", "evaluation", positive=True, resume="free",
+                                      must_match_with="rl")
     metric_for_best: str | None = _opt(None, "the validation metric that picks the best evaluation (default: "
                                        "loss): loss, accuracy, f1_macro, f1_<label>, perplexity, token_accuracy, "
                                        "exact_match, end_of_turn_share; "

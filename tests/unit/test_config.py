@@ -89,7 +89,7 @@ def command_parser(name: str):
 
 
 def test_every_field_has_a_section_help_and_only_known_rules():
-    known = {"help", "section", "yaml_only", "example", "problem", "fix", "ends", "check", "resume", "added_later", "resume_first", "resume_fix",
+    known = {"help", "section", "yaml_only", "example", "problem", "fix", "ends", "check", "resume", "added_later", "resume_first", "resume_fix", "must_match_with",
              *cfg.RULES}
     for f in cfg.fields():
         assert f.metadata["section"] in cfg.SECTIONS, f.name

@@ -62,3 +62,15 @@ def test_a_checkpoint_older_than_a_setting_was_made_with_its_default(tmp_path):
     assert checkpoint.check(path, config, 1, config["grad_accum"])["step"] == 2
     with pytest.raises(UserError, match="was made with peft='none', this run has 'lora'"):
         checkpoint.check(path, {**config, "peft": "lora", "lr": 0.5}, 1, config["grad_accum"])
+
+
+def test_a_free_setting_that_decides_online_rl_must_match_with_rl(tmp_path):
+    """--max-new-tokens is evaluation's alone in SFT (free), the length of every trained completion with --rl."""
+    assert checkpoint.MUST_MATCH_WITH == {"max_new_tokens": "rl"}
+    path, config = made(tmp_path, task="causal-lm", rl="grpo")
+    assert config["max_new_tokens"] == cfg.RL_MAX_NEW_TOKENS
+    with pytest.raises(UserError, match="was made with max_new_tokens=64, this run has 8"):
+        checkpoint.check(path, {**config, "max_new_tokens": 8}, 1, config["grad_accum"])
+    (tmp_path / "sft").mkdir()
+    sft, sft_config = made(tmp_path / "sft", task="causal-lm")
+    assert checkpoint.check(sft, {**sft_config, "max_new_tokens": 8}, 1, sft_config["grad_accum"])["step"] == 2

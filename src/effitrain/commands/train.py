@@ -61,7 +61,7 @@ def train(config: TrainConfig, config_file: str | None = None, command: bool = F
 def finished_run(config: TrainConfig, out: Path) -> dict | None:
     """--resume auto on a run that already ended: its metrics, untouched (a retried job finds its work
     done); refused if the settings differ from the run's."""
-    from effitrain.engine.checkpoint import MUST_MATCH, same_setting
+    from effitrain.engine.checkpoint import must_match, same_setting
 
     if not (run_folder.finished(out) and (out / "config.yaml").is_file()):
         return None
@@ -73,7 +73,7 @@ def finished_run(config: TrainConfig, out: Path) -> dict | None:
     except (OSError, ValueError, yaml.YAMLError):
         return None
     now = config.to_dict()
-    for key in MUST_MATCH:
+    for key in must_match(earlier):
         if key in earlier and not same_setting(key, earlier[key], now.get(key)):
             if config.overwrite:
                 return None  # --overwrite --resume auto with other settings: replace it

@@ -26,6 +26,16 @@ from effitrain.outputs import files as outputs_files
 # lr differs).
 MUST_MATCH = tuple(sorted((f.name for f in fields() if f.metadata["resume"] == "must_match"),
                           key=lambda name: not meta(name).get("resume_first")))
+# Free settings that decide the arithmetic once another is set (`must_match_with`: --max-new-tokens, only
+# evaluation's for SFT, is the length of every completion GRPO trains on).
+MUST_MATCH_WITH = {f.name: f.metadata["must_match_with"] for f in fields() if "must_match_with" in f.metadata}
+
+
+def must_match(values: dict) -> tuple[str, ...]:
+    """The settings a resume of a run with these settings must keep."""
+    return MUST_MATCH + tuple(name for name, other in MUST_MATCH_WITH.items() if values.get(other) is not None)
+
+
 # Settings added after checkpoints were first written (`added_later`): a checkpoint without them was made
 # with their defaults.
 EARLIER_DEFAULTS = {f.name: f.default for f in fields() if f.metadata.get("added_later")}
@@ -155,7 +165,7 @@ def check(path: Path, config_values: dict, world_size: int, grad_accum: int) -> 
     on the same examples (to rounding: sums are taken in another order)."""
     state = trainer_state(path)
     made_with = {**EARLIER_DEFAULTS, **state["config"]}
-    for key in MUST_MATCH:
+    for key in must_match(made_with):
         if key in made_with and not same_setting(key, made_with[key], config_values.get(key)):
             fix = meta(key).get("resume_fix", "resume with the same settings, or start a new --output-dir")
             raise UserError(f"checkpoint {path} was made with {key}={made_with[key]!r}, this run has "
