@@ -117,3 +117,63 @@ def test_a_reward_that_fails_mid_run_stops_it_with_one_line_and_the_checkpoint_r
     resumed = cli_here("train", *common, "--output-dir", tmp_path / "run", "--resume", "auto")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 4
+
+
+# A reward with spread on a random model that records, in evaluation only (once `record` exists), the greedy
+# completions it scores: the test computes the metrics from them by hand.
+RECORDING = '''
+import json
+from pathlib import Path
+
+def parity(prompts, completions, completion_ids, answer, **kwargs):
+    record = Path(__file__).parent / "record"
+    if record.exists():
+        with open(record, "a") as seen:
+            for prompt, text, ids, truth in zip(prompts, completions, completion_ids, answer):
+                seen.write(json.dumps([prompt, text, ids, truth]) + "\\n")
+    return [float(ids[0] % 2) + len(ids) / 10 if ids else None for ids in completion_ids]
+'''
+
+
+def test_evaluate_with_rewards_gives_the_runs_test_metrics(tmp_path, cli_here):
+    """`evaluate --reward ...` on a GRPO run's model/ and test split gives metrics.json's `test` values (the same
+    names, the same numbers), and those are the means of what the rewards scored, computed here by hand."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(5)]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rewards = reward_file(tmp_path / "rewards", RECORDING)
+    split = as_flags(dict(data=tmp_path / "sums.jsonl", test_split=0.25, max_eval_samples=7, eval_batch_size=3,
+                          max_new_tokens=5, precision="fp32"))
+    data = [*split, "--reward", f"{rewards},exact-match", "--reward-weights", "0.5", "2"]
+    trained = cli_here("train", *as_flags(dict(model=TINY_LLAMA, task="causal-lm", rl="grpo", num_generations=2,
+                                               max_steps=1, batch_size=2, output_dir=tmp_path / "run")), *data)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    wanted = json.loads((tmp_path / "run" / "metrics.json").read_text())["test"]
+    (tmp_path / "rewards" / "record").write_text("")  # from now on the reward records what it scores
+    result = cli_here("evaluate", "--model", tmp_path / "run" / "model", *data, "--output", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout)
+    assert got == json.loads((tmp_path / "m.json").read_text())
+    assert set(got) == set(wanted) == {"loss", "reward", "reward_parity", "reward_exact-match", "exact_match",
+                                       "completion_length", "end_of_turn_share", "samples"}
+    for key in wanted:
+        assert got[key] == pytest.approx(wanted[key], abs=1e-9), key
+    seen = [json.loads(line) for line in (tmp_path / "rewards" / "record").read_text().splitlines()]
+    assert len(seen) == got["samples"] == 7 and {prompt for prompt, *_ in seen} <= {row["prompt"] for row in rows}
+    parity = [ids[0] % 2 + len(ids) / 10 if ids else None for _, _, ids, _ in seen]
+    exact = [float(text.strip() == truth.strip()) for _, text, _, truth in seen]
+    scored = [p for p in parity if p is not None]
+    assert got["reward_parity"] == pytest.approx(sum(scored) / len(scored)) and got["reward_parity"] > 0
+    assert got["exact_match"] == got["reward_exact-match"] == pytest.approx(sum(exact) / 7)
+    assert got["reward"] == pytest.approx(sum(0.5 * (p or 0) + 2 * e for p, e in zip(parity, exact)) / 7)
+    assert got["loss"] == -got["reward"]
+    assert got["completion_length"] == pytest.approx(sum(len(ids) for _, _, ids, _ in seen) / 7)
+    # The same prompts, three of the test split's answers now what the model answers (spaced: both sides are
+    # stripped): exact match 3/7, with --rl and no --reward the default reward.
+    answered = {prompt: f" {text} " for prompt, text, _, _ in seen[:3]}
+    rows = [{**row, "answer": answered.get(row["prompt"], row["answer"])} for row in rows]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    again = cli_here("evaluate", "--model", tmp_path / "run" / "model", *split, "--rl", "rloo")
+    assert again.returncode == 0, again.stderr[-3000:]
+    same = {key: got[key] for key in ("completion_length", "end_of_turn_share", "samples")}
+    assert json.loads(again.stdout) == {"loss": -3 / 7, "reward": 3 / 7, "reward_exact-match": 3 / 7,
+                                        "exact_match": 3 / 7, **same}

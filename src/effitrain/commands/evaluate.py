@@ -1,6 +1,7 @@
 """Evaluate a saved model directory on a split of the data, with the metrics `train` writes into
 metrics.json. The data flags, their defaults and the data code are train's, so the test split of a
-finished run (same data flags, same seed) gives its metrics.json `test` values again."""
+finished run (same data flags, same seed) gives its metrics.json `test` values again. With --reward (or
+--rl): online RL's evaluation, greedy completions of the split's prompts scored by the reward functions."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from effitrain.models import saved
 DATA_KEYS = ("data", "validation_file", "test_file", "text_column", "text_pair_column", "label_column",
              "image_column", "audio_column", "skip_bad_rows", "validation_split", "test_split", "seed",
              "max_length", "max_duration", "max_eval_samples", "eval_batch_size", "max_new_tokens", "precision",
-             "preference", "beta", "dpo_loss", "dpo_label_smoothing")
+             "preference", "beta", "dpo_loss", "dpo_label_smoothing", "rl", "reward", "reward_weights")
+# What asks for online RL's evaluation: --rl itself, or a reward to score the completions with (--rl grpo then).
+RL_KEYS = ("rl", "reward", "reward_weights")
 SPLITS = ("test", "validation", "train")
 
 
@@ -42,7 +45,9 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     unknown = sorted(set(values) - set(DATA_KEYS))
     if unknown:
         raise UserError(f"evaluate takes no setting `{unknown[0]}`", f"use only {', '.join(DATA_KEYS)}")
+    values = _with_rl(values)
     path, task = saved_model.locate(model_dir, allow_pickle, expected_task)
+    _check_rl_model(task, values, path)
     cfg.build(None, {**values, "model": str(path), "task": task.name})  # the flags checked before anything loads
     source = loading.ModelSource(path)
     processor = task.load_processor(source)
@@ -50,7 +55,7 @@ def evaluate(model_dir: str, values: dict | None = None, split: str = "test", al
     if task.is_text and "max_length" not in values:
         values["max_length"] = saved.text_max_length(processor, model_config)
     config = cfg.build(None, {**values, "model": str(path), "task": task.name})  # train's defaults
-    task = _preference_task(task, config, reference_model)
+    task = _objective_task(task, config, reference_model)
     mixed_precision, _ = precision.choose(config.precision)
     accelerator = make_accelerator(mixed_precision=mixed_precision)
     set_seed(config.seed)
@@ -93,14 +98,33 @@ def _check_conversations(processor, data, config, split: str) -> None:
                         "`messages` column, or prompt/completion as message lists)")
 
 
-def _preference_task(task, config, reference_model: str | None):
+def _with_rl(values: dict) -> dict:
+    """A --reward (or --reward-weights) without --rl asks for online RL's evaluation: --rl grpo, whose greedy
+    completions and metrics every --rl objective shares (its sampling settings play no part)."""
+    if values.get("rl") is None and any(values.get(key) is not None for key in RL_KEYS):
+        return {**values, "rl": cfg.RL[0]}
+    return values
+
+
+def _check_rl_model(task, values: dict, path) -> None:
+    """Rewards score generated completions: a model of a task that generates none is refused by name."""
+    if values.get("rl") is not None and not task.supports_rl:
+        given = next(key for key in ("reward", "reward_weights", "rl") if values.get(key) is not None)
+        raise UserError(f"{cfg.flag(given)} scores a causal LM's generated completions, and the model in {path} is a "
+                        f"{task.name} model", f"drop {cfg.flag(given)}, or pass a causal-lm model")
+
+
+def _objective_task(task, config, reference_model: str | None):
     """--preference: the causal-lm task on pairs (tasks.for_config), its reference, where its objective has
-    one, a --reference-model's log-probs (precomputed in one pass) or none."""
+    one, a --reference-model's log-probs (precomputed in one pass) or none. --rl: the causal-lm task on
+    prompts, its objective's rewards loaded with the data (tasks.for_config)."""
     from effitrain import tasks
     from effitrain.tasks import objectives
 
     if reference_model is not None and not objectives.takes_reference(config.preference):
         raise UserError("--reference-model is DPO's reference", "pass --preference dpo too, or drop --reference-model")
+    if config.rl is not None:
+        return tasks.for_config(config)
     if config.preference is None:
         return task
     if objectives.takes_reference(config.preference):
@@ -167,7 +191,11 @@ def add_parser(commands) -> None:
     cfg.add_flags(evaluate, ["allow_pickle"], defaults=True)
     evaluate.add_argument("--debug", action="store_true")
     cfg.add_flags(evaluate, [f for f in cfg.fields() if f.name in DATA_KEYS],
-                  {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)"})
+                  {"max_length": " (default: the saved tokenizer's, i.e. train's --max-length)",
+                   "rl": " (evaluate: greedy completions of the split's prompts scored by the rewards, as a run's "
+                         "evaluation does; every objective's the same; default: none, grpo when --reward is given)",
+                   "reward": "; evaluate scores the greedy completions with them",
+                   "max_new_tokens": f"; with --rl or --reward: {cfg.RL_MAX_NEW_TOKENS} unless given, as train --rl's"})
 
 
 def check_flags(args) -> None:
