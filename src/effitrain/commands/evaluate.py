@@ -110,8 +110,8 @@ def _check_rl_model(task, values: dict, path) -> None:
     """Rewards score generated completions: a model of a task that generates none is refused by name."""
     if values.get("rl") is not None and not task.supports_rl:
         given = next(key for key in ("reward", "reward_weights", "rl") if values.get(key) is not None)
-        raise UserError(f"{cfg.flag(given)} scores a causal LM's generated completions, and the model in {path} is a "
-                        f"{task.name} model", f"drop {cfg.flag(given)}, or pass a causal-lm model")
+        raise UserError(f"{cfg.flag(given)} applies to causal LMs (rewards score generated completions), and the "
+                        f"model in {path} is a {task.name} model", f"drop {cfg.flag(given)}, or pass a causal-lm model")
 
 
 def _objective_task(task, config, reference_model: str | None):
