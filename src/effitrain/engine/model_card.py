@@ -126,12 +126,13 @@ def rl_said(config: dict, shown=str) -> str:
         else ", ".join(rewards)
     high = config.get("clip_epsilon_high")
     clip = f"clip {config['clip_epsilon']:g}" + (f" (high {high:g})" if high is not None else "")
-    loss = f"{config['loss_type']} loss, " if config["rl"] == "grpo" else ""
+    entry = rl_names.get(config["rl"])
+    loss = f"{config['loss_type']} loss, " if "loss_type" in entry.settings else ""  # rloo's loss is its own
     kl = f"KL beta {config['kl_beta']:g}" if config["kl_beta"] else "no KL"
     return (f"{config['rl']}, {config['num_generations']} completions per prompt of at most "
             f"{config['max_new_tokens']} tokens at temperature {config['temperature']:g}"
             + (f", top-p {config['top_p']:g}" if config.get("top_p", 1.0) != 1.0 else "")
-            + f", {loss}rewards scaled by {config.get('scale_rewards') or rl_names.get(config['rl']).scale_rewards}, "
+            + f", {loss}rewards scaled by {config.get('scale_rewards') or entry.scale_rewards}, "
             f"{clip}, {kl}"
             + (", truncated completions masked" if config.get("mask_truncated") else "")
             + f"; rewards {rewards_said}")

@@ -69,9 +69,11 @@ def summary_rows(run: ReportedRun) -> list[tuple[str, str]]:
 
 
 def rl_said(config: dict) -> str:
-    from effitrain.engine.model_card import rl_said as said  # the model card's words for the same settings
+    """The model card's words for the same settings (train's defaults for any a config.yaml lacks)."""
+    from effitrain.config import TrainConfig
+    from effitrain.engine.model_card import rl_said as said
 
-    return said(config)
+    return said({**TrainConfig().to_dict(), **config})
 
 
 def split_said(run: ReportedRun) -> str | None:
@@ -244,7 +246,7 @@ def step_split_html(run: ReportedRun) -> str:
     legend = "".join(f'<span><i style="border-color:{color}"></i>{name}</span>' for name, color in (
         ("generation", svg.GENERATION_COLOR), ("update (the rest of the step)", svg.UPDATE_COLOR)))
     return ("<h3>Step time: generation vs update</h3>" + table(["", "s per step", f"s in {steps} steps", "share"], rows)
-            + f'<figure data-chart="step-split"><figcaption>Seconds per step</figcaption>'
+            + '<figure data-chart="step-split"><figcaption>Seconds per step</figcaption>'
             + svg.svg_step_split(splits) + f'<div class="legend">{legend}</div></figure>')
 
 
