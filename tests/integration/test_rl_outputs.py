@@ -39,7 +39,8 @@ def rl_run(tmp_path_factory):
     out = root / "run"
     effitrain.train(dict(model=TINY_LLAMA, task="causal-lm", data="addition", rl="grpo", max_steps=3,
                          max_train_samples=64, max_eval_samples=16, num_generations=2, max_new_tokens=4,
-                         batch_size=8, log_every=1, eval_every=2, lr=2e-3, kl_beta=0.04, warmup_ratio=0.0, precision="fp32",
+                         batch_size=8, log_every=1, eval_every=2, lr=2e-3, kl_beta=0.04, warmup_ratio=0.0,
+                         precision="fp32",
                          reward=[f"{root / 'rewards.py'}:parity", "exact-match"], reward_weights=[1.0, 0.5],
                          report_to="tensorboard", output_dir=str(out)))
     return out
@@ -133,7 +134,8 @@ def test_the_model_card_states_the_rl_settings_and_the_final_reward(rl_run):
     card = (rl_run / "model" / "README.md").read_text()
     metrics = json.loads((rl_run / "metrics.json").read_text())
     assert "online RL: grpo, 2 completions per prompt of at most 4 tokens at temperature 1, dapo loss, rewards " \
-           "scaled by group, clip 0.2, KL beta 0.04; rewards " in card and ":parity x 1, exact-match x 0.5" in card
+           f"scaled by group, clip 0.2, KL beta 0.04; rewards `{rl_run.parent / 'rewards.py'}:parity` x 1, " \
+           "`exact-match` x 0.5" in card
     assert (f"Final reward (weighted): {steps_of(rl_run)[-1]['reward']:.4f} on the last logged window's sampled "
             f"completions, {metrics['validation']['reward']:.4f} greedy on the validation prompts, "
             f"{metrics['test']['reward']:.4f} greedy on the test prompts.") in card

@@ -96,7 +96,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     return [
         f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else ""),
         f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
-                                       else "") + (f", online RL: {rl_said(config, text)}" if config.get("rl") else ""),
+                                       else "") + (f", online RL: {rl_said(config, code)}" if config.get("rl") else ""),
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
         f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
@@ -119,7 +119,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
 
 def rl_said(config: dict, shown=str) -> str:
     """--rl and its settings in words (docs/rl.md); the report's summary says the same. `shown`: how a reward's
-    name (a user's path.py:name) is written (the card's Markdown escapes it)."""
+    name (a user's path.py:name) is written (the card shows it as code)."""
     rewards = [shown(name) for name in config.get("reward") or ["exact-match"]]
     weights = config.get("reward_weights")
     rewards_said = ", ".join(f"{name} x {weight:g}" for name, weight in zip(rewards, weights)) if weights \
