@@ -258,7 +258,8 @@ def test_fsdp_on_one_process_accumulates_clips_saves_and_loads_as_the_plain_mode
 
 
 def test_train_state_round_trips_and_scales_the_sums_per_process():
-    state = TrainState(step=7, best_value=0.5, best_step=4, evals_without_improvement=1, last_loss=0.3)
+    state = TrainState(step=7, best_value=0.5, best_step=4, evals_without_improvement=1, last_loss=0.3,
+                       last_task_metrics={"reward": 0.25, "completion_length": 3.5})
     state.window += torch.tensor([6.0, 3.0])
     state.totals += torch.tensor([10.0, 100.0])
     saved = state.state_dict(reduce=lambda t: t * 2)  # as if two processes held the same sums
@@ -266,6 +267,7 @@ def test_train_state_round_trips_and_scales_the_sums_per_process():
     restored = TrainState()
     restored.load_state_dict(saved, world=2)
     assert (restored.step, restored.best_value, restored.best_step, restored.evals_without_improvement) == (7, 0.5, 4, 1)
+    assert restored.last_task_metrics == {"reward": 0.25, "completion_length": 3.5}  # metrics.json's train_metrics
     assert restored.window.tolist() == [6.0, 3.0] and restored.totals.tolist() == [10.0, 100.0]
     assert restored.take_window() == [6.0, 3.0] and restored.window.tolist() == [0.0, 0.0]
     # A task that logs sums of its own (preference: 4 sums and their count) resumed from a checkpoint

@@ -79,3 +79,21 @@ def test_a_path_with_line_breaks_stays_inside_its_code_span():
     assert "- data: `x\\n\\n<img src=x onerror=alert(1)>\\r\\x1b.csv`:" in card
     assert "- base model: `m\\u2028<b>`" in card
     assert not any(line.lstrip().startswith("<") for line in ModelCard(card).text.split("\n"))
+
+
+def test_an_online_rl_card_states_every_setting_and_the_final_reward():
+    config = TrainConfig(model="gpt2", task="causal-lm", data="addition", output_dir="runs/rl", rl="rloo",
+                         num_generations=4, max_new_tokens=8, temperature=0.7, top_p=0.9, clip_epsilon_high=0.28,
+                         kl_beta=0.04, mask_truncated=True, reward=["my_rewards.py:f`1", "exact-match"],
+                         reward_weights=[2.0, 0.5]).to_dict()
+    config["scale_rewards"] = None  # as a config built but not resolved: the objective's default (rloo's: none)
+    rl = {"train_metrics": {"reward": 0.61234, "completion_length": 3.0},
+          "test": {"loss": -0.5, "reward": 0.5, "samples": 40}, "validation": {"loss": -0.45, "reward": 0.45}}
+    text = ModelCard(model_card.render(config, result(**rl), facts())).text
+    assert ("- task: causal-lm, online RL: rloo, 4 completions per prompt of at most 8 tokens at temperature 0.7, "
+            "top-p 0.9, rewards scaled by none, clip 0.2 (high 0.28), KL beta 0.04, truncated completions masked; "
+            "rewards ``my_rewards.py:f`1`` x 2, `exact-match` x 0.5\n") in text  # rloo: no --loss-type
+    assert ("Final reward (weighted): 0.6123 on the last logged window's sampled completions, 0.4500 greedy on "
+            "the validation prompts, 0.5000 greedy on the test prompts.") in text
+    sft = ModelCard(model_card.render({**config, "rl": None}, result(**rl), facts())).text
+    assert "online RL" not in sft and "Final reward" not in sft

@@ -9,6 +9,7 @@ import re
 
 from pathlib import Path
 
+from effitrain.catalog import rl_names
 from effitrain.models import adapters
 
 # metric name in metrics.json -> (model-index metric type, display name)
@@ -95,7 +96,7 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     return [
         f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else ""),
         f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
-                                       else "") + (f", online RL: {rl_said(config)}" if config.get("rl") else ""),
+                                       else "") + (f", online RL: {rl_said(config, code)}" if config.get("rl") else ""),
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
         f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
@@ -116,11 +117,36 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     ]
 
 
-def rl_said(config: dict) -> str:
-    """--rl and its settings in words (docs/rl.md)."""
-    rewards = ", ".join(config.get("reward") or ["exact-match"])
-    return (f"{config['rl']}, {config['num_generations']} completions per prompt of at most {config['max_new_tokens']} "
-            f"tokens at temperature {config['temperature']}, rewards {rewards}, KL beta {config['kl_beta']}")
+def rl_said(config: dict, shown=str) -> str:
+    """--rl and its settings in words (docs/rl.md); the report's summary says the same. `shown`: how a reward's
+    name (a user's path.py:name) is written (the card shows it as code)."""
+    rewards = [shown(name) for name in config.get("reward") or ["exact-match"]]
+    weights = config.get("reward_weights")
+    rewards_said = ", ".join(f"{name} x {weight:g}" for name, weight in zip(rewards, weights)) if weights \
+        else ", ".join(rewards)
+    high = config.get("clip_epsilon_high")
+    clip = f"clip {config['clip_epsilon']:g}" + (f" (high {high:g})" if high is not None else "")
+    entry = rl_names.get(config["rl"])
+    loss = f"{config['loss_type']} loss, " if "loss_type" in entry.settings else ""  # rloo's loss is its own
+    kl = f"KL beta {config['kl_beta']:g}" if config["kl_beta"] else "no KL"
+    return (f"{config['rl']}, {config['num_generations']} completions per prompt of at most "
+            f"{config['max_new_tokens']} tokens at temperature {config['temperature']:g}"
+            + (f", top-p {config['top_p']:g}" if config.get("top_p", 1.0) != 1.0 else "")
+            + f", {loss}rewards scaled by {config.get('scale_rewards') or entry.scale_rewards}, "
+            f"{clip}, {kl}"
+            + (", truncated completions masked" if config.get("mask_truncated") else "")
+            + f"; rewards {rewards_said}")
+
+
+def rl_results(result: dict) -> str:
+    """Online RL: the final reward, of the last logged step's sampled completions and of greedy completions of
+    the held-out prompts."""
+    trained = (result.get("train_metrics") or {}).get("reward")
+    said = [f"{trained:.4f} on the last logged window's sampled completions" if trained is not None else None,
+            *(f"{result[split]['reward']:.4f} greedy on the {split} prompts" for split in ("validation", "test")
+              if "reward" in (result.get(split) or {}))]
+    said = [part for part in said if part]
+    return f"Final reward (weighted): {', '.join(said)}.\n\n" if said else ""
 
 
 def preference_said(config: dict) -> str:
@@ -157,7 +183,8 @@ def render(config: dict, result: dict, facts: dict) -> str:
         f"pipe = pipeline(\"{facts['pipeline_tag']}\", model=\"path/to/this/folder\")",
         "```", "",
         "## Training procedure", "", *procedure(config, result, facts), "",
-        "## Results", "", kept + adapters.form_of(config).card_note(config) + "\n".join(results_table(result)), "",
+        "## Results", "", kept + (rl_results(result) if config.get("rl") else "") + adapters.form_of(config).card_note(
+            config) + "\n".join(results_table(result)), "",
         "Made by `effitrain train`; the run's own files (config.yaml, log.jsonl, metrics.json) are in the folder "
         "above this one.", ""])
     return f"---\n{card_data(config, result, facts['pipeline_tag'], name).to_yaml()}\n---\n{body}"

@@ -279,7 +279,7 @@ def log_window(job: Run, state: TrainState, result) -> None:
                samples_per_second=per_second,
                tokens_per_second=tokens / seconds if job.task.is_text and seconds > 0 else None,
                peak_memory_bytes=memory)  # the console shows it as the step's line
-    state.last_loss = loss
+    state.last_loss, state.last_task_metrics = loss, own
 
 
 def validate(job: Run, state: TrainState, evaluator: evaluation.Evaluator, hooks: Callbacks) -> bool:

@@ -20,6 +20,7 @@ class TrainState:
     step: int = 0
     train_seconds: float = 0.0
     last_loss: float | None = None  # mean over the last logged window
+    last_task_metrics: dict = field(default_factory=dict)  # the task's own means over it (online RL: its reward)
     skipped_steps: int = 0  # steps with a non-finite loss or gradient
     bad_in_a_row: int = 0
     # Evaluation during training: the best value of the metric for best, its step, and the patience count.
@@ -40,8 +41,8 @@ class TrainState:
     # The window's length: 2, or more where the task logs sums of its own (engine/step.window_size).
     window_size: int = 2
 
-    SCALARS = ("step", "train_seconds", "last_loss", "skipped_steps", "bad_in_a_row", "best_value", "best_step",
-               "evals_without_improvement", "validation", "phase_seconds")
+    SCALARS = ("step", "train_seconds", "last_loss", "last_task_metrics", "skipped_steps", "bad_in_a_row", "best_value",
+               "best_step", "evals_without_improvement", "validation", "phase_seconds")
 
     def __post_init__(self):
         if self.window is None:

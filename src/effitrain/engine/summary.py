@@ -44,6 +44,8 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "labels": run.data.label_names,
         "skipped_rows": run.data.loaded.skipped_rows,
         "train_loss": state.last_loss,  # mean over the last logged window
+        # The task's own means over that window (preference: rewards, accuracy; online RL: reward, lengths).
+        **({"train_metrics": state.last_task_metrics} if state.last_task_metrics else {}),
         "skipped_steps": state.skipped_steps,  # non-finite loss or gradient
         "precision": {"no": "fp32"}.get(plan.precision, plan.precision),
         "optimizer": plan.optim,

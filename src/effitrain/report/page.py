@@ -33,6 +33,7 @@ from effitrain.report.runs import (
     find_runs,
     finite,
     png_names,
+    step_splits,
 )
 
 
@@ -46,6 +47,7 @@ def summary_rows(run: ReportedRun) -> list[tuple[str, str]]:
         ("architecture", architecture(run.model_config)),
         ("parameters", f"{svg.number(params.get('total'))} ({svg.number(params.get('trainable'))} trainable)"
          if params else None),
+        ("online RL", rl_said(c) if c.get("rl") else None),
         ("data", c.get("data")),
         ("examples", " / ".join(f"{svg.number(examples.get(s))} {s}" for s in ("train", "validation", "test"))
          if examples else None),
@@ -56,12 +58,33 @@ def summary_rows(run: ReportedRun) -> list[tuple[str, str]]:
         ("steps", svg.number(run.final("steps")) + (f" ({svg.number(m['epochs'])} epochs)" if "epochs" in m else "")),
         ("device", m.get("device")), ("train seconds", svg.number(m.get("train_seconds"), 3)),
         ("wall seconds", svg.number(m.get("wall_seconds"), 3)),
+        ("train reward (last window)", svg.number(run.final("train_reward")) if run.is_rl else None),
+        ("generation / update", split_said(run) if run.is_rl else None),
         ("samples/s", svg.number(run.final("train_samples_per_second"))),
         ("tokens/s", svg.number(run.final("train_tokens_per_second"))),
         ("peak memory", svg.mib(run.final("peak_memory_bytes"))),
         ("skipped", f"{m.get('skipped_rows', 0)} rows, {m.get('skipped_steps', 0)} steps" if m else None),
     ]
     return [(key, str(value)) for key, value in rows if value not in (None, "", "-", "None")]
+
+
+def rl_said(config: dict) -> str:
+    """The model card's words for the same settings (train's defaults for any a config.yaml lacks)."""
+    from effitrain.config import TrainConfig
+    from effitrain.engine.model_card import rl_said as said
+
+    return said({**TrainConfig().to_dict(), **config})
+
+
+def split_said(run: ReportedRun) -> str | None:
+    """Online RL: the seconds per step in generation and in the update, over the whole run."""
+    splits = step_splits(run.steps)
+    steps = sum(s.steps for s in splits)
+    if not steps:
+        return None
+    generation, update = (sum(getattr(s, part) * s.steps for s in splits) / steps for part in ("generation", "update"))
+    share = generation / (generation + update) if generation + update > 0 else 0.0
+    return f"{svg.number(generation, 3)} s / {svg.number(update, 3)} s per step ({share:.0%} generating)"
 
 
 def architecture(model_config: dict) -> str | None:
@@ -125,6 +148,7 @@ def differences(runs: list[ReportedRun]) -> tuple[list[str], list[list[str]]]:
 
 MEASURES = (  # (key of ReportedRun.final, row, cell format, show the ratio to the first run)
     ("train_loss", "train loss (last window)", svg.number, False),
+    ("train_reward", "train reward (last window)", svg.number, False),
     ("train_samples_per_second", "samples/s", svg.number, True),
     ("train_tokens_per_second", "tokens/s", svg.number, True),
     ("peak_memory_bytes", "peak memory", svg.mib, True),
@@ -195,6 +219,7 @@ def run_section(run: ReportedRun, with_curves: bool) -> str:
         results.append('<h3>Confusion matrix (test split)</h3><figure data-chart="confusion">'
                        + svg.svg_confusion(confusion_matrix(run.metrics)) + "</figure>")
     results.append(memory_plan_html(run))
+    results.append(step_split_html(run))
     parts.append(f'<div class="cards"><div><h3>Summary</h3>{table(None, summary_rows(run), "kv")}</div>'
                  f'<div>{"".join(results)}</div></div>')
     if with_curves:
@@ -204,6 +229,25 @@ def run_section(run: ReportedRun, with_curves: bool) -> str:
                      + "<details><summary>full config.yaml</summary>"
                      + table(None, [(k, show(v)) for k, v in run.config.items()], "kv") + "</details>")
     return "".join(parts) + "</section>"
+
+
+def step_split_html(run: ReportedRun) -> str:
+    """Online RL: each window's seconds per step in generation and in the update, as stacked bars, and the
+    whole run's in a table."""
+    splits = step_splits(run.steps) if run.is_rl else []
+    if not splits:
+        return ""
+    steps = sum(s.steps for s in splits)
+    generation, update = (sum(getattr(s, part) * s.steps for s in splits) for part in ("generation", "update"))
+    total = generation + update
+    rows = [["generation", svg.number(generation / steps, 3), svg.number(generation, 3),
+             f"{generation / total:.1%}" if total else "-"],
+            ["update", svg.number(update / steps, 3), svg.number(update, 3), f"{update / total:.1%}" if total else "-"]]
+    legend = "".join(f'<span><i style="border-color:{color}"></i>{name}</span>' for name, color in (
+        ("generation", svg.GENERATION_COLOR), ("update (the rest of the step)", svg.UPDATE_COLOR)))
+    return ("<h3>Step time: generation vs update</h3>" + table(["", "s per step", f"s in {steps} steps", "share"], rows)
+            + '<figure data-chart="step-split"><figcaption>Seconds per step</figcaption>'
+            + svg.svg_step_split(splits) + f'<div class="legend">{legend}</div></figure>')
 
 
 def memory_plan_html(run: ReportedRun) -> str:

@@ -8,18 +8,18 @@ from effitrain.outputs import files
 from effitrain.report import svg
 from effitrain.report.runs import GENERATOR, ReportedRun, confusion_matrix, finite
 
-PNG_PANELS = ("loss", "metrics", "throughput", "memory")
+PNG_PANELS = ("loss", "metrics", "throughput", "memory")  # online RL: its reward curve in the loss's place
 
 
 def write_pngs(runs: list[ReportedRun], page: Path, earlier: set[Path] | None = None) -> list[Path]:
-    """<stem>-curves.png (loss, validation metrics, throughput, memory) and, for one classification run,
-    <stem>-confusion.png; an older one of a chart that has nothing to show is removed. `earlier`: the
-    files an earlier report wrote (replaced); any other is created new and never replaces a file."""
+    """<stem>-curves.png (loss, or online RL's reward; validation metrics, throughput, memory) and, for one
+    classification run, <stem>-confusion.png; an older one of a chart that has nothing to show is removed.
+    `earlier`: the files an earlier report wrote (replaced); any other is created new and never replaces a file."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     written = []
-    made = {chart.key: chart for chart in svg.charts(runs) if chart.key in PNG_PANELS}
+    made = {chart.key: chart for chart in svg.charts(runs) if chart.key in PNG_PANELS + ("reward",)}
     confusion = confusion_matrix(runs[0].metrics) if len(runs) == 1 else None
     for name, draw, wanted in (("curves", draw_curves, made), ("confusion", draw_confusion, confusion)):
         path = page.with_name(f"{page.stem}-{name}.png")
@@ -37,7 +37,8 @@ def write_pngs(runs: list[ReportedRun], page: Path, earlier: set[Path] | None = 
 
 def draw_curves(fig, made: dict[str, svg.Chart]) -> None:
     axes_list = fig.subplots(2, 2).flat
-    for ax, key in zip(axes_list, PNG_PANELS):
+    panels = (("reward",) if "reward" in made else ("loss",)) + PNG_PANELS[1:]
+    for ax, key in zip(axes_list, panels):
         chart = made.get(key)
         if chart is None:
             ax.set_axis_off()

@@ -54,8 +54,20 @@ class ReportedRun:
         if key in self.metrics:
             return self.metrics[key]
         logged = {"train_samples_per_second": "samples_per_second", "train_tokens_per_second": "tokens_per_second",
-                  "peak_memory_bytes": "peak_memory_bytes", "train_loss": "loss", "steps": "step"}.get(key)
+                  "peak_memory_bytes": "peak_memory_bytes", "train_loss": "loss", "steps": "step",
+                  "train_reward": "reward"}.get(key)
         return self.steps[-1].get(logged) if logged and self.steps else None
+
+    @property
+    def is_rl(self) -> bool:
+        """Online RL (--rl): its steps log rewards of sampled completions and the seconds generation took."""
+        return bool(self.config.get("rl")) or any("generation_seconds" in record for record in self.steps[:1])
+
+    def reward_functions(self) -> list[str]:
+        """The reward functions' own columns of the log (reward_<name>), in the log's order."""
+        if not self.is_rl or not self.steps:
+            return []
+        return [key for key in self.steps[-1] if key.startswith("reward_")]
 
     def memory_plan(self) -> dict | None:
         """What --memory-budget predicted: metrics.json's, else the log's (a run not finished)."""
@@ -75,6 +87,50 @@ class ReportedRun:
 
 
 PLAN_BYTES = ("budget_bytes", "predicted_peak_bytes", "in_use_bytes")
+
+
+@dataclass
+class StepSplit:
+    """Online RL: where a log window's steps spent their time, in seconds per step (means over the window)."""
+
+    step: int  # the window's last step
+    steps: int  # the steps it holds
+    generation: float  # sampling the completions (the objective's rollout, scoring included)
+    update: float  # the rest of the step: the forwards and backwards of the update, the optimizer
+
+    @property
+    def total(self) -> float:
+        return self.generation + self.update
+
+
+def step_splits(steps: list[dict]) -> list[StepSplit]:
+    """Each window's split from log.jsonl: generation_seconds (a mean per step) against the training seconds
+    the window took (elapsed_seconds counts training alone: no evaluation, saving or compiling; a resumed
+    run's goes on from its checkpoint's), per step."""
+    out: list[StepSplit] = []
+    previous_step, previous_seconds = 0, 0.0
+    for record in steps:
+        step, elapsed, generation = record["step"], record.get("elapsed_seconds"), record.get("generation_seconds")
+        if not finite(elapsed):
+            continue
+        if finite(generation) and step > previous_step and elapsed >= previous_seconds:
+            per_step = (elapsed - previous_seconds) / (step - previous_step)
+            generation = min(generation, per_step)  # elapsed_seconds is rounded to milliseconds
+            out.append(StepSplit(int(step), int(step - previous_step), generation, per_step - generation))
+        previous_step, previous_seconds = step, elapsed
+    return out
+
+
+def merged_splits(splits: list[StepSplit], most: int) -> list[StepSplit]:
+    """At most `most` bars: runs of consecutive windows merged, their means weighted by their steps."""
+    size = -(-len(splits) // most) if splits else 1
+    out = []
+    for start in range(0, len(splits), size):
+        part = splits[start:start + size]
+        steps = sum(s.steps for s in part)
+        out.append(StepSplit(part[-1].step, steps, sum(s.generation * s.steps for s in part) / steps,
+                             sum(s.update * s.steps for s in part) / steps))
+    return out
 
 
 RUN_HINT = "pass the --output-dir of an `effitrain train` run (or of an `effitrain bench`)"

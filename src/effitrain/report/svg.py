@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from effitrain.report.runs import ReportedRun, finite
+from effitrain.report.runs import ReportedRun, StepSplit, finite, merged_splits
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf")
@@ -217,11 +217,25 @@ def plan_lines(run: ReportedRun, label, color: str) -> list[tuple[str, float, st
     return [(label("predicted peak (memory plan)"), peak / MiB, color)] if peak is not None else []
 
 
+def reward_series(run: ReportedRun, validation: list[dict], label, color: str, several: bool) -> list[Series]:
+    """Online RL: the weighted reward of each step's sampled completions, the validation's (greedy) as
+    points; one run's reward functions each in a color of its own when there are several."""
+    made = [Series(label("train reward"), curve(run.steps, "reward"), color),
+            Series(label("validation reward"), curve(validation, "reward"), color, True, True)]
+    functions = run.reward_functions()
+    if not several and len(functions) > 1:
+        made += [Series(f"train {name}", curve(run.steps, name), COLORS[(k + 1) % len(COLORS)], dashed=True)
+                 for k, name in enumerate(functions)]
+    return made
+
+
 def charts(runs: list[ReportedRun]) -> list[Chart]:
     """The line charts of these runs: each run's series in its color (overlaid when several)."""
     several = len(runs) > 1
     made = {key: Chart(key, title, [], unit=unit) for key, title, unit in (
-        ("loss", "Loss (train: solid, validation: dashed)", "loss"), ("metrics", "Validation metrics", ""),
+        ("loss", "Loss (train: solid, validation: dashed)", "loss"),
+        ("reward", "Reward (train: sampled, weighted; validation: greedy)", "reward"),
+        ("metrics", "Validation metrics", ""),
         ("lr", "Learning rate", "lr"), ("grad_norm", "Gradient norm (before clipping)", "norm"),
         ("throughput", "Throughput", "samples/s"), ("tokens", "Token throughput", "tokens/s"),
         ("memory", "Peak memory so far", "MiB"))}
@@ -232,6 +246,8 @@ def charts(runs: list[ReportedRun]) -> list[Chart]:
         validation = [r for r in run.evals if r["split"] == "validation"]
         made["loss"].series += [Series(label("train"), curve(run.steps, "loss"), color),
                                 Series(label("validation"), curve(validation, "loss"), color, True, True)]
+        if run.is_rl:
+            made["reward"].series += reward_series(run, validation, label, color, several)
         for k, name in enumerate(names):
             metric_color = color if several else COLORS[k % len(COLORS)]
             made["metrics"].series.append(Series(label(name), curve(validation, name), metric_color,
@@ -243,3 +259,35 @@ def charts(runs: list[ReportedRun]) -> list[Chart]:
         made["memory"].series.append(Series(label("peak"), curve(run.steps, "peak_memory_bytes", MiB), color))
         made["memory"].lines += plan_lines(run, label, color)
     return [chart for chart in made.values() if any(finite(y) for s in chart.series for _, y in s.points)]
+
+
+GENERATION_COLOR, UPDATE_COLOR = COLORS[1], COLORS[0]
+MAX_BARS = 100
+
+
+def svg_step_split(splits: list[StepSplit]) -> str:
+    """Online RL: seconds per step as stacked bars, generation below and the update above, one bar per log
+    window (consecutive windows merged beyond MAX_BARS); each bar's values in its title."""
+    bars = merged_splits(splits, MAX_BARS)
+    if not bars:
+        return ""
+    first = bars[0].step - bars[0].steps
+    xt, yt = nice_ticks(first, bars[-1].step, 6), nice_ticks(0, max(bar.total for bar in bars), 5)
+    sx = lambda x: LEFT + (x - xt[0]) / (xt[-1] - xt[0]) * (W - LEFT - RIGHT)  # noqa: E731
+    sy = lambda y: H - BOTTOM - (y - yt[0]) / (yt[-1] - yt[0]) * (H - TOP - BOTTOM)  # noqa: E731
+    out = [f'<svg class="split" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
+           'aria-label="seconds per step: generation and update">']
+    out += axes(xt, yt, sx, sy, "s/step")
+    for bar in bars:
+        left, right = sx(bar.step - bar.steps), sx(bar.step)
+        width = max(right - left - (1 if right - left > 3 else 0), 0.5)  # a hairline between neighbours
+        steps = f"step {bar.step}" if bar.steps == 1 else f"steps {bar.step - bar.steps + 1}-{bar.step}"
+        out.append(f'<g data-step="{bar.step}" data-steps="{bar.steps}" data-generation="{bar.generation!r}" '
+                   f'data-update="{bar.update!r}"><title>{steps}: generation {number(bar.generation)} s, update '
+                   f'{number(bar.update)} s per step</title>')
+        for bottom, top, color in ((0.0, bar.generation, GENERATION_COLOR), (bar.generation, bar.total, UPDATE_COLOR)):
+            out.append(f'<rect x="{left:.1f}" y="{sy(top):.1f}" width="{width:.1f}" '
+                       f'height="{max(sy(bottom) - sy(top), 0):.1f}" fill="{color}"/>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "".join(out)
