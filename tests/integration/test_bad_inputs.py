@@ -499,6 +499,10 @@ CASES = [
     (["train", "--max-grad-norm", "nan"], "--max-grad-norm must be a finite number"),
     (["train", "--config", "nan.yaml"], "--lr must be a finite number"),
     (["plan", "--memory", "0"], "--memory must be > 0, got 0"),
+    (["plan", "--task", "sequence-classification", "--rl", "grpo"], "--rl applies to --task causal-lm, not "
+     "sequence-classification"),
+    (["plan", "--task", "causal-lm", "--rl", "grpo", "--num-generations", "1"], "--num-generations must be >= 2"),
+    (["plan", "--task", "causal-lm", "--max-new-tokens", "4"], "--max-new-tokens plans the completions of online RL"),
     (["train", *TINY, "--peft", "lora", "--lora-r", "40", "--output-dir", "new"],
      "--lora-r 40 is above the smaller side of `bert.encoder.layer.0.attention.self.query` (32 inputs x 32 outputs)"),
     (["train", "--config", "bomb.yaml"], "`lr` must be float or null, got list [['lol', 'lol', 'lol', 'lol', ...], "),

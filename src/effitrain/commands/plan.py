@@ -15,6 +15,8 @@ SHARED_MODEL = ("model", "task")
 SHARED_STRATEGY = ("strategy", "zero_stage")
 SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
 SHARED_PREFERENCE = ("preference", "reference")
+# Online RL's settings that change the step's memory (the rest change only what it computes).
+SHARED_RL = ("rl", "num_generations", "max_new_tokens", "kl_beta", "top_p")
 
 
 def add_parser(commands) -> None:
@@ -23,10 +25,13 @@ def add_parser(commands) -> None:
                                description="Predict the peak memory of training, per device, before loading "
                                            "anything: the model is built on fake tensors.")
     cfg.add_flags(plan, SHARED_MODEL, defaults=True)
-    plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples)")
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per example (audio: samples; --rl: "
+                                                               "prompt tokens, the completion's come on top)")
     # Not train's --batch-size (a micro-batch): the planner chooses how to split these examples.
     plan.add_argument("--batch-size", type=int, default=16, help="examples per device per optimizer step; "
-                                                                 "split into micro-batches x accumulation")
+                                                                 "split into micro-batches x accumulation "
+                                                                 "(--rl: prompts, each sampled "
+                                                                 "--num-generations times)")
     plan.add_argument("--memory", default=None, help="the budget per device, e.g. 8GiB (default: what is free "
                                                      "on the device now)")
     plan.add_argument("--world-size", type=int, default=1, help="processes (devices) training together")
@@ -45,6 +50,10 @@ def add_parser(commands) -> None:
                                          "and the head have gradients and optimizer states)"})
     cfg.add_flags(plan, SHARED_PREFERENCE, defaults=True,
                   default_notes={"preference": " (planned as two sequences per pair: --batch-size counts pairs)"})
+    cfg.add_flags(plan, SHARED_RL, defaults=True,
+                  default_notes={"rl": " (default: none; planned as a step that generates, then updates: its peak "
+                                       "is the larger of the two)",
+                                 "max_new_tokens": f" (default with --rl: {cfg.RL_MAX_NEW_TOKENS})"})
     plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
     plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
     plan.add_argument("--debug", action="store_true")
@@ -61,6 +70,7 @@ def check_flags(args) -> None:
             raise problem
     cfg.validate(_peft_config(args))  # --peft, --lora-* and --preference by train's rules (before torch loads)
     cfg.validate(_reference_config(args))
+    _check_rl(args)
     if args.memory is not None and cfg.parse_size(args.memory) <= 0:
         raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
                         "for what is free on the device now")
@@ -82,21 +92,24 @@ def main(args) -> int:
     # which is what a text model built from a config gets there.
     shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))
     shapes = plan.for_preference(shapes, args.preference, _plan_reference(args))
-    planner = plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage)
+    planner, estimate_of = _planner(args, shapes, device)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"], _optimizers(args),
                                    [False, True] if shapes.supports_checkpointing else [False],
-                                   budget, args.all)
+                                   budget, args.all, estimate_of)
     best = plan.recommend(rows)
     if args.json:
         print(json.dumps({"model": args.model, "task": args.task, "peft": args.peft, "parameters": shapes.parameters,
                           "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes,
-                          "seq_len": args.seq_len, "batch_size": args.batch_size,
+                          "seq_len": args.seq_len, "batch_size": args.batch_size, **_rl_settings(args),
                           "world_size": args.world_size, "strategy": args.strategy, "device": device,
                           "budget": budget, "rows": [r.to_dict() for r in rows],
                           "recommended": best.to_dict() if best else None}))
         return 0
+    per_step = (f"{args.batch_size} prompts of {args.seq_len} tokens x {args.num_generations} completions of up to "
+                f"{_max_new_tokens(args)} tokens (--rl {args.rl}: the step generates, then updates)"
+                if args.rl else f"{args.batch_size} x {args.seq_len}")
     print(f"{args.model} ({args.task}): {shapes.parameters:,} parameters, {shapes.trainable:,} trainable; "
-          f"{args.batch_size} x {args.seq_len} per {device} device per step, {args.world_size} process(es) "
+          f"{per_step} per {device} device per step, {args.world_size} process(es) "
           f"({args.strategy}); budget {budget / plan.GiB:.2f} GiB per device. GiB per device:")
     print(plan.format_table(rows, best))
     if best is None:
@@ -108,6 +121,51 @@ def main(args) -> int:
               f"--grad-accum {s.accumulation}" + (" --gradient-checkpointing" if s.checkpointing else "")
               + f" ({best.total / plan.GiB:.2f} GiB, {best.relative_speed:.2f}x the speed of fp32 AdamW)")
     return 0
+
+
+def _planner(args: argparse.Namespace, shapes, device: str):
+    """The planner and what it asks per setting: a training step of --seq-len tokens, or with --rl a step that
+    generates --num-generations completions of each prompt and then updates on them (planning/rl_step.py)."""
+    from effitrain.planning import planner as plan
+    from effitrain.planning import rl_step
+
+    if args.rl is None:
+        return plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage), None
+    new_tokens = _max_new_tokens(args)
+    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta)
+    planner = plan.Planner(shapes, args.seq_len + new_tokens, device, args.world_size, args.strategy,
+                           args.zero_stage)
+    return planner, rl_step.estimator(planner, args.seq_len, new_tokens, args.top_p)
+
+
+def _max_new_tokens(args: argparse.Namespace) -> int:
+    return args.max_new_tokens or cfg.RL_MAX_NEW_TOKENS  # train's default with --rl (config.resolved)
+
+
+def _rl_settings(args: argparse.Namespace) -> dict:
+    if args.rl is None:
+        return {}
+    return {"rl": args.rl, "num_generations": args.num_generations, "max_new_tokens": _max_new_tokens(args),
+            "kl_beta": args.kl_beta, "top_p": args.top_p}
+
+
+def _check_rl(args: argparse.Namespace) -> None:
+    """--rl and its flags by train's rules (--rl with --preference, --num-generations 1, ...), and --rl only on a
+    task that generates; --max-new-tokens, which train also takes for evaluation, plans nothing without --rl."""
+    from effitrain import tasks
+
+    config = cfg.TrainConfig(task=args.task, peft=args.peft, preference=args.preference, rl=args.rl,
+                             num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
+                             kl_beta=args.kl_beta, top_p=args.top_p)
+    cfg.validate(config)
+    if args.rl is None:
+        if args.max_new_tokens is not None:
+            raise UserError("--max-new-tokens plans the completions of online RL, and --rl is not set",
+                            f"pass --rl {cfg.RL[0]}, or drop --max-new-tokens")
+        return
+    task = tasks.get(args.task)
+    if not task.supports_rl:
+        task.check_config(cfg.resolved(config))  # refuses --rl with the task's name, as train does
 
 
 def _optimizers(args: argparse.Namespace) -> list[str]:

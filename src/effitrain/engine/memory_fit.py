@@ -94,22 +94,42 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
                                config.packing)
     shapes = plan.for_preference(shapes, config.preference, config.reference)
-    if encoded is not None:  # answer-only data: the chunked head multiplies the answers' positions only
-        from dataclasses import replace
+    if config.rl is not None:
+        planner, estimate_of = _rl_planner(config, shapes, device, world, encoded)
+    else:
+        if encoded is not None:  # answer-only data: the chunked head multiplies the answers' positions only
+            from dataclasses import replace
 
-        shapes = replace(shapes, loss_positions=task.loss_positions(encoded["train"]))
-    planner = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world, config.strategy,
-                           config.zero_stage)
+            shapes = replace(shapes, loss_positions=task.loss_positions(encoded["train"]))
+        planner, estimate_of = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world,
+                                            config.strategy, config.zero_stage), None
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)
     optimizer, checkpointing = fixed or (config.optim, config.gradient_checkpointing)
     estimate, changes = plan.fit(planner, config.batch_size, precision, optimizer, checkpointing,
-                                 budget, accumulation=accumulation, techniques_fixed=fixed is not None)
+                                 budget, accumulation=accumulation, techniques_fixed=fixed is not None,
+                                 estimate_of=estimate_of)
     pieces = config.batch_size // estimate.setting.micro_batch
     said = ", ".join(changes) if changes else "no change needed"
     note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB "
             f"with micro-batch {estimate.setting.micro_batch}; {said}")
     numbers = {"budget_bytes": int(budget), "predicted_peak_bytes": int(estimate.total), "in_use_bytes": in_use}
     return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, numbers
+
+
+def _rl_planner(config: TrainConfig, shapes, device: torch.device, world: int, encoded):
+    """--rl: the step generates --num-generations completions of each of the step's prompts at once, then
+    updates on them (planning/rl_step.py); the prompts as long as the longest kept (--max-length without the
+    data at hand)."""
+    from effitrain.planning import planner as plan
+    from effitrain.planning import rl_step
+
+    prompt_len = config.max_length
+    if encoded is not None and len(encoded["train"]):
+        prompt_len = min(prompt_len, max(len(ids) for ids in encoded["train"]["input_ids"]))
+    shapes = rl_step.for_rl(shapes, config.num_generations, config.max_new_tokens, config.kl_beta)
+    planner = plan.Planner(shapes, prompt_len + config.max_new_tokens, device.type, world, config.strategy,
+                           config.zero_stage)
+    return planner, rl_step.estimator(planner, prompt_len, config.max_new_tokens, config.top_p)
 
 
 def in_use_bytes(device: torch.device) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -203,6 +204,7 @@ class Estimate:
     overhead: int
     relative_speed: float
     fits: bool | None = None
+    peak_phase: str | None = None  # a step with phases (online RL: generation, update): the one that peaks
 
     @property
     def total(self) -> int:
@@ -213,7 +215,14 @@ class Estimate:
         out.update(weights=self.weights, gradients=self.gradients, optimizer_states=self.optimizer,
                    activations=self.activations, overhead=self.overhead, total=self.total,
                    relative_speed=round(self.relative_speed, 3), fits=self.fits)
+        if self.peak_phase is not None:
+            out["peak_phase"] = self.peak_phase
         return out
+
+
+# What a plan asks of each setting: the peak of a training step (Planner.estimate, or another step's shape:
+# rl_step.estimator). The setting's micro_batch x accumulation is the device's examples per step.
+Estimator = Callable[[Setting], Estimate]
 
 
 class Planner:
@@ -363,11 +372,14 @@ def recommend(estimates: list[Estimate]) -> Estimate | None:
 
 
 def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpointing: bool,
-        budget: int, accumulation: int = 1, techniques_fixed: bool = False) -> tuple[Estimate, list[str]]:
+        budget: int, accumulation: int = 1, techniques_fixed: bool = False,
+        estimate_of: Estimator | None = None) -> tuple[Estimate, list[str]]:
     """What `train --memory-budget` applies: the user's settings when they fit; else trade micro-batch
     for accumulation (same effective batch), and only if even one example at a time does not fit,
     turn on checkpointing, then a lighter optimizer (not when `techniques_fixed`: a resumed run keeps
-    what its checkpoint was trained with). Returns the choice and what changed, in words."""
+    what its checkpoint was trained with). Returns the choice and what changed, in words. `estimate_of`: the
+    step's peak (default: planner.estimate)."""
+    estimate_of = estimate_of or planner.estimate
     choices = [(checkpointing, optimizer)]
     if not techniques_fixed:
         can = (checkpointing, True) if planner.shapes.supports_checkpointing else (checkpointing,)
@@ -375,7 +387,7 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
         choices += [(ckpt, optimizer) for ckpt in can[1:]] + [(ckpt, name) for name in lighter for ckpt in can]
     for ckpt, optim_name in choices:
         for micro in micro_batches(batch):
-            estimate = planner.estimate(Setting(precision, optim_name, ckpt, micro, batch // micro * accumulation))
+            estimate = estimate_of(Setting(precision, optim_name, ckpt, micro, batch // micro * accumulation))
             if estimate.total <= budget:
                 estimate.fits = True
                 changes = []
@@ -387,7 +399,7 @@ def fit(planner: Planner, batch: int, precision: str, optimizer: str, checkpoint
                     changes.append(f"optimizer {optimizer} -> {optim_name}")
                 return estimate, changes
     ckpt, optim_name = choices[-1]  # the lightest choice tried
-    smallest = planner.estimate(Setting(precision, optim_name, ckpt, 1, batch * accumulation))
+    smallest = estimate_of(Setting(precision, optim_name, ckpt, 1, batch * accumulation))
     raise UserError(f"nothing fits in {budget / GiB:.2f} GiB: even one example at a time with "
                     f"{smallest.setting.optimizer}" + (", gradient checkpointing" if smallest.setting.checkpointing
                                                       else "") + f" needs {smallest.total / GiB:.2f} GiB",
@@ -413,15 +425,17 @@ def available_bytes(device: str) -> int:
 
 
 def best_per_technique(planner: Planner, batch: int, precisions: list[str], optimizers: list[str],
-                       checkpointing: list[bool], budget: int | None, every_micro_batch: bool = False
-                       ) -> list[Estimate]:
+                       checkpointing: list[bool], budget: int | None, every_micro_batch: bool = False,
+                       estimate_of: Estimator | None = None) -> list[Estimate]:
     """One row per (precision, optimizer, checkpointing): the largest micro-batch that fits the budget
     (accumulation makes up the rest of `batch`), or the whole batch in one micro-batch when none fits
-    or there is no budget. `every_micro_batch`: all of them instead."""
+    or there is no budget. `every_micro_batch`: all of them instead. `estimate_of`: the step's peak
+    (default: planner.estimate)."""
+    estimate_of = estimate_of or planner.estimate
     rows = []
     for precision, optimizer, ckpt in itertools.product(precisions, optimizers, checkpointing):
         def at(micro: int) -> Estimate:
-            estimate = planner.estimate(Setting(precision, optimizer, ckpt, micro, batch // micro))
+            estimate = estimate_of(Setting(precision, optimizer, ckpt, micro, batch // micro))
             estimate.fits = None if budget is None else estimate.total <= budget
             return estimate
 
@@ -453,13 +467,15 @@ def format_table(rows: list[Estimate], recommended: Estimate | None) -> str:
         return f"{n / GiB:.2f}"
 
     width = max([10, *(len(e.setting.optimizer) for e in rows)])  # the longest optimizer name
+    phased = any(e.peak_phase for e in rows)  # a step of phases: the total is the larger, and which one says
     lines = [f"{'precision':9} {'optimizer':{width}} {'ckpt':4} {'micro x acc':>11} {'weights':>8} {'grads':>8} "
-             f"{'optim':>8} {'activ':>8} {'overhd':>8} {'total':>8} {'speed':>6}  fits"]
+             f"{'optim':>8} {'activ':>8} {'overhd':>8} {'total':>8}" + (f" {'peak in':>10}" if phased else "")
+             + f" {'speed':>6}  fits"]
     for e in rows:
         s = e.setting
         mark = {True: "yes", False: "no", None: "-"}[e.fits] + ("  <- recommended" if e is recommended else "")
         lines.append(f"{s.precision:9} {s.optimizer:{width}} {'on' if s.checkpointing else 'off':4} "
                      f"{f'{s.micro_batch} x {s.accumulation}':>11} {gib(e.weights):>8} {gib(e.gradients):>8} "
                      f"{gib(e.optimizer):>8} {gib(e.activations):>8} {gib(e.overhead):>8} {gib(e.total):>8} "
-                     f"{e.relative_speed:>5.2f}x  {mark}")
+                     + (f"{e.peak_phase or '-':>10} " if phased else "") + f"{e.relative_speed:>5.2f}x  {mark}")
     return "\n".join(lines)

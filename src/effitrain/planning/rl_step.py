@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from effitrain.models import adapters
-from effitrain.planning.planner import Estimate, ModelShapes, Planner, Setting
+from effitrain.planning.planner import Estimate, Estimator, ModelShapes, Planner, Setting
 
 # Bytes of a cached key and value per element, by the precision the generation's autocast runs in. Under a
 # half precision the value projection's output is half, but the key leaves the rotary embedding in fp32
@@ -140,7 +140,7 @@ class RlStepEstimate:
 
     @property
     def peak_phase(self) -> str:
-        return "generation" if self.generation_total > self.update.total else "update"
+        return self.estimate.peak_phase
 
 
 def rl_step(planner: Planner, setting: Setting, prompts: int, prompt_len: int, max_new_tokens: int,
@@ -157,5 +157,17 @@ def rl_step(planner: Planner, setting: Setting, prompts: int, prompt_len: int, m
     generation_total = weights + states + buckets + generation.total + update.overhead
     # As a planner row: weights, gradients, states and overhead as the update's; the rest is activations.
     activations = max(update.activations, generation_total - (weights + gradients + states + update.overhead))
-    estimate = replace(update, activations=activations)
-    return RlStepEstimate(update, generation, generation_total, estimate)
+    phase = "generation" if generation_total > update.total else "update"
+    return RlStepEstimate(update, generation, generation_total,
+                          replace(update, activations=activations, peak_phase=phase))
+
+
+def estimator(planner: Planner, prompt_len: int, max_new_tokens: int, top_p: float = 1.0) -> Estimator:
+    """The step's peak as `plan` and `train --memory-budget` ask for it per setting (planner.best_per_technique,
+    planner.fit): the setting's micro_batch x accumulation are the device's prompts per step, all generated at
+    once; `planner` built on `for_rl`'s shapes with seq_len = prompt_len + max_new_tokens."""
+    def estimate(setting: Setting) -> Estimate:
+        prompts = setting.micro_batch * setting.accumulation
+        return rl_step(planner, setting, prompts, prompt_len, max_new_tokens, top_p).estimate
+
+    return estimate

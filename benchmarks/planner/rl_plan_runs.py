@@ -1,0 +1,102 @@
+"""The online-RL step's plan (planning/rl_step.py) against effitrain's own `--rl grpo` runs: one fresh process per
+row, as memory_plan_runs.py does for training steps.
+
+Each row is `effitrain train --rl grpo --memory-budget 64GiB` on `addition` (a Llama-shaped model from a config,
+the default tokenizer: untrained, so every completion runs to --max-new-tokens) for STEPS steps; the run plans
+itself (the budget never binds) and records the resident memory before the model (`in_use_bytes`) and the
+predicted peak; its peak resident memory less `in_use_bytes` is the measured step peak. The script also prints
+the two phases of the plan (generation, update) for the same settings, as `effitrain plan --rl grpo` shows them.
+
+    python benchmarks/planner/rl_plan_runs.py [--only LABEL ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MiB = 2**20
+STEPS = 4
+BARS = {"within": 0.15, "under": 0.10}
+
+
+def llama(hidden: int, layers: int) -> str:
+    return (f"llama:hidden_size={hidden},num_hidden_layers={layers},num_attention_heads=4,num_key_value_heads=4,"
+            f"intermediate_size={2 * hidden},max_position_embeddings=128")
+
+
+# label, model, prompts per micro-batch, accumulation, G, max new tokens, precision
+ROWS = [
+    ("gen-fp32", llama(128, 2), 4, 8, 8, 32, "fp32"),
+    ("gen-bf16", llama(128, 2), 4, 8, 8, 32, "bf16"),
+    ("upd-fp32", llama(256, 4), 16, 1, 8, 16, "fp32"),
+    ("upd-bf16", llama(256, 4), 16, 1, 8, 16, "bf16"),
+]
+
+
+def run_row(row, out: Path) -> dict:
+    label, model, micro, accumulation, generations, new_tokens, precision = row
+    cmd = [sys.executable, "-m", "effitrain", "train", "--task", "causal-lm", "--data", "addition", "--model", model,
+           "--rl", "grpo", "--batch-size", str(micro), "--grad-accum", str(accumulation), "--num-generations",
+           str(generations), "--max-new-tokens", str(new_tokens), "--precision", precision,
+           "--max-steps", str(STEPS), "--max-eval-samples", "4", "--eval-batch-size", "4",
+           "--memory-budget", "64GiB", "--output-dir", str(out), "--overwrite"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = json.loads((out / "metrics.json").read_text())
+    plan = metrics["memory_plan"]
+    measured = metrics["peak_memory_bytes"] - plan["in_use_bytes"]
+    phases = plan_phases(row, out / "model")
+    return {"label": label, "measured": measured, "predicted": plan["predicted_peak_bytes"], **phases,
+            "error": plan["predicted_peak_bytes"] / measured - 1}
+
+
+def plan_phases(row, model_dir: Path) -> dict:
+    """The plan of the row's settings, phase by phase, with the run's tokenizer (its vocabulary, the longest
+    prompt) as the run planned it."""
+    from transformers import AutoTokenizer
+
+    from effitrain.data import builtins, prompt_batches
+    from effitrain.planning import planner as plan
+    from effitrain.planning import rl_step
+
+    label, model, micro, accumulation, generations, new_tokens, precision = row
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_len = max(map(len, prompt_batches.prompt_ids(tokenizer, list(builtins.addition()["all"]["prompt"]))))
+    shapes = plan.model_shapes("causal-lm", model, vocab_size=len(tokenizer))
+    shapes = rl_step.for_rl(shapes, generations, new_tokens)
+    planner = plan.Planner(shapes, prompt_len + new_tokens)
+    step = rl_step.rl_step(planner, plan.Setting(precision, "adamw", False, micro, accumulation),
+                           micro * accumulation, prompt_len, new_tokens)
+    return {"prompt_len": prompt_len, "generation": step.generation_total, "update": step.update.total,
+            "peak_phase": step.peak_phase, "overhead": step.update.overhead}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in ROWS:
+            if args.only and row[0] not in args.only:
+                continue
+            result = run_row(row, Path(tmp) / row[0])
+            results.append(result)
+            print(f"{result['label']:9} measured {result['measured'] / MiB:7.1f} MiB  planned "
+                  f"{result['predicted'] / MiB:7.1f} MiB ({result['error']:+.1%}); generation "
+                  f"{result['generation'] / MiB:.1f}, update {result['update'] / MiB:.1f}: {result['peak_phase']}",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    bad = [r for r in results if abs(r["error"]) > BARS["within"] or r["error"] < -BARS["under"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
