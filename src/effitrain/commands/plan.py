@@ -112,6 +112,10 @@ def main(args) -> int:
           f"{per_step} per {device} device per step, {args.world_size} process(es) "
           f"({args.strategy}); budget {budget / plan.GiB:.2f} GiB per device. GiB per device:")
     print(plan.format_table(rows, best))
+    if args.rl:
+        from effitrain.planning.rl_step import UNCALIBRATED
+
+        print(UNCALIBRATED)
     if best is None:
         print("nothing fits: raise --memory, shorten --seq-len, add processes with --strategy fsdp, "
               "or use a smaller model")

@@ -112,6 +112,10 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     said = ", ".join(changes) if changes else "no change needed"
     note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB "
             f"with micro-batch {estimate.setting.micro_batch}; {said}")
+    if config.rl is not None:
+        from effitrain.planning.rl_step import UNCALIBRATED
+
+        note += f" ({UNCALIBRATED})"
     numbers = {"budget_bytes": int(budget), "predicted_peak_bytes": int(estimate.total), "in_use_bytes": in_use}
     return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, numbers
 
