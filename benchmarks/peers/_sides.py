@@ -1,8 +1,8 @@
 """What both sides of a peer comparison (vs_trainer.py, vs_trl.py, vs_trl_preference.py, vs_trl_grpo.py) start
 from and how each runs: the peer library there or the dry run's effitrain side alone, the versions, the
-Llama-shaped model and BPE tokenizer the TRL comparisons train, effitrain's own split of the data, the batch order both sides
-draw, the digest that shows they drew the same batch, effitrain's step observer, and one run in a fresh
-process. For the TRL comparisons also their flags, their step log's speed figures, each side's run around
+Llama-shaped model and BPE tokenizer the TRL comparisons train, effitrain's own split of the data, the batch
+order both sides draw, the digest that shows they drew the same batch, effitrain's step observer, and one
+run in a fresh process. For the TRL comparisons also their flags, their step log's speed figures, each side's run around
 its trainer and their main: a next one (GRPO) writes only its sides, data and report. Not a benchmark of its
 own: equal starts are what make the figures comparable, so they are written once."""
 

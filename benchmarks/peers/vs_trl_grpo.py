@@ -39,7 +39,6 @@ Compare the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -441,7 +440,8 @@ def compare(args) -> None:
                            "s to saved model", "other cores"), rows)
             if "effitrain" in medians and "trl" in medians:
                 ours, theirs = medians["effitrain"], medians["trl"]
-                print(f"effitrain / TRL, {precision}: prompts/s {ours['prompts_per_second'] / theirs['prompts_per_second']:.2f}x, "
+                print(f"effitrain / TRL, {precision}: prompts/s "
+                      f"{ours['prompts_per_second'] / theirs['prompts_per_second']:.2f}x, "
                       f"peak RSS {ours['peak_rss_bytes'] / theirs['peak_rss_bytes']:.2f}x")
                 same = {run["first_digest"] for side in ("effitrain", "trl") for run in results[(side, precision)]}
                 print(f"the same first step's prompts on every run: {len(same) == 1}")
