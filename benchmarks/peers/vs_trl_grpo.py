@@ -53,7 +53,7 @@ from peers import _report, _sides  # noqa: E402
 DATA = "addition"
 GENERATIONS, MAX_NEW_TOKENS = 8, 4  # issue 43's learning target: 8 completions, at most 4 new tokens
 LR, MAX_GRAD_NORM = 3e-4, 1.0
-SFT_STEPS, SFT_LR, SFT_BATCH = 400, 3e-3, 32
+SFT_STEPS, SFT_LR, SFT_BATCH = 1500, 3e-3, 32  # docs/rl.md walk-through's SFT
 SIDES = ("trl", "effitrain", "trl-first-update")
 CHECKED = "trl-first-update"
 PAD, EOS = "<pad>", "<eos>"
@@ -357,6 +357,10 @@ def first_update(args) -> dict:
     worst = max(float((a.float() - b.float()).abs().max()) for a, b in grads.values())
     largest = max(float(b.float().abs().max()) for _, b in grads.values())
     ours_mask, their_mask = micro["completion_mask"], made["completion_mask"]
+    ours_seconds = backward_seconds(ours, lambda: task.train_loss(ours, micro).loss_sum / task.item_count(micro),
+                                    lambda: autocast)
+    theirs_seconds = backward_seconds(theirs, lambda: trainer.compute_loss(trainer.model, made),
+                                      trainer.accelerator.autocast)
     same_tokens = ours_mask.shape == their_mask.shape and bool((ours_mask == their_mask).all()) and bool(
         (made["completion_ids"] * their_mask == micro["input_ids"][:, width:] * ours_mask).all())
     return {"side": CHECKED, "precision": args.precision, "saved_at": time.time(), "prompts": len(rows),
@@ -366,8 +370,23 @@ def first_update(args) -> dict:
             "advantage_difference": float((micro["advantages"].float() - made["advantages"].float()).abs().max()),
             "effitrain_loss": float(loss), "trl_loss": float(their_loss),
             "loss_difference": abs(float(loss) - float(their_loss)),
+            "effitrain_loss_backward_seconds": ours_seconds, "trl_loss_backward_seconds": theirs_seconds,
             "gradient_difference": worst, "largest_gradient": largest, "parameters": len(grads),
             "versions": {"trl": __import__("trl").__version__, **_sides.versions()}}
+
+
+def backward_seconds(model, loss, autocast, repeats: int = 5) -> float:
+    """The median seconds of `loss()` (under `autocast()`) and its backward on one step's batch (the update
+    without the optimizer): where a difference in prompts/s lies, generation or update."""
+    times = []
+    for _ in range(repeats):
+        model.zero_grad()
+        started = time.perf_counter()
+        with autocast():
+            value = loss()
+        value.backward()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 # --- the parent ----------------------------------------------------------------------------------------
@@ -413,6 +432,8 @@ def check_lines(checks: dict) -> list[str]:
                      f"tensors (largest |gradient| {run['largest_gradient']:.2e})"
                      + (f" ({_report.loss_verdict(max(run['loss_difference'], run['gradient_difference']))})"
                         if precision == "fp32" else ""))
+        lines.append(f"  the step's loss and backward alone (median of 5): effitrain "
+                     f"{run['effitrain_loss_backward_seconds']:.3f} s, TRL {run['trl_loss_backward_seconds']:.3f} s")
         if run["largest_gradient"] == 0:
             lines.append("  (no group had a reward spread: both gradients are zero, which checks little; "
                          "start from an SFT checkpoint, --sft-steps)")
