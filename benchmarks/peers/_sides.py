@@ -1,8 +1,8 @@
-"""What both sides of a peer comparison (vs_trainer.py, vs_trl.py, vs_trl_preference.py) start from and how
-each runs: the peer library there or the dry run's effitrain side alone, the versions, the Llama-shaped model
-and BPE tokenizer the TRL comparisons train, effitrain's own split of the data, the batch order both sides
-draw, the digest that shows they drew the same batch, effitrain's step observer, and one run in a fresh
-process. For the TRL comparisons also their flags, their step log's speed figures, each side's run around
+"""What both sides of a peer comparison (vs_trainer.py, vs_trl.py, vs_trl_preference.py, vs_trl_grpo.py) start
+from and how each runs: the peer library there or the dry run's effitrain side alone, the versions, the
+Llama-shaped model and BPE tokenizer the TRL comparisons train, effitrain's own split of the data, the batch
+order both sides draw, the digest that shows they drew the same batch, effitrain's step observer, and one
+run in a fresh process. For the TRL comparisons also their flags, their step log's speed figures, each side's run around
 its trainer and their main: a next one (GRPO) writes only its sides, data and report. Not a benchmark of its
 own: equal starts are what make the figures comparable, so they are written once."""
 
@@ -197,8 +197,9 @@ class StepLog:
 
 
 class Observer:
-    """effitrain's callbacks (engine/callbacks.py) feeding a step log (vs_trl.py's or vs_trl_preference.py's
-    StepLog): each step's batch, end and loss; the peak RSS and CPU when the loop ends."""
+    """effitrain's callbacks (engine/callbacks.py) feeding a step log (vs_trl.py's, vs_trl_preference.py's or
+    vs_trl_grpo.py's StepLog): each step's batch, end and loss (and the step's result, to a log that takes
+    it); the peak RSS and CPU when the loop ends."""
 
     def __init__(self, log):
         self.log = log
@@ -213,6 +214,8 @@ class Observer:
         self.log.ends.append(time.perf_counter())
         loss_sum, items = (float(x) for x in result.window[:2])
         self.log.step_loss(loss_sum / items)
+        if hasattr(self.log, "step_result"):  # a log that reads the task's own sums (vs_trl_grpo.py's rewards)
+            self.log.step_result(result)
 
     def on_train_end(self, state):
         self.rss, self.cpu_end = rss_peak_bytes(), cpu_snapshot()

@@ -54,6 +54,7 @@ def test_every_script_sits_in_a_topic_folder():
 def test_every_script_is_listed_and_has_a_dry_run():
     found = scripts()
     assert len(found) >= 17 and "peers/vs_trainer" in found and "gpu/_gpu_check" in found
+    assert "peers/vs_trl_grpo" in found  # its dry run without TRL: the effitrain side alone
     assert found == modules(), f"not scripts (no __main__ block): {sorted(set(modules()) - set(found))}"
     missing = [name for name in found if "--dry-run" not in (BENCHMARKS / f"{name}.py").read_text()]
     assert not missing, f"scripts without --dry-run: {missing}"
