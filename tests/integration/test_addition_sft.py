@@ -21,20 +21,23 @@ def test_sft_on_addition_reports_the_exact_match_of_its_greedy_answers(tmp_path)
     assert metrics["steps"] == 3
     for split in ("validation", "test"):
         assert {"exact_match", "end_of_turn_share"} <= set(metrics[split]) and metrics[split]["samples"] == 12
-    # Each answer is one WordPiece token (the default tokenizer holds every number up to 198) and [SEP].
-    assert metrics["test"]["tokens"] == 2 * 12
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()
     test = sources.load(TrainConfig(**settings), {"prompt": "prompt", "completion": "completion"}).splits["test"]
+    # Each answer is its digits, one WordPiece token each ("6 8"), and [SEP]; evaluation generates as many
+    # new tokens as the longest answer holds.
+    answer_lengths = [len(completion.split()) + 1 for completion in test["completion"]]
+    assert metrics["test"]["tokens"] == sum(answer_lengths)
     batch = prompt_batches.encode(tokenizer, test.to_list())
     stops = answers.stop_ids(tokenizer)
     assert stops == [tokenizer.sep_token_id]
     with torch.inference_mode():
-        out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=2,
-                             do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             max_new_tokens=max(answer_lengths), do_sample=False, eos_token_id=stops,
+                             pad_token_id=tokenizer.pad_token_id)
     new = [row[:row.index(stops[0]) + 1] if stops[0] in row else row
            for row in out[:, batch.input_ids.shape[1]:].tolist()]
     texts = [text.strip() for text in tokenizer.batch_decode(new, skip_special_tokens=True)]

@@ -76,13 +76,21 @@ ADDITION_SEED = 43
 ADDITION_RANGE = range(10, 100)  # two-digit numbers
 
 
+def _digits_apart(number: int) -> str:
+    """A number digit by digit ("68" -> "6 8"): WordPiece splits at the spaces and drops them, one token a digit."""
+    return " ".join(str(number))
+
+
 def addition():
     """Two-digit sums made in code, with a verifiable answer (for SFT as prompt-completion, and for RL
     rewards): every unordered pair {a, b} of 10 <= a <= b <= 99 once (4,095 rows), written in an order
-    drawn by a seeded coin ("23+45=" or "45+23="), the rows shuffled by the same seed. A pair never
-    appears in two orders, so the seeded split holds out sums whose swapped form is not trained on either.
-    `completion` and `answer` are the sum as text ("68"): the short prompt and at most three digits keep
-    it fit for a character-level tokenizer (the default WordPiece one reads each number as one token)."""
+    drawn by a seeded coin ("2 3 + 4 5 =" or "4 5 + 2 3 ="), the rows shuffled by the same seed. A pair
+    never appears in two orders, so the seeded split holds out sums whose swapped form is not trained on
+    either. `completion` and `answer` are the sum in the same form, digit by digit ("6 8"), so that the
+    exact-match reward compares like with like (the number-match reward would read "6 8" as 8). The
+    digits are apart because the default WordPiece tokenizer reads each number up to 198 as one token (the
+    model would learn a lookup table, not addition); apart, each digit is one token, so an answer is at
+    most three digits and [SEP]: 4 new tokens."""
     import random
 
     from datasets import Dataset
@@ -92,7 +100,7 @@ def addition():
     for a in ADDITION_RANGE:
         for b in ADDITION_RANGE[a - ADDITION_RANGE.start:]:
             first, second = (a, b) if rng.random() < 0.5 else (b, a)
-            rows.append((f"{first}+{second}=", str(a + b)))
+            rows.append((f"{_digits_apart(first)} + {_digits_apart(second)} =", _digits_apart(a + b)))
     rng.shuffle(rows)
     prompts, sums = zip(*rows)
     return {"all": Dataset.from_dict({"prompt": list(prompts), "completion": list(sums), "answer": list(sums)})}
