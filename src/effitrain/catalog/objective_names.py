@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from effitrain.catalog.live_names import LiveNames
+from effitrain.catalog.live_names import Catalog
 
 
 @dataclass(frozen=True)
@@ -19,27 +19,14 @@ class ObjectiveName:
     without: str = "has its own loss"  # what refusing another objective's flag says of this one
 
 
-_ENTRIES: dict[str, ObjectiveName] = {}
-NAMES = LiveNames(_ENTRIES)
-
-
-def add(entry: ObjectiveName) -> ObjectiveName:
-    if entry.name in _ENTRIES:
-        raise ValueError(f"objective {entry.name} is registered already")
-    _ENTRIES[entry.name] = entry
-    return entry
-
-
-def get(name: str | None) -> ObjectiveName | None:
-    return _ENTRIES.get(name)
+_CATALOG = Catalog("objective")
+NAMES, add, get = _CATALOG.names, _CATALOG.add, _CATALOG.get
 
 
 def help_text() -> str:
     """--preference's help, from every registered objective's words."""
-    described = [f"{entry.name} ({entry.words})" for entry in _ENTRIES.values()]
-    listed = ", ".join(described[:-1]) + " or " + described[-1] if len(described) > 1 else "".join(described)
     return ("--task causal-lm on preference pairs (`prompt`, `chosen`, `rejected`, or `chosen` and `rejected` "
-            f"conversations): {listed}")
+            f"conversations): {_CATALOG.listed()}")
 
 
 add(ObjectiveName("dpo", "direct preference optimisation against a reference model",

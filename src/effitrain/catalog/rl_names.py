@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from effitrain.catalog.live_names import LiveNames
+from effitrain.catalog.live_names import Catalog
 
 SCALE_REWARDS = ("group", "batch", "none")  # --scale-rewards (tasks/objectives/policy_gradient.py's names)
 LOSS_TYPES = ("dapo", "grpo", "dr-grpo")  # --loss-type (policy_gradient.py reads dr-grpo as dr_grpo)
@@ -23,35 +23,23 @@ class RlName:
     settings: tuple[str, ...] = ()  # the online-RL flags that only it takes (the others take every one)
 
 
-_ENTRIES: dict[str, RlName] = {}
-NAMES = LiveNames(_ENTRIES)
-
-
-def add(entry: RlName) -> RlName:
-    if entry.name in _ENTRIES:
-        raise ValueError(f"online RL objective {entry.name} is registered already")
-    _ENTRIES[entry.name] = entry
-    return entry
-
-
-def get(name: str | None) -> RlName | None:
-    return _ENTRIES.get(name)
+_CATALOG = Catalog("online RL objective")
+NAMES, add, get = _CATALOG.names, _CATALOG.add, _CATALOG.get
 
 
 def owners(setting: str) -> list[str]:
     """The objectives that take `setting` as their own."""
-    return [entry.name for entry in _ENTRIES.values() if setting in entry.settings]
+    return [entry.name for entry in _CATALOG.entries() if setting in entry.settings]
 
 
 def owners_of_any() -> list[str]:
     """The settings some objective takes as its own (the others refuse them)."""
-    return list(dict.fromkeys(setting for entry in _ENTRIES.values() for setting in entry.settings))
+    return list(dict.fromkeys(setting for entry in _CATALOG.entries() for setting in entry.settings))
 
 
 def help_text() -> str:
     """--rl's help, from every registered objective's words."""
-    described = [f"{entry.name} ({entry.words})" for entry in _ENTRIES.values()]
-    listed = ", ".join(described[:-1]) + " or " + described[-1] if len(described) > 1 else "".join(described)
+    listed = _CATALOG.listed()
     return ("--task causal-lm on prompts (a `prompt` column: text, or a list of messages; the other columns reach "
             f"the reward functions): completions sampled in each step and learnt from their rewards: {listed} "
             "(docs/rl.md)")

@@ -1,8 +1,9 @@
 """The objectives a task trains with, by the --preference name that picks them (tasks/preference.py holds
-one), and by the --rl name (tasks/online_rl.py holds one). Adding one, GRPO or on-policy distillation say: its class (tasks/objectives/objective.py's interface,
-with `rollout` if it generates during the step), registered with what config reads of it (`register`: its
---help words, the flags only it takes, kept torch-free in catalog/objective_names.py). No module outside
-this package branches on an objective's name (tests/architecture/test_objective_branches.py)."""
+one), and by the --rl name (tasks/online_rl.py holds one). Adding one (on-policy distillation, say): its class
+(tasks/objectives/objective.py's interface, with `rollout` if it generates during the step), registered with
+what config reads of it (`register` / `register_rl`: its --help words, the flags only it takes, kept torch-free
+in catalog/objective_names.py and catalog/rl_names.py). No module outside this package branches on an
+objective's name (tests/architecture/test_objective_branches.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ REGISTRY: dict[str, type[Objective]] = {cls.name: cls for cls in (Dpo, Orpo)}  #
 RL_REGISTRY: dict[str, type[Grpo]] = {cls.name: cls for cls in (Grpo, Rloo)}  # --rl's: catalog/rl_names.py
 
 
-def register(cls: type[Objective], name: ObjectiveName) -> type[Objective]:
-    """A new objective: its class, and what config, --help and plan read of it (`name.name` == cls.name)."""
+def _registered(registry: dict, add_to_catalog, cls: type, name) -> type:
     if name.name != cls.name:
         raise ValueError(f"{cls.__name__} is named {cls.name}, its catalog entry {name.name}")
-    objective_names.add(name)
-    REGISTRY[cls.name] = cls
+    add_to_catalog(name)
+    registry[cls.name] = cls
     return cls
+
+
+def register(cls: type[Objective], name: ObjectiveName) -> type[Objective]:
+    """A new objective: its class, and what config, --help and plan read of it (`name.name` == cls.name)."""
+    return _registered(REGISTRY, objective_names.add, cls, name)
 
 
 def of(config) -> Objective:
@@ -34,11 +39,7 @@ def of(config) -> Objective:
 
 def register_rl(cls: type[Grpo], name: RlName) -> type[Grpo]:
     """A new online RL objective (--rl): its class and its catalog entry (`name.name` == cls.name)."""
-    if name.name != cls.name:
-        raise ValueError(f"{cls.__name__} is named {cls.name}, its catalog entry {name.name}")
-    rl_names.add(name)
-    RL_REGISTRY[cls.name] = cls
-    return cls
+    return _registered(RL_REGISTRY, rl_names.add, cls, name)
 
 
 def of_rl(config) -> Grpo:
