@@ -7,18 +7,18 @@ package optimizers: benchmarks/results/optimizers_xeon2c_2026-12-05.md."""
 
 from __future__ import annotations
 
-from effitrain.optimizers import state_sizes
+import effitrain.optimizers.state_sizes as state_sizes
 from effitrain.optimizers.spec import OptimizerSpec
 
 
 def _classic():
-    from effitrain.optimizers import classic
+    import effitrain.optimizers.classic as classic
 
     return classic
 
 
 def _packaged():
-    from effitrain.optimizers import packaged
+    import effitrain.optimizers.packaged as packaged
 
     return packaged
 

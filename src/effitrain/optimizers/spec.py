@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
-from effitrain.optimizers import state_sizes
+import effitrain.optimizers.state_sizes as state_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +41,13 @@ class OptimizerSpec:
         weights again exactly; for most optimizers nothing changes."""
         if not self.averaged_weights:
             return contextlib.nullcontext()
-        from effitrain.optimizers import averaged
+        import effitrain.optimizers.averaged as averaged
 
         return averaged.evaluated_weights(optimizer)
 
     def use_evaluated_weights(self, optimizer) -> None:
         """After the last step: the model holds the weights to test and save."""
         if self.averaged_weights:
-            from effitrain.optimizers import averaged
+            import effitrain.optimizers.averaged as averaged
 
             averaged.use_evaluated_weights(optimizer)

@@ -62,7 +62,7 @@ class CausalLM(Task):
     def check_built_model(self, model, encoded, processor, config) -> None:
         """--packing: two training examples packed and padded give the same logits (tasks/packing_check.py).
         Run on the plain model: the transforms after it change no computation across positions."""
-        from effitrain.tasks import packing_check
+        import effitrain.tasks.packing_check as packing_check
 
         if config.packing:
             packed, padded = self.collators(processor, config)
@@ -205,7 +205,7 @@ class CausalLM(Task):
     def eval_setting(self, processor, config, split):
         """Prompt-completion and chat data (labels on the answers): how answers are generated and scored
         (tasks/generation.py); text data: None (loss, perplexity and token accuracy only)."""
-        from effitrain.tasks import generation
+        import effitrain.tasks.generation as generation
 
         if "labels" not in split.column_names:
             return None
@@ -221,7 +221,7 @@ class CausalLM(Task):
         outputs = (losses.sum(-1), mask.sum(-1), (correct & mask).sum(-1))
         if setting is None:
             return outputs
-        from effitrain.tasks import generation
+        import effitrain.tasks.generation as generation
 
         prompts, references = generation.prompts_and_references(batch)
         exact, stopped = generation.scores(generation.generate(model, prompts, setting), references, setting)
@@ -310,7 +310,7 @@ class CausalLM(Task):
 
     def prediction_batch(self, encodings: list, processor, options) -> dict:
         """Prompts padded on the left, so that every row's next token is generated at the same position."""
-        from effitrain.tasks import generation
+        import effitrain.tasks.generation as generation
 
         return generation.left_padded(encodings, processor.pad_token_id)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from effitrain.data import packing
 from effitrain.errors import UserError
 from effitrain.models import loading
-from effitrain.tasks import packed
+import effitrain.tasks.packed as packed
 from effitrain.tasks.base import Task, digest
 
 _AUTO = {"text": "AutoModelForSequenceClassification", "image": "AutoModelForImageClassification",

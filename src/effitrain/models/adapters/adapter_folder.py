@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from effitrain.models.adapters import base_record
+import effitrain.models.adapters.base_record as base_record
 from effitrain.models.adapters.lora_settings import ADAPTER
 from effitrain.models.adapters.merging import full_tensor
 

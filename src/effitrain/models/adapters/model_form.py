@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from effitrain.models.adapters import adapter_folder, merging
+import effitrain.models.adapters.adapter_folder as adapter_folder
+import effitrain.models.adapters.merging as merging
 from effitrain.models.adapters.lora_settings import method, quantized
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from effitrain.errors import UserError
-from effitrain.models import loading
-from effitrain.models.adapters import base_record
+import effitrain.models.loading as loading
+import effitrain.models.adapters.base_record as base_record
 from effitrain.models.adapters.lora_settings import ADAPTER
 from effitrain.models.loading import ADAPTER_CONFIG as ADAPTER_MARK  # peft's file: what makes an adapter folder
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from effitrain.tasks import reference as references
+import effitrain.tasks.reference as references
 from effitrain.tasks.base import TrainLoss
-from effitrain.tasks.objectives import pair_logps
+import effitrain.tasks.objectives.pair_logps as pair_logps
 from effitrain.tasks.objectives.objective import PAIR_METRICS, Objective
 
 

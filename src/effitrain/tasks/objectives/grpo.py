@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from effitrain.tasks import sampling
-from effitrain.tasks import reference as references
+import effitrain.tasks.sampling as sampling
+import effitrain.tasks.reference as references
 from effitrain.tasks.base import TrainLoss
-from effitrain.tasks.objectives import completion_batches
-from effitrain.tasks.objectives import policy_gradient as pg
-from effitrain.tasks.objectives import rewards
+import effitrain.tasks.objectives.completion_batches as completion_batches
+import effitrain.tasks.objectives.policy_gradient as pg
+import effitrain.tasks.objectives.rewards as rewards
 from effitrain.tasks.objectives.objective import Objective
 
 
@@ -260,7 +260,7 @@ class Grpo(Objective):
     def eval_outputs(self, model, batch, setting=None) -> tuple[torch.Tensor, ...]:
         """Per prompt: the weighted reward of its greedy completion, each function's (NaN: unscored), its
         length and whether it ended with a stop id."""
-        from effitrain.tasks import generation
+        import effitrain.tasks.generation as generation
 
         data, rows = setting, [int(row) for row in batch["row_index"].tolist()]
         made = generation.generate(model, unpadded(batch), generation.AnswerGeneration(

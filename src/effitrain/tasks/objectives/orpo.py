@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from effitrain.tasks.base import TrainLoss
-from effitrain.tasks.objectives import pair_logps
+import effitrain.tasks.objectives.pair_logps as pair_logps
 from effitrain.tasks.objectives.objective import PAIR_METRICS, Objective
 
 

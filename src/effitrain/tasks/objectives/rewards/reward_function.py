@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from effitrain.catalog import reward_names
 from effitrain.errors import UserError
-from effitrain.tasks.objectives.rewards import builtin_rewards
+import effitrain.tasks.objectives.rewards.builtin_rewards as builtin_rewards
 from effitrain.tasks.objectives.rewards.reward_file import function_of
 
 # What TRL's GRPOTrainer passes beside prompts, completions and the data's columns that effitrain does not
