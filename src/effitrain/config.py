@@ -698,13 +698,18 @@ def validate(config: TrainConfig) -> None:
         check_plan(config.plan, config.batch_size)
 
 
+def _changed_from_defaults(config: TrainConfig, names) -> list[str]:
+    """The settings among `names` that differ from their defaults (a flag given that its switch ignores)."""
+    defaults = TrainConfig()
+    return [name for name in names if getattr(config, name) != getattr(defaults, name)]
+
+
 def _check_preference(config: TrainConfig) -> None:
     """--preference's own flags: only with it, each only with an objective that takes it (a reference: dpo's),
     adapters only with adapters."""
     names = list(objective_names.NAMES)
     if config.preference is None:
-        defaults = TrainConfig()
-        changed = [name for name in PREFERENCE_SETTINGS if getattr(config, name) != getattr(defaults, name)]
+        changed = _changed_from_defaults(config, PREFERENCE_SETTINGS)
         if changed:
             raise UserError(f"{flag(changed[0])} applies to preference tuning, and --preference is not set",
                             f"pass --preference {names[0]} (or {', '.join(names[1:])}), or drop {flag(changed[0])}")
@@ -744,8 +749,7 @@ def _check_rl(config: TrainConfig) -> None:
     its --scale-rewards; the strategies whose processes keep generating together."""
     names = list(rl_names.NAMES)
     if config.rl is None:
-        defaults = TrainConfig()
-        changed = [name for name in RL_SETTINGS if getattr(config, name) != getattr(defaults, name)]
+        changed = _changed_from_defaults(config, RL_SETTINGS)
         if changed:
             raise UserError(f"{flag(changed[0])} applies to online RL, and --rl is not set",
                             f"pass --rl {names[0]} (or {', '.join(names[1:])}), or drop {flag(changed[0])}")
@@ -781,8 +785,7 @@ def _check_rl(config: TrainConfig) -> None:
 def _check_peft(config: TrainConfig) -> None:
     """--peft and the --lora-* flags together, and with --strategy."""
     if config.peft == "none":
-        defaults = TrainConfig()
-        changed = [name for name in LORA_SETTINGS if getattr(config, name) != getattr(defaults, name)]
+        changed = _changed_from_defaults(config, LORA_SETTINGS)
         if changed:
             raise UserError(f"{flag(changed[0])} applies to adapters, and --peft is none",
                             f"pass --peft lora (or qlora), or drop {flag(changed[0])}")
