@@ -5,14 +5,12 @@ where one process runs the zero-weight stand-in; a run killed mid-way and resume
 (bitwise); a reward that fails mid-run stops it with one line and leaves the last checkpoint to resume from."""
 
 import json
-import signal
-import time
 
 import effitrain
 import pytest
 import torch
 from test_distributed import torchrun
-from test_resume import finished, train
+from test_resume import kill_when, train
 
 from conftest import as_flags, read_jsonl, read_weights
 
@@ -84,12 +82,7 @@ def test_killed_after_step_3_and_resumed_equals_uninterrupted(tmp_path, cli_here
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "killed"
     job = train(*common, "--output-dir", out)
-    deadline = time.time() + 240
-    while not (out / "checkpoints" / "step-3" / "trainer_state.json").is_file():
-        assert job.poll() is None and time.time() < deadline, finished(job)
-        time.sleep(0.05)
-    job.send_signal(signal.SIGKILL)
-    job.wait()
+    kill_when(job, (out / "checkpoints" / "step-3" / "trainer_state.json").is_file, seconds=240)
     resumed = cli_here("train", *common, "--output-dir", out, "--resume", "auto")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     wanted, got = read_weights(tmp_path / "straight"), read_weights(out)

@@ -3,8 +3,6 @@ log-probs, the three reference modes against each other, 2 processes x 4 x accum
 batch of 16, a killed and resumed run against one never stopped, and the data formats."""
 
 import json
-import signal
-import time
 
 import effitrain
 import pytest
@@ -15,7 +13,7 @@ from effitrain.errors import UserError
 from effitrain.speedups import chunked_lm_loss
 from effitrain.tasks import preference
 from test_distributed import torchrun
-from test_resume import finished, train
+from test_resume import kill_when, train
 
 from conftest import as_flags, read_jsonl, read_weights
 
@@ -218,12 +216,7 @@ def test_killed_after_step_5_and_resumed_equals_uninterrupted(tmp_path, cli_here
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "killed"
     job = train(*common, "--output-dir", out)
-    deadline = time.time() + 240
-    while not (out / "checkpoints" / "step-5" / "trainer_state.json").is_file():
-        assert job.poll() is None and time.time() < deadline, finished(job)
-        time.sleep(0.05)
-    job.send_signal(signal.SIGKILL)
-    job.wait()
+    kill_when(job, (out / "checkpoints" / "step-5" / "trainer_state.json").is_file, seconds=240)
     stored = (out / "reference_logps.safetensors").stat().st_mtime_ns
     resumed = cli_here("train", *common, "--output-dir", out, "--resume", "auto")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]

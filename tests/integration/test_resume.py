@@ -34,6 +34,16 @@ def train(*args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def kill_when(job: subprocess.Popen, ready, seconds: float = 120, poll: float = 0.05) -> None:
+    """SIGKILL the job as soon as `ready()` holds (failing with its stderr if it ends first or takes too long)."""
+    deadline = time.time() + seconds
+    while not ready():
+        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
+        time.sleep(poll)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+
+
 def finished(job: subprocess.Popen) -> str:
     stdout, stderr = job.communicate(timeout=300)
     assert job.returncode == 0, stderr[-3000:]
@@ -73,12 +83,7 @@ def test_killed_then_resumed_equals_uninterrupted(dropout_model_dir, tmp_path, u
 
     out = tmp_path / "killed"
     job = train(*common, "--output-dir", out)  # a process of its own, to be killed
-    deadline = time.time() + 120
-    while not any(r.get("step", 0) >= kill_after for r in read_log(out)):
-        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
-        time.sleep(0.05)
-    job.send_signal(signal.SIGKILL)
-    job.wait()
+    kill_when(job, lambda: any(r.get("step", 0) >= kill_after for r in read_log(out)))
     assert not (out / "metrics.json").exists()
     (out / "checkpoints" / ".tmp-step-99").mkdir(parents=True, exist_ok=True)  # as a kill during a save leaves it
     assert "resumed from" in resumed_here(cli_here, *common, "--output-dir", out)
@@ -186,12 +191,7 @@ def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(dropout_model_dir, 
     job = subprocess.Popen([sys.executable, HOOKED_CLI, "--save-pause", "3", "--", "train", *map(str, common),
                             "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = out / "checkpoints" / ".tmp-step-6"
-    deadline = time.time() + 120
-    while not (partial / "trainer_state.json").exists():  # the second save is under way
-        assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
-        time.sleep(0.05)
-    job.send_signal(signal.SIGKILL)
-    job.wait()
+    kill_when(job, (partial / "trainer_state.json").exists)  # the second save is under way
     assert (out / "checkpoints" / "step-3" / "trainer_state.json").is_file()
     assert not (out / "checkpoints" / "step-6").exists()
 
