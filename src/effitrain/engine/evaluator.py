@@ -54,17 +54,18 @@ def batch_outputs(accelerator, task, model, batch, in_pieces: bool = True, setti
 class Evaluator:
     """Evaluation during training: validation every `eval_every` steps (None: at the end of each
     epoch) and at the last step; the best value of `metric` (its direction from the task); early
-    stopping after `patience` evaluations without an improvement larger than `threshold`. The
+    stopping after `patience` evaluations without an improvement larger than `threshold`, or as soon as
+    `metric` reaches `target`. The
     metrics are gathered, so every process takes the same decisions. `in_pieces`: the strategy's
     evaluates_in_pieces (see batch_outputs). `setting`: the task's eval_setting for the split."""
 
     def __init__(self, accelerator, task, label_names, dataloader, *, steps_per_epoch: int, total_steps: int,
                  eval_every: int | None = None, metric: str = "loss", patience: int | None = None,
-                 threshold: float = 0.0, in_pieces: bool = True, setting=None):
+                 threshold: float = 0.0, target: float | None = None, in_pieces: bool = True, setting=None):
         self.accelerator, self.task, self.label_names, self.dataloader = accelerator, task, label_names, dataloader
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.every = eval_every or steps_per_epoch
-        self.metric, self.patience, self.threshold = metric, patience, threshold
+        self.metric, self.patience, self.threshold, self.target = metric, patience, threshold, target
         self.higher_is_better = task.is_higher_better(metric)
         self.in_pieces, self.setting = in_pieces, setting
 
@@ -96,4 +97,10 @@ class Evaluator:
     def should_stop(self, state) -> bool:
         """Early: never at the last step, where the run ends anyway."""
         return (self.patience is not None and state.evals_without_improvement >= self.patience
-                and state.step < self.total_steps)
+                or self.reached_target(state)) and state.step < self.total_steps
+
+    def reached_target(self, state) -> bool:
+        if self.target is None:
+            return False
+        value = state.validation[self.metric]
+        return value >= self.target if self.higher_is_better else value <= self.target

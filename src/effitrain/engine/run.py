@@ -48,6 +48,7 @@ def run(config: TrainConfig, run_dir=None, command: bool = False, callbacks=()) 
                               steps_per_epoch=job.steps_per_epoch, total_steps=job.total_steps,
                               eval_every=config.eval_every, metric=config.metric_for_best or "loss",
                               patience=config.early_stopping_patience, threshold=config.early_stopping_threshold,
+                              target=config.early_stopping_target,
                               in_pieces=job.strategy.evaluates_in_pieces, setting=eval_setting(job, "validation"))
         console = Console(job.total_steps, state.step, shown=job.accelerator.is_local_main_process)
         job.log.sinks.append(console)  # closed with the log, also when a step raises
@@ -294,7 +295,10 @@ def validate(job: Run, state: TrainState, evaluator: evaluation.Evaluator, hooks
                 saving.save_trained(job, job.out_dir / "best")  # adapters: the adapter alone
             hooks.call("on_save", state, job.out_dir / "best")
     stop = evaluator.should_stop(state)
-    if stop:
+    if stop and evaluator.reached_target(state):
+        job.log.say(f"early stopping at step {state.step}: validation {evaluator.metric} "
+                    f"{state.validation[evaluator.metric]:.4f} reached --early-stopping-target {evaluator.target:g}")
+    elif stop:
         job.log.say(f"early stopping at step {state.step}: no improvement of validation {evaluator.metric} in "
                     f"{state.evals_without_improvement} evaluations (best {state.best_value:.4f} at step "
                     f"{state.best_step})")

