@@ -118,14 +118,25 @@ def _cast_weights(shapes: ModelShapes) -> int:
     return matrices
 
 
-def for_rl(shapes: ModelShapes, generations: int, max_new_tokens: int, kl_beta: float = 0.0) -> ModelShapes:
-    """The update's shapes: G sequences per prompt (`--batch-size` counts prompts), the loss on the completion's
-    positions only; with kl_beta > 0 (KL to a reference) a frozen reference copy of the weights (and buffers),
-    except with --peft, where the reference is the same weights with the adapters switched off."""
+def for_rl(shapes: ModelShapes, generations: int, max_new_tokens: int, kl_beta: float = 0.0, rl: str = "grpo",
+           temperature: float = 1.0) -> ModelShapes:
+    """The update's shapes: G sequences per prompt (`--batch-size` counts prompts), each micro-step the --rl
+    objective's own loss (tasks/online_rl.py on the planner's fake tensors: its LM head at the completions'
+    positions, the policy-gradient arithmetic); with kl_beta > 0 (KL to a reference) a frozen reference copy of
+    the weights (and buffers), except with --peft, where the reference is the same weights with the adapters
+    switched off."""
+    from types import SimpleNamespace
+
+    from effitrain.tasks import objectives, online_rl
+
     peft = shapes.peft
     copied = kl_beta > 0 and adapters.method(peft) is None
     reference = shapes.weight_bytes + shapes.buffer_bytes if copied else 0
-    return replace(shapes, rows_per_example=generations, loss_positions=max_new_tokens, reference_bytes=reference)
+    kind = objectives.RL_REGISTRY[rl]
+    objective = kind(generations=generations, max_new_tokens=max_new_tokens, beta=kl_beta, temperature=temperature,
+                     loss_type=kind.loss_of(SimpleNamespace(loss_type="dapo")))  # the loss's type: tiny tensors
+    return replace(shapes, rows_per_example=generations, loss_positions=max_new_tokens, reference_bytes=reference,
+                   step_task=online_rl.OnlineRL(shapes.task, objective))
 
 
 @dataclass

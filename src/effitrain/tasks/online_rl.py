@@ -170,8 +170,9 @@ class OnlineRL(CausalLM):
         return metric.startswith(self.METRICS_HIGHER)
 
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
-        """A trained micro-batch of `batch_size` prompts x G completions (the planner's shapes)."""
-        rows, width = batch_size * self.objective.generations, min(self.objective.max_new_tokens, seq_len - 1)
+        """A trained micro-batch of `batch_size` rows (prompts x G completions: the planner's rows, planning/
+        rl_step.py) of `seq_len` positions, the last min(max_new_tokens, seq_len - 1) the completion's."""
+        rows, width = batch_size, min(self.objective.max_new_tokens, seq_len - 1)
         ids = torch.zeros(rows, seq_len, dtype=torch.long)
         metrics = len(self.objective.train_metric_names) - 1 - int(bool(self.objective.beta))  # clip_ratio, kl
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -181,4 +182,6 @@ class OnlineRL(CausalLM):
                  "completion_sums": torch.zeros(rows, metrics, dtype=torch.float64)}
         if self.objective.beta:
             batch["ref_logps"] = torch.zeros(rows, width)
+            if self.objective.sequence_level:  # RLOO's KL: a reward penalty per completion, made in the rollout
+                batch["sequence_kl"] = torch.zeros(rows, dtype=torch.float64)
         return batch
