@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     row = next(r for r in ROWS + DRY_RUN if r[0] == args.label)
-    label, model, micro, accumulation, generations, new_tokens, precision = row
+    label, model, micro, accumulation, generations, new_tokens, precision, flags = row
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -188,6 +188,7 @@ def main() -> int:
                 "--max-new-tokens", str(new_tokens), "--precision", precision, "--max-steps", str(args.steps),
                 "--max-eval-samples", "4", "--eval-batch-size", "4", "--memory-budget", "64GiB",
                 "--output-dir", out, "--overwrite"]
+        argv += list(flags)
         if args.kl_beta:
             argv += ["--kl-beta", str(args.kl_beta)]
         if args.peft:

@@ -148,7 +148,29 @@ class OnlineRL(CausalLM):
         return self.train_loss(model, batch).loss_sum
 
     def planned_loss_sum(self, model, batch, loss_positions: int | None) -> torch.Tensor:
-        return self.loss_sum(model, batch)
+        """The loss as training runs it under a half precision: accelerate's autocast wraps the model's forward
+        only and makes its outputs fp32 (convert_outputs_to_fp32), so the LM head the loss multiplies itself
+        (tasks/lm_head.py) runs in fp32 (planning/rl_step.py; measured: benchmarks/planner/rl_step_probe.py)."""
+        device = batch["input_ids"].device.type
+        if not torch.is_autocast_enabled(device):
+            return self.loss_sum(model, batch)
+        dtype, forward, own = torch.get_autocast_dtype(device), model.forward, model.__dict__.get("forward")
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(device, dtype=dtype):
+                out = forward(*args, **kwargs)
+            out.logits = out.logits.float()
+            return out
+
+        model.forward = autocast_forward
+        try:
+            with torch.autocast(device, enabled=False):
+                return self.loss_sum(model, batch)
+        finally:
+            if own is None:
+                del model.forward  # the class's again
+            else:
+                model.forward = own
 
     def train_metric_names(self) -> tuple[str, ...]:
         return self.objective.train_metric_names
