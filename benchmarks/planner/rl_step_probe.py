@@ -20,7 +20,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import weakref
