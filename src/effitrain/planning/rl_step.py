@@ -57,11 +57,6 @@ LOGIT_BYTES = 4
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 1 + 1 + 4
 TOP_P_BYTES_PER_LOGIT = 13
 HALF_BYTES = 2
-# Not calibrated yet: effitrain's own `--rl grpo` runs peaked 10-26% above these plans (the allocator keeps
-# what one phase freed into the next); what `plan` and `--memory-budget` say with an online-RL plan.
-UNCALIBRATED = ("online RL plans count the step's tensors; measured runs peaked 10-26% above them "
-                "(benchmarks/results/rl_plan_epyc2c_2026-12-06.md): leave that margin")
-
 
 @dataclass(frozen=True)
 class AttentionShape:
