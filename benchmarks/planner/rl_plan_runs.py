@@ -31,23 +31,25 @@ def llama(hidden: int, layers: int) -> str:
             f"intermediate_size={2 * hidden},max_position_embeddings=128")
 
 
-# label, model, prompts per micro-batch, accumulation, G, max new tokens, precision
+# label, model, prompts per micro-batch, accumulation, G, max new tokens, precision, other flags
 ROWS = [
-    ("gen-fp32", llama(128, 2), 4, 8, 8, 32, "fp32"),
-    ("gen-bf16", llama(128, 2), 4, 8, 8, 32, "bf16"),
-    ("upd-fp32", llama(256, 4), 16, 1, 8, 16, "fp32"),
-    ("upd-bf16", llama(256, 4), 16, 1, 8, 16, "bf16"),
+    ("gen-fp32", llama(128, 2), 4, 8, 8, 32, "fp32", ()),
+    ("gen-bf16", llama(128, 2), 4, 8, 8, 32, "bf16", ()),
+    ("upd-fp32", llama(256, 4), 16, 1, 8, 16, "fp32", ()),
+    ("upd-bf16", llama(256, 4), 16, 1, 8, 16, "bf16", ()),
+    ("kl-copy", llama(256, 4), 8, 2, 4, 16, "fp32", ("--kl-beta", "0.04")),  # a frozen reference copy
+    ("lora-kl", llama(256, 4), 16, 1, 8, 16, "bf16", ("--peft", "lora", "--kl-beta", "0.04")),  # adapters off
 ]
-DRY_RUN = [("dry-fp32", llama(32, 2), 2, 1, 2, 4, "fp32")]
+DRY_RUN = [("dry-fp32", llama(32, 2), 2, 1, 2, 4, "fp32", ())]
 
 
 def run_row(row, out: Path, steps: int) -> dict:
-    label, model, micro, accumulation, generations, new_tokens, precision = row
+    label, model, micro, accumulation, generations, new_tokens, precision, flags = row
     cmd = [sys.executable, "-m", "effitrain", "train", "--task", "causal-lm", "--data", "addition", "--model", model,
            "--rl", "grpo", "--batch-size", str(micro), "--grad-accum", str(accumulation), "--num-generations",
            str(generations), "--max-new-tokens", str(new_tokens), "--precision", precision,
            "--max-steps", str(steps), "--max-eval-samples", "4", "--eval-batch-size", "4",
-           "--memory-budget", "64GiB", "--output-dir", str(out), "--overwrite"]
+           "--memory-budget", "64GiB", "--output-dir", str(out), "--overwrite", *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = json.loads((out / "metrics.json").read_text())
     plan = metrics["memory_plan"]
@@ -66,11 +68,14 @@ def plan_phases(row, model_dir: Path) -> dict:
     from effitrain.planning import planner as plan
     from effitrain.planning import rl_step
 
-    label, model, micro, accumulation, generations, new_tokens, precision = row
+    label, model, micro, accumulation, generations, new_tokens, precision, flags = row
+    options = dict(zip(flags[::2], flags[1::2]))
+    kl_beta = float(options.get("--kl-beta", 0.0))
+    peft = plan.Peft(options["--peft"]) if "--peft" in options else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_len = max(map(len, prompt_batches.prompt_ids(tokenizer, list(builtins.addition()["all"]["prompt"]))))
-    shapes = plan.model_shapes("causal-lm", model, vocab_size=len(tokenizer))
-    shapes = rl_step.for_rl(shapes, generations, new_tokens)
+    shapes = plan.model_shapes("causal-lm", model, vocab_size=len(tokenizer), peft=peft)
+    shapes = rl_step.for_rl(shapes, generations, new_tokens, kl_beta)
     planner = plan.Planner(shapes, prompt_len + new_tokens)
     step = rl_step.rl_step(planner, plan.Setting(precision, "adamw", False, micro, accumulation),
                            micro * accumulation, prompt_len, new_tokens)

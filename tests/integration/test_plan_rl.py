@@ -39,6 +39,8 @@ def test_plan_rl_json_rows_are_rl_step_figures():
             assert row[key] == expected[key], (key, row, expected)
         held = step.generation_total - step.update.overhead  # generation's bytes beyond the overhead
         assert row["total"] - row["overhead"] == max(held, step.update.total - step.update.overhead)
-    # All 8 prompts' 64 rows are generated at once whatever the split; updating 8 or 4 prompts' rows at once
-    # peaks higher, 2 or 1 lower.
-    assert [row["peak_phase"] for row in rows] == ["update", "update", "generation", "generation"]
+    # All 8 prompts' 64 rows are generated at once whatever the split; updating 8 prompts' rows at once peaks
+    # higher, one prompt's lower, and the update's peak falls with the micro-batch.
+    phases = [row["peak_phase"] for row in rows]
+    assert phases[0] == "update" and phases[-1] == "generation"
+    assert phases == sorted(phases, key=lambda phase: phase == "generation")

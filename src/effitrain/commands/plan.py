@@ -123,10 +123,6 @@ def main(args) -> int:
           f"{per_step} per {device} device per step, {args.world_size} process(es) "
           f"({args.strategy}); budget {budget / plan.GiB:.2f} GiB per device. GiB per device:")
     print(plan.format_table(rows, best))
-    if args.rl:
-        from effitrain.planning.rl_step import UNCALIBRATED
-
-        print(UNCALIBRATED)
     if best is None:
         print("nothing fits: raise --memory, shorten --seq-len, add processes with --strategy fsdp, "
               "or use a smaller model")
@@ -147,7 +143,7 @@ def _planner(args: argparse.Namespace, shapes, device: str):
     if args.rl is None:
         return plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage), None
     new_tokens = _max_new_tokens(args)
-    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta)
+    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta, args.rl)
     planner = plan.Planner(shapes, args.seq_len + new_tokens, device, args.world_size, args.strategy,
                            args.zero_stage)
     return planner, rl_step.estimator(planner, args.seq_len, new_tokens, args.top_p)

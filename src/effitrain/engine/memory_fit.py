@@ -112,10 +112,6 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
     said = ", ".join(changes) if changes else "no change needed"
     note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB "
             f"with micro-batch {estimate.setting.micro_batch}; {said}")
-    if config.rl is not None:
-        from effitrain.planning.rl_step import UNCALIBRATED
-
-        note += f" ({UNCALIBRATED})"
     numbers = {"budget_bytes": int(budget), "predicted_peak_bytes": int(estimate.total), "in_use_bytes": in_use}
     return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, numbers
 
@@ -130,7 +126,8 @@ def _rl_planner(config: TrainConfig, shapes, device: torch.device, world: int, e
     prompt_len = config.max_length
     if encoded is not None and len(encoded["train"]):
         prompt_len = min(prompt_len, max(len(ids) for ids in encoded["train"]["input_ids"]))
-    shapes = rl_step.for_rl(shapes, config.num_generations, config.max_new_tokens, config.kl_beta)
+    shapes = rl_step.for_rl(shapes, config.num_generations, config.max_new_tokens, config.kl_beta, config.rl,
+                            config.temperature)
     planner = plan.Planner(shapes, prompt_len + config.max_new_tokens, device.type, world, config.strategy,
                            config.zero_stage)
     return planner, rl_step.estimator(planner, prompt_len, config.max_new_tokens, config.top_p)

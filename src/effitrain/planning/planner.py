@@ -89,6 +89,7 @@ class ModelShapes:
     rows_per_example: int = 1  # --preference: a pair is two sequences (chosen and rejected) in one forward
     reference_bytes: int = 0  # --reference copy: a frozen copy of the weights on every device
     loss_positions: int | None = None  # answer-only causal-LM data: the most positions with a loss in a row
+    step_task: object = None  # the task object whose loss a micro-step runs, where not `task`'s (online RL's)
 
     @property
     def weight_bytes(self) -> int:
@@ -249,7 +250,8 @@ class Planner:
 
             try:
                 rows = micro_batch * self.shapes.rows_per_example
-                self._phases[key] = simulate.micro_step(self.shapes.task, self.shapes.config, rows,
+                task = self.shapes.step_task or self.shapes.task
+                self._phases[key] = simulate.micro_step(task, self.shapes.config, rows,
                                                         self.seq_len, precision, checkpointing, self.shapes.peft,
                                                         self.shapes.packing, self.shapes.loss_positions,
                                                         sharded=shards_weights(self.strategy))

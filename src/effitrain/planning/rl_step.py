@@ -1,22 +1,35 @@
 """Peak memory per device of an online-RL step (GRPO, RLOO): the step generates, then updates, so its peak is
-the larger of two phases on top of what both hold.
+the larger of two phases on top of what both hold. Every term is what the code allocates, checked tensor by
+tensor on effitrain's own runs (benchmarks/planner/rl_step_probe.py; the totals against the runs' resident
+peaks: benchmarks/planner/rl_plan_runs.py, benchmarks/results/rl_plan_epyc2c_2026-12-06.md).
 
-- generation (tasks/sampling.py's `sample`, the model in eval, no gradients): the KV cache of prompts x G rows
-  of prompt + max_new_tokens positions (2 x layers x kv_heads x head_dim x positions x rows, keys and values
-  at their dtypes), plus the larger of the cache's growth (torch.cat makes a layer's keys anew while the old
-  ones are held, and the previous token's logits are still referenced) and the sampler's vocabulary-wide
-  temporaries for the one position it keeps (the logits, fp32 log-probs, sorted probabilities, their int64
-  order, the cumulative sum; top-p adds a difference and a mask); under a half precision, autocast's cached
-  half copies of the trained weights. Held besides: weights (and a reference copy), optimizer states, DDP's
-  gradient buckets; not the gradients, which the step runner frees after each optimizer step
-  (engine/step.py: zero_grad(set_to_none=True)) and which the update makes afresh.
-- update: micro-batches of micro_batch x G sequences of prompt + completion length as causal-LM rows with the
-  loss on the completion's positions: the planner's simulated micro-step (`Planner.estimate`) of the shapes
-  `for_rl` gives.
+Held in both phases: weights (+ a frozen reference copy with --kl-beta and no --peft: `for_rl`), optimizer
+states, DDP's gradient buckets, the allocator's overhead (planner.Planner.overhead); not the step's gradients,
+which the step runner frees after each optimizer step (engine/step.py: zero_grad(set_to_none=True)).
+
+- generation (tasks/sampling.py's `sample`, the model in eval, no gradients), `generation_bytes`, with
+  R = prompts x G rows, P = prompt + max_new_tokens positions, V the vocabulary:
+    kv_cache      = 2 x layers x kv_heads x head_dim x P x R bytes (keys, values at KV_BYTES[precision])
+    cache_growth  = one layer's keys made anew by torch.cat (R x P x kv_heads x head_dim x 4) + the previous
+                    token's logits (R x V x 4)
+    sampler       = R x V x (4 + SAMPLER_BYTES_PER_LOGIT [+ TOP_P_BYTES_PER_LOGIT]): the logits and `draw`'s
+                    temporaries at its peak
+    weight_casts  = 2 x the trained matrices (half precisions: autocast's cached copies)
+  total = kv_cache + max(cache_growth, sampler) + weight_casts.
+- update: micro-batches of micro_batch x G rows of P positions; `Planner.estimate` simulates on fake tensors
+  the --rl objective's own loss (tasks/online_rl.py's planned_loss_sum: the forward, completion_batches.py's
+  token log-probs through tasks/lm_head.py, the policy-gradient arithmetic, the backward), as accelerate runs
+  it: autocast inside the model's forward only, so the LM head (chunked: speedups/chunked_lm_loss.py's
+  _LinearTokenLogProbs, max_new_tokens positions a row) runs in fp32; its backward makes each chunk's logits
+  again and holds the previous chunk's gradient while it does: 3 chunks of c x V x 4 bytes live at its peak
+  (c = chunk_rows(V), or fewer where the micro-batch has fewer completion positions). A change to that code
+  (the head at other positions, a second forward dropped, padding trimmed) changes the simulation with it.
 
 Not counted: the prompt pass's transient activations (one layer of prompts x prompt positions, under the
 decode's cache whenever G x (prompt + new tokens) rows-positions outweigh them), the attention masks
-(8 bytes a position a row), the reference's no-grad forward (KL to a reference), the prompts' own tensors.
+(8 bytes a position a row), the reference's no-grad forward with --kl-beta (in the rollout, between the phases:
+one micro-batch's forward and two chunks of logits, below the update's peak on the same micro-batch), the
+step's micro-batches of ids and masks (R x P x 8 bytes a tensor).
 """
 
 from __future__ import annotations
@@ -32,6 +45,10 @@ from effitrain.planning.planner import Estimate, Estimator, ModelShapes, Planner
 # (Llama, Mistral, Qwen compute cos/sin in the hidden states' fp32 and the half key is promoted by the
 # product): measured on a tiny Llama (tests/unit/test_rl_plan.py).
 KV_BYTES = {"fp32": (4, 4), "bf16": (4, 2), "fp16": (4, 2)}
+# The logits the sampler reads are fp32 in every precision: fp32 runs make them so, and under a half precision
+# accelerate's autocast wrapper makes the model's outputs fp32 (convert_outputs_to_fp32; measured: the bf16
+# head's output is freed, its fp32 copy kept).
+LOGIT_BYTES = 4
 # The sampler's (tasks/sampling.py `draw`) bytes per vocabulary entry of a row beyond the logits themselves,
 # at its peak: fp32 log-probs, their exp and the cumulative sum (4 each), the positive-probability mask and its
 # flip (1 each) and that as int32 (4). Top-p < 1 peaks at its cut instead, beside the log-probs and their exp:
@@ -40,11 +57,6 @@ KV_BYTES = {"fp32": (4, 4), "bf16": (4, 2), "fp16": (4, 2)}
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 1 + 1 + 4
 TOP_P_BYTES_PER_LOGIT = 13
 HALF_BYTES = 2
-# Not calibrated yet: effitrain's own `--rl grpo` runs peaked 10-26% above these plans (the allocator keeps
-# what one phase freed into the next); what `plan` and `--memory-budget` say with an online-RL plan.
-UNCALIBRATED = ("online RL plans count the step's tensors; measured runs peaked 10-26% above them "
-                "(benchmarks/results/rl_plan_epyc2c_2026-12-06.md): leave that margin")
-
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -97,7 +109,7 @@ def generation_bytes(shapes: ModelShapes, rows: int, positions: int, precision: 
     tokens'), under `precision`'s autocast ("fp32": none)."""
     config = shapes.config
     key_bytes, value_bytes = KV_BYTES[precision]
-    logit_bytes = 4 if precision == "fp32" else HALF_BYTES  # the output layer's dtype under autocast
+    logit_bytes = LOGIT_BYTES
     attention = AttentionShape.of(config)
     one_layer = rows * positions * attention.kv_heads * attention.head_dim * max(key_bytes, value_bytes)
     per_logit = logit_bytes + SAMPLER_BYTES_PER_LOGIT + (TOP_P_BYTES_PER_LOGIT if top_p < 1 else 0)
@@ -118,14 +130,25 @@ def _cast_weights(shapes: ModelShapes) -> int:
     return matrices
 
 
-def for_rl(shapes: ModelShapes, generations: int, max_new_tokens: int, kl_beta: float = 0.0) -> ModelShapes:
-    """The update's shapes: G sequences per prompt (`--batch-size` counts prompts), the loss on the completion's
-    positions only; with kl_beta > 0 (KL to a reference) a frozen reference copy of the weights (and buffers),
-    except with --peft, where the reference is the same weights with the adapters switched off."""
+def for_rl(shapes: ModelShapes, generations: int, max_new_tokens: int, kl_beta: float = 0.0, rl: str = "grpo",
+           temperature: float = 1.0) -> ModelShapes:
+    """The update's shapes: G sequences per prompt (`--batch-size` counts prompts), each micro-step the --rl
+    objective's own loss (tasks/online_rl.py on the planner's fake tensors: its LM head at the completions'
+    positions, the policy-gradient arithmetic); with kl_beta > 0 (KL to a reference) a frozen reference copy of
+    the weights (and buffers), except with --peft, where the reference is the same weights with the adapters
+    switched off."""
+    from types import SimpleNamespace
+
+    from effitrain.tasks import objectives, online_rl
+
     peft = shapes.peft
     copied = kl_beta > 0 and adapters.method(peft) is None
     reference = shapes.weight_bytes + shapes.buffer_bytes if copied else 0
-    return replace(shapes, rows_per_example=generations, loss_positions=max_new_tokens, reference_bytes=reference)
+    kind = objectives.RL_REGISTRY[rl]
+    objective = kind(generations=generations, max_new_tokens=max_new_tokens, beta=kl_beta, temperature=temperature,
+                     loss_type=kind.loss_of(SimpleNamespace(loss_type="dapo")))  # the loss's type: tiny tensors
+    return replace(shapes, rows_per_example=generations, loss_positions=max_new_tokens, reference_bytes=reference,
+                   step_task=online_rl.OnlineRL(shapes.task, objective))
 
 
 @dataclass

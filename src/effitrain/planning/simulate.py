@@ -159,30 +159,37 @@ def depth_of(config) -> int | None:
     return getattr(config, "num_hidden_layers", None)
 
 
-def example_batch(task: str, config, batch_size: int, seq_len: int) -> dict:
+def task_of(task):
+    """A task name's task object, or a task object as given: online RL's (tasks/online_rl.py), whose loss
+    is its objective's (planning/rl_step.py), is not a registered name's."""
+    return tasks.get(task) if isinstance(task, str) else task
+
+
+def example_batch(task, config, batch_size: int, seq_len: int) -> dict:
     """Inputs of the shapes a training micro-batch has (values do not matter to memory)."""
-    return tasks.get(task).example_batch(config, batch_size, seq_len)
+    return task_of(task).example_batch(config, batch_size, seq_len)
 
 
-def build(task: str, config):
+def build(task, config):
     """The task's Auto model from `config`, its tensors fake (no memory), before the transforms."""
-    return tasks.get(task).auto_class.from_config(config)
+    return task_of(task).auto_class.from_config(config)
 
 
-def settings(task: str, checkpointing: bool, peft=None, packing: bool = False) -> transforms.Settings:
+def settings(task, checkpointing: bool, peft=None, packing: bool = False) -> transforms.Settings:
     """The training model's transforms as the planner applies them (models/transforms.py): those `train`
     applies, the CPU speed-ups included (fast dropout keeps its masks and the first-token head drops the
     other tokens' head activations: the default model at 24 x 128 holds 753 MiB where transformers' own
     layers hold 883, measured on real tensors; simulated 755); not oneDNN linear layers (device "meta"),
     which fake tensors run as plain ones. `packing` as training has it: a packed run keeps the whole head
     (its rows hold several examples, each read at its own first token)."""
-    return transforms.Settings(tasks.get(task), "meta", checkpointing, packing,
+    return transforms.Settings(task_of(task), "meta", checkpointing, packing,
                                peft=peft if adapters.method(peft) else None)
 
 
-def micro_step(task: str, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
+def micro_step(task, config, batch_size: int, seq_len: int, precision: str, checkpointing: bool,
                peft=None, packing: bool = False, loss_positions: int | None = None, sharded: bool = False) -> Phases:
     """Simulate forward + loss + backward of one micro-batch; extrapolated in depth where possible.
+    `task`: a task name, or a task object (`task_of`); `batch_size`: the micro-batch's rows.
     `peft`: the adapter settings (plan.Peft) a LoRA or QLoRA run applies, or None; `packing`: the model a
     packed run trains (the batch keeps padded shapes: `train --memory-budget` refuses --packing);
     `loss_positions`: a causal LM's positions with a loss per row (answer-only data), None: all;
@@ -214,7 +221,7 @@ def _fake_model(task, config, checkpointing, peft=None, precision="fp32", packin
             setattr(config, key_, value)
     adapted = adapters.method(peft) is not None
     # QLoRA's stand-in layers compute in the training precision (bitsandbytes' compute dtype).
-    key = (task, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
+    key = (task_of(task).name, config.to_json_string(use_diff=False), checkpointing, peft if adapted else None,
            precision if adapters.quantized(peft) else None, packing)
     if key not in _MODELS:
         if len(_MODELS) > 16:
@@ -244,7 +251,7 @@ def adapted_on_meta(task: str, config, peft, checkpointing: bool = False, packin
     if getattr(peft, "new_tokens", 0):  # the rows a chat template added, marked as tasks/causal_lm.py marks them
         rows = model.get_input_embeddings().weight.shape[0]
         adapters.mark_new_tokens(model, {i: f"<added {i}>" for i in range(rows - peft.new_tokens, rows)})
-    head = adapters.head_modules(model) if tasks.get(task).has_labels else []
+    head = adapters.head_modules(model) if task_of(task).has_labels else []
     quantized = []
     if adapters.quantized(peft):
         keep = set(get_keys_to_not_convert(model)) | set(head)
@@ -363,7 +370,7 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
                     else contextlib.nullcontext())
         with timeline:
             with autocast:
-                loss = tasks.get(task).planned_loss_sum(model, batch, loss_positions) / batch_size
+                loss = task_of(task).planned_loss_sum(model, batch, loss_positions) / batch_size
             backward_start = len(timeline.points)
             forward_heap_churn, forward_large_churn = timeline.heap_churn, timeline.large_churn
             loss.backward()

@@ -148,7 +148,29 @@ class OnlineRL(CausalLM):
         return self.train_loss(model, batch).loss_sum
 
     def planned_loss_sum(self, model, batch, loss_positions: int | None) -> torch.Tensor:
-        return self.loss_sum(model, batch)
+        """The loss as training runs it under a half precision: accelerate's autocast wraps the model's forward
+        only and makes its outputs fp32 (convert_outputs_to_fp32), so the LM head the loss multiplies itself
+        (tasks/lm_head.py) runs in fp32 (planning/rl_step.py; measured: benchmarks/planner/rl_step_probe.py)."""
+        device = batch["input_ids"].device.type
+        if not torch.is_autocast_enabled(device):
+            return self.loss_sum(model, batch)
+        dtype, forward, own = torch.get_autocast_dtype(device), model.forward, model.__dict__.get("forward")
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(device, dtype=dtype):
+                out = forward(*args, **kwargs)
+            out.logits = out.logits.float()
+            return out
+
+        model.forward = autocast_forward
+        try:
+            with torch.autocast(device, enabled=False):
+                return self.loss_sum(model, batch)
+        finally:
+            if own is None:
+                del model.forward  # the class's again
+            else:
+                model.forward = own
 
     def train_metric_names(self) -> tuple[str, ...]:
         return self.objective.train_metric_names
@@ -170,8 +192,9 @@ class OnlineRL(CausalLM):
         return metric.startswith(self.METRICS_HIGHER)
 
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
-        """A trained micro-batch of `batch_size` prompts x G completions (the planner's shapes)."""
-        rows, width = batch_size * self.objective.generations, min(self.objective.max_new_tokens, seq_len - 1)
+        """A trained micro-batch of `batch_size` rows (prompts x G completions: the planner's rows, planning/
+        rl_step.py) of `seq_len` positions, the last min(max_new_tokens, seq_len - 1) the completion's."""
+        rows, width = batch_size, min(self.objective.max_new_tokens, seq_len - 1)
         ids = torch.zeros(rows, seq_len, dtype=torch.long)
         metrics = len(self.objective.train_metric_names) - 1 - int(bool(self.objective.beta))  # clip_ratio, kl
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -181,4 +204,6 @@ class OnlineRL(CausalLM):
                  "completion_sums": torch.zeros(rows, metrics, dtype=torch.float64)}
         if self.objective.beta:
             batch["ref_logps"] = torch.zeros(rows, width)
+            if self.objective.sequence_level:  # RLOO's KL: a reward penalty per completion, made in the rollout
+                batch["sequence_kl"] = torch.zeros(rows, dtype=torch.float64)
         return batch

@@ -28,7 +28,8 @@ def completion_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tens
     targets = torch.full_like(ids[:, 1:], -100)  # position t predicts token t + 1
     targets[:, -width:] = ids[:, -width:].masked_fill(batch["completion_mask"] == 0, -100)
     inputs = {key: batch[key] for key in MODEL_INPUTS}
-    return LMHead(model).token_log_probs(inputs, targets, temperature)[:, -width:]
+    # planned_per_row: the planner's fake tensors have no mask to select by; a row has at most `width` targets
+    return LMHead(model, planned_per_row=width).token_log_probs(inputs, targets, temperature)[:, -width:]
 
 
 def prompt_only_logps(model, batch: dict) -> torch.Tensor:
