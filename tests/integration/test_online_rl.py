@@ -1,6 +1,7 @@
 """Online RL end to end (issue 43): `train --rl grpo | rloo` on the built-in addition prompts with a tiny Llama
 from a config. 2 processes x 2 prompts x accumulation 2 against one process with 8 prompts (the same
-completions, as the reward function saw them, and the same weights within 1e-5 fp32), with a short last step
+completions, as the reward function saw them, and the same weights within 1e-5 fp32; rewards scaled by each
+group's std, and by the step's gathered over the processes: --scale-rewards batch), with a short last step
 where one process runs the zero-weight stand-in; a run killed mid-way and resumed against one never stopped
 (bitwise); a reward that fails mid-run stops it with one line and leaves the last checkpoint to resume from."""
 
@@ -52,11 +53,13 @@ def step_records(folder) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rl, loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("rloo", None)])
-def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, rl, loss_type):
+@pytest.mark.parametrize("rl, loss_type, scale_rewards", [("grpo", "dapo", "group"), ("grpo", "grpo", "batch"),
+                                                          ("rloo", None, "batch")])
+def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, rl, loss_type, scale_rewards):
     """18 prompts: steps of 8, 8 and 2 (the last: one micro-batch of 2, so the second process runs the
-    stand-in). The completions are keyed by (row, sample) under the step's seed: the same in both layouts."""
-    extra = {"rl": rl, **({"loss_type": loss_type} if loss_type else {})}
+    stand-in). The completions are keyed by (row, sample) under the step's seed: the same in both layouts.
+    `--scale-rewards batch` divides by the std of the whole step's rewards, which the processes gather first."""
+    extra = {"rl": rl, "scale_rewards": scale_rewards, **({"loss_type": loss_type} if loss_type else {})}
     ddp = settings(tmp_path, "ddp", **extra)
     result = torchrun(2, "train", *as_flags(ddp), "--batch-size", 2, "--grad-accum", 2,
                       "--output-dir", tmp_path / "ddp-run")
