@@ -6,6 +6,7 @@ where one process runs the zero-weight stand-in; a run killed mid-way and resume
 (bitwise); a reward that fails mid-run stops it with one line and leaves the last checkpoint to resume from."""
 
 import json
+import os
 
 import effitrain
 import pytest
@@ -119,6 +120,7 @@ def test_a_reward_that_fails_mid_run_stops_it_with_one_line_and_the_checkpoint_r
 # completions it scores: the test computes the metrics from them by hand.
 RECORDING = '''
 import json
+import os
 from pathlib import Path
 
 def parity(prompts, completions, completion_ids, answer, **kwargs):
@@ -173,3 +175,40 @@ def test_evaluate_with_rewards_gives_the_runs_test_metrics(tmp_path, cli_here):
     same = {key: got[key] for key in ("completion_length", "end_of_turn_share", "samples")}
     assert json.loads(again.stdout) == {"loss": -3 / 7, "reward": 3 / 7, "reward_exact-match": 3 / 7,
                                         "exact_match": 3 / 7, **same}
+
+
+# A reward file that notes each import of it (the process's id), as a file with side effects at import would.
+NOTING = '''
+import os
+from pathlib import Path
+
+with open(Path(__file__).parent / "imports", "a") as imports:
+    imports.write(f"{os.getpid()}\\n")
+
+
+def parity(completions, completion_ids, **kwargs):
+    return [float(ids[0] % 2) if ids else None for ids in completion_ids]
+
+
+def length(completions, completion_ids, **kwargs):
+    return [len(ids) / 4 for ids in completion_ids]
+'''
+
+
+def test_a_reward_file_is_imported_once_per_command(tmp_path, cli_here):
+    """Two functions of one file, a run that checks its settings, plans its memory, evaluates during training and
+    on the test split, and saves: the file runs once; `evaluate` with it, once more."""
+    rewards = reward_file(tmp_path / "rewards", NOTING)
+    named = ["--reward", f"{rewards},{rewards.replace(':parity', ':length')}"]
+    flags = as_flags(dict(model=TINY_LLAMA, task="causal-lm", data="addition", rl="grpo", num_generations=2,
+                          max_new_tokens=2, max_train_samples=4, max_eval_samples=2, batch_size=2, max_steps=2,
+                          eval_every=1, save_every=1, memory_budget="64GiB", precision="fp32"))
+    trained = cli_here("train", *flags, *named, "--output-dir", tmp_path / "run")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    imports = tmp_path / "rewards" / "imports"
+    assert imports.read_text().splitlines() == [str(os.getpid())]
+    assert {"reward_parity", "reward_length"} <= set(step_records(tmp_path / "run")[-1])
+    evaluated = cli_here("evaluate", "--model", tmp_path / "run" / "model", "--data", "addition",
+                         "--max-eval-samples", "2", "--max-new-tokens", "2", *named)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert imports.read_text().splitlines() == [str(os.getpid())] * 2
