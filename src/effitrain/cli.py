@@ -170,7 +170,8 @@ def _ended(err: BaseException, debug: bool, received: list[int]) -> int:
 
 @contextlib.contextmanager
 def _signals_unwind():
-    """SIGINT and SIGTERM unwind the command as exceptions (KeyboardInterrupt, errors.Terminated), so that
+    """SIGINT and SIGTERM unwind the command as exceptions (errors.Interrupted, a KeyboardInterrupt, and
+    errors.Terminated), so that
     a save in progress is removed and the output folder released; yields the list of signals received.
     Under torchrun a second signal is ignored: the agent forwards Ctrl-C to workers the terminal has
     already interrupted, and a second exception would cut their clean-up short (the agent SIGKILLs a
@@ -178,7 +179,7 @@ def _signals_unwind():
     import signal
     import threading
 
-    from effitrain.errors import Terminated
+    from effitrain.errors import Interrupted, Terminated
     from effitrain.runtime import distributed
 
     received = _Received()
@@ -192,8 +193,9 @@ def _signals_unwind():
         received.append(signum)
         if received.ending:  # the command failed and is saying why (a worker importing torch's error file
             return  # writer, say): the report is not cut short; the signal is counted
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        raise Terminated() if signum == signal.SIGTERM else Interrupted()
 
+    unwind.raises_interrupted = True  # errors.raised_by_code: a KeyboardInterrupt not Interrupted is code's
     previous = {sig: signal.signal(sig, unwind) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield received

@@ -30,3 +30,21 @@ class Terminated(BaseException):
     """SIGTERM during a run: unwinds it like Ctrl-C (a BaseException, so no `except Exception` eats it)."""
 
     exit_code = 143
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a command, raised by the CLI's handler (cli._signals_unwind), which marks itself
+    `raises_interrupted`: while it holds SIGINT, any other KeyboardInterrupt was raised by code, not by a key."""
+
+
+def raised_by_code(error: BaseException) -> bool:
+    """Whether `error`, met while running a user's code (a reward file), is that code's failure rather than a
+    request from outside to stop: any Exception; SystemExit (exit() or argparse in a script); a KeyboardInterrupt
+    that no Ctrl-C caused, known as such only under the CLI's handler (under Python's own, as in a notebook, a
+    KeyboardInterrupt may be the user's key, and is left to stop the program). Never SIGTERM's Terminated."""
+    import signal
+
+    if isinstance(error, (Exception, SystemExit)):
+        return True
+    handler_marks_keys = getattr(signal.getsignal(signal.SIGINT), "raises_interrupted", False)
+    return isinstance(error, KeyboardInterrupt) and not isinstance(error, Interrupted) and handler_marks_keys

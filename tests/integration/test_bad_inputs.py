@@ -210,6 +210,16 @@ def write_rl_cases(root):
                                         "def nan(completions, **kwargs):\n    return [float('nan')] * len(completions)\n\n"
                                         "def graded(completions, grade, **kwargs):\n    return [1.0] * len(completions)\n")
     (root / "rl_broken.py").write_text("def correct(completions:\n")
+    # the hostile pass: files that end the program at import, a folder named like a file, functions that
+    # return what has no order or no float, that exit or raise KeyboardInterrupt themselves
+    (root / "rl_exits.py").write_text("import sys\nsys.exit()\n")
+    (root / "rl_interrupts.py").write_text("raise KeyboardInterrupt\n")
+    (root / "rl_folder.py").mkdir()
+    (root / "rl_hostile.py").write_text("import sys\n\n"
+                                        "def unordered(completions, **kwargs):\n    return set(range(len(completions)))\n\n"
+                                        "def huge(completions, **kwargs):\n    return [10 ** 400] * len(completions)\n\n"
+                                        "def exits(completions, **kwargs):\n    sys.exit(0)\n\n"
+                                        "def interrupts(completions, **kwargs):\n    raise KeyboardInterrupt\n")
 
 
 def write_mismatched_media(root):
@@ -812,8 +822,35 @@ CASES = [
      "the reward weights are 1 value(s) for 2 reward function(s)"),
     (["train", *LLAMA, "--rl", "grpo", "--num-generations", "1"], "--num-generations must be >= 2, got 1"),
     (["train", *LLAMA, "--rl", "grpo", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
-    (["train", *LLAMA, "--rl", "grpo", "--temperature", "0"], "--temperature must be > 0, got 0.0 (greedy sampling "
-                                                               "gives the same completion --num-generations times"),
+    (["train", *LLAMA, "--rl", "grpo", "--temperature", "0"], "--temperature must be > 0, got 0.0 (at 0, greedy "
+                                                               "sampling gives the same completion --num-generations"),
+    # online RL, the hostile pass (issue 43)
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "rl_exits.py:f", "--output-dir", "new"],
+     "reward rl_exits.py:f: rl_exits.py fails to import: SystemExit"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "rl_interrupts.py:f", "--output-dir", "new"],
+     "reward rl_interrupts.py:f: rl_interrupts.py fails to import: KeyboardInterrupt"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "rl_folder.py:f", "--output-dir", "new"],
+     "reward rl_folder.py:f: rl_folder.py is a folder, not a Python file"),
+    *[(["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", f"rl_hostile.py:{name}",
+        "--max-new-tokens", "2", "--num-generations", "2", "--batch-size", "2", "--output-dir", "new"], needle)
+      for name, needle in [("unordered", "reward unordered (rl_hostile.py:unordered) returned a set for 4 completions"),
+                           ("huge", "reward huge (rl_hostile.py:huge) returned 10000000000000000000... (401 "
+                                    "characters) on row"),
+                           ("exits", "reward exits (rl_hostile.py:exits) raised SystemExit: 0 on row"),
+                           ("interrupts", "reward interrupts (rl_hostile.py:interrupts) raised KeyboardInterrupt on "
+                                          "row")]],
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--num-generations", "100000000", "--batch-size", "2",
+      "--output-dir", "new"], "--num-generations 100000000 x 2 prompts a step (--batch-size 2 x --grad-accum 1) "
+                              "samples 200,000,000 completions at once, which need at least"),
+    (["train", *LLAMA, "--rl", "grpo", "--reward-weights", "nan"], "the reward weight nan is not a finite number"),
+    (["train", *LLAMA, "--rl", "grpo", "--reward-weights", "inf"], "the reward weight inf is not a finite number"),
+    (["train", *LLAMA, "--rl", "grpo", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["train", *LLAMA, "--rl", "grpo", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["train", *LLAMA, "--rl", "grpo", "--temperature", "-1"], "--temperature must be > 0, got -1.0"),
+    (["train", *LLAMA, "--rl", "grpo", "--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--max-new-tokens", "4096", "--output-dir", "new"],
+     "--max-new-tokens 4096 leaves no room for a prompt in the model's 2048 positions"),
+    (["train", *LLAMA, "--rl", "grpo", "--packing"], "--packing does not apply to --rl"),
     (["train", *LLAMA, "--rl", "grpo", "--preference", "dpo"], "--rl grpo and --preference dpo are two ways"),
     (["train", "--rl", "grpo", "--output-dir", "new"], "--rl applies to --task causal-lm, not sequence-classification"),
     (["train", *LLAMA, "--kl-beta", "0.1"], "--kl-beta applies to online RL, and --rl is not set"),

@@ -1,10 +1,12 @@
 """Online RL end to end (issue 43): `train --rl grpo | rloo` on the built-in addition prompts with a tiny Llama
 from a config. 2 processes x 2 prompts x accumulation 2 against one process with 8 prompts (the same
-completions, as the reward function saw them, and the same weights within 1e-5 fp32), with a short last step
+completions, as the reward function saw them, and the same weights within 1e-5 fp32; rewards scaled by each
+group's std, and by the step's gathered over the processes: --scale-rewards batch), with a short last step
 where one process runs the zero-weight stand-in; a run killed mid-way and resumed against one never stopped
 (bitwise); a reward that fails mid-run stops it with one line and leaves the last checkpoint to resume from."""
 
 import json
+import os
 
 import effitrain
 import pytest
@@ -52,11 +54,13 @@ def step_records(folder) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rl, loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("rloo", None)])
-def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, rl, loss_type):
+@pytest.mark.parametrize("rl, loss_type, scale_rewards", [("grpo", "dapo", "group"), ("grpo", "grpo", "batch"),
+                                                          ("rloo", None, "batch")])
+def test_two_processes_and_accumulation_equal_one_big_batch(tmp_path, rl, loss_type, scale_rewards):
     """18 prompts: steps of 8, 8 and 2 (the last: one micro-batch of 2, so the second process runs the
-    stand-in). The completions are keyed by (row, sample) under the step's seed: the same in both layouts."""
-    extra = {"rl": rl, **({"loss_type": loss_type} if loss_type else {})}
+    stand-in). The completions are keyed by (row, sample) under the step's seed: the same in both layouts.
+    `--scale-rewards batch` divides by the std of the whole step's rewards, which the processes gather first."""
+    extra = {"rl": rl, "scale_rewards": scale_rewards, **({"loss_type": loss_type} if loss_type else {})}
     ddp = settings(tmp_path, "ddp", **extra)
     result = torchrun(2, "train", *as_flags(ddp), "--batch-size", 2, "--grad-accum", 2,
                       "--output-dir", tmp_path / "ddp-run")
@@ -116,6 +120,7 @@ def test_a_reward_that_fails_mid_run_stops_it_with_one_line_and_the_checkpoint_r
 # completions it scores: the test computes the metrics from them by hand.
 RECORDING = '''
 import json
+import os
 from pathlib import Path
 
 def parity(prompts, completions, completion_ids, answer, **kwargs):
@@ -170,3 +175,40 @@ def test_evaluate_with_rewards_gives_the_runs_test_metrics(tmp_path, cli_here):
     same = {key: got[key] for key in ("completion_length", "end_of_turn_share", "samples")}
     assert json.loads(again.stdout) == {"loss": -3 / 7, "reward": 3 / 7, "reward_exact-match": 3 / 7,
                                         "exact_match": 3 / 7, **same}
+
+
+# A reward file that notes each import of it (the process's id), as a file with side effects at import would.
+NOTING = '''
+import os
+from pathlib import Path
+
+with open(Path(__file__).parent / "imports", "a") as imports:
+    imports.write(f"{os.getpid()}\\n")
+
+
+def parity(completions, completion_ids, **kwargs):
+    return [float(ids[0] % 2) if ids else None for ids in completion_ids]
+
+
+def length(completions, completion_ids, **kwargs):
+    return [len(ids) / 4 for ids in completion_ids]
+'''
+
+
+def test_a_reward_file_is_imported_once_per_command(tmp_path, cli_here):
+    """Two functions of one file, a run that checks its settings, plans its memory, evaluates during training and
+    on the test split, and saves: the file runs once; `evaluate` with it, once more."""
+    rewards = reward_file(tmp_path / "rewards", NOTING)
+    named = ["--reward", f"{rewards},{rewards.replace(':parity', ':length')}"]
+    flags = as_flags(dict(model=TINY_LLAMA, task="causal-lm", data="addition", rl="grpo", num_generations=2,
+                          max_new_tokens=2, max_train_samples=4, max_eval_samples=2, batch_size=2, max_steps=2,
+                          eval_every=1, save_every=1, memory_budget="64GiB", precision="fp32"))
+    trained = cli_here("train", *flags, *named, "--output-dir", tmp_path / "run")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    imports = tmp_path / "rewards" / "imports"
+    assert imports.read_text().splitlines() == [str(os.getpid())]
+    assert {"reward_parity", "reward_length"} <= set(step_records(tmp_path / "run")[-1])
+    evaluated = cli_here("evaluate", "--model", tmp_path / "run" / "model", "--data", "addition",
+                         "--max-eval-samples", "2", "--max-new-tokens", "2", *named)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert imports.read_text().splitlines() == [str(os.getpid())] * 2

@@ -6,6 +6,7 @@ function receiving the data's other columns repeated per generation."""
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from effitrain.catalog import reward_names
-from effitrain.errors import UserError
+from effitrain.errors import Interrupted, UserError
 from effitrain.tasks.objectives import rewards
 from effitrain.tasks.objectives.rewards import builtin_rewards
 
@@ -347,8 +348,64 @@ def test_a_builtins_refusal_keeps_its_fix_and_gains_the_row():
     ([1.0, float("-inf")], "returned -inf on completion 1 of 2"),
     ([1e39, 0.0], "returned 1e+39 on completion 0 of 2"),  # finite, but inf in float32
     (torch.tensor([1.0, NAN]), "returned nan on completion 1 of 2"),
+    ({1.0, 2.0}, "returned a set for 2 completions"),  # no order: which completion gets which reward?
+    ({0: 1.0, 1: 0.0}, "returned a dict for 2 completions"),
+    ([10 ** 400, 0], "returned 10000000000000000000... (401 characters) on completion 0 of 2"),  # no OverflowError
+    ([10 ** 5000, 0], "returned an integer of 16,610 bits on completion 0 of 2"),  # too long for str()
 ])
 def test_a_wrong_output_is_one_line(output, words):
     function = rewards.RewardFunction.of(lambda completions, **_: output, "odd", "odd.py:odd")
     message = refused(rewards.score, [function], [1.0], ["p", "p"], ["a", "b"], {})
     assert message.startswith("reward odd (odd.py:odd) ") and words in message, message
+
+
+@pytest.fixture
+def cli_signal_handler():
+    """SIGINT held as the CLI holds it (cli._signals_unwind: each Ctrl-C raises errors.Interrupted)."""
+    def unwind(signum, frame):
+        raise Interrupted()
+
+    unwind.raises_interrupted = True
+    previous = signal.signal(signal.SIGINT, unwind)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def stopping(error: BaseException):
+    def stops(completions, **_):
+        raise error
+    return rewards.RewardFunction.of(stops, "stops", "stop.py:stops")
+
+
+@pytest.mark.parametrize("error, words", [(SystemExit(0), "raised SystemExit: 0 "), (SystemExit(), "raised SystemExit "),
+                                          (KeyboardInterrupt(), "raised KeyboardInterrupt ")])
+def test_exit_or_a_keyboardinterrupt_raised_by_a_function_is_its_failure(cli_signal_handler, error, words):
+    """Not the run's end: exit() inside a reward would end the command with code 0 and no word; a
+    KeyboardInterrupt that no Ctrl-C caused (the CLI's handler raises Interrupted for those) would read as one."""
+    message = refused(rewards.score, [stopping(error)], [1.0], ["p", "p"], ["a", "b"], {}, row_ids=[3, 3])
+    assert message.startswith("reward stops (stop.py:stops) ") and f"{words}on row 3 of the data, completion 0" \
+        in message, message
+
+
+def test_ctrl_c_and_sigterm_inside_a_function_stop_the_run(cli_signal_handler):
+    from effitrain.errors import Terminated
+
+    for error in (Interrupted(), Terminated()):
+        with pytest.raises(type(error)):
+            rewards.score([stopping(error)], [1.0], ["p"], ["a"], {})
+
+
+def test_without_the_clis_handler_a_keyboardinterrupt_is_left_to_stop_the_program():
+    """Python's own handler (the API in a notebook): a KeyboardInterrupt may be the user's key."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        rewards.score([stopping(KeyboardInterrupt())], [1.0], ["p"], ["a"], {})
+
+
+def test_a_file_raising_keyboardinterrupt_at_import_fails_to_import(tmp_path, cli_signal_handler):
+    path = write(tmp_path, "raise KeyboardInterrupt\n")
+    assert "my_rewards.py fails to import: KeyboardInterrupt; fix: run `python" in refused(
+        rewards.load, [f"{path}:f"])
+    interrupted = write(tmp_path, "from effitrain.errors import Interrupted\nraise Interrupted()\n", "pressed.py")
+    with pytest.raises(Interrupted):  # Ctrl-C while it imported
+        rewards.load([f"{interrupted}:f"])

@@ -154,3 +154,30 @@ def halve(split: int, batch_size: int, strategy: Strategy) -> int:
         raise UserError("out of memory with one example per piece", "shorten --max-length, turn on "
                         "--gradient-checkpointing, use a lighter --optim, or a device with more memory")
     return min(split * 2, batch_size)
+
+
+def check_rollout_fits(config: TrainConfig, device: torch.device, accumulation: int, encoded, processor) -> None:
+    """--rl: a step samples all of a process's prompts x --num-generations at once. Refused before the model
+    loads when even the least that takes (the KV cache of every row in fp32 and one position's logits per row;
+    planning/rl_step.py) is more than the device's whole memory (on a CPU, its share of the machine's): such a
+    run would be killed by the out-of-memory killer, or thrash, in its first step."""
+    from effitrain.planning import planner as plan
+    from effitrain.planning import rl_step
+    from effitrain.runtime.devices import total_memory_bytes
+
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    else:
+        total = (total_memory_bytes() or 0) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    prompts = config.batch_size * accumulation
+    rows = prompts * config.num_generations
+    longest = max((len(ids) for ids in encoded["train"]["input_ids"]), default=1)
+    model = plan.model_config(config.model, config.task, vocab_size=len(processor))
+    least = (rl_step.kv_cache_bytes(model, rows, longest + config.max_new_tokens)
+             + rl_step.sampled_logits_bytes(model, rows))
+    if total and least > total:
+        raise UserError(f"--num-generations {config.num_generations} x {prompts} prompts a step (--batch-size "
+                        f"{config.batch_size} x --grad-accum {accumulation}) samples {rows:,} completions at once, "
+                        f"which need at least {least / plan.GiB:,.1f} GiB (their KV cache and logits), more than "
+                        f"this {device.type}'s {total / plan.GiB:,.1f} GiB",
+                        "lower --num-generations or --batch-size (`effitrain plan --rl ...` shows a step's peak)")

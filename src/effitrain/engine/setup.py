@@ -145,6 +145,8 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     data = load_data(task, config, source, accelerator)
     check_metric(task, config, data.label_names)
     plan = resolve_plan(config, accelerator, mixed_precision, reason, data, resume_state)
+    if config.rl is not None:
+        memory_fit.check_rollout_fits(config, accelerator.device, plan.grad_accum, data.encoded, data.processor)
     sizes = step_sizes(math.ceil(len(data.encoded["train"]) / config.batch_size), accelerator.num_processes,
                        plan.grad_accum)
     check_schedule(config, sizes)

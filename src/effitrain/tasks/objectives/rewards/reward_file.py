@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from effitrain.catalog.reward_names import RewardSpec
-from effitrain.errors import UserError
+from effitrain.errors import UserError, raised_by_code
 
 
 def function_of(spec: RewardSpec, imported: dict[Path, ModuleType]) -> Callable:
@@ -50,8 +50,10 @@ def _imported(spec: RewardSpec) -> ModuleType:
     sys.modules[name] = module
     try:
         module.__spec__.loader.exec_module(module)
-    except (Exception, SystemExit) as error:  # SystemExit: a script's argparse or exit() at import
+    except BaseException as error:  # SystemExit: a script's argparse or exit() at import
         del sys.modules[name]
+        if not raised_by_code(error):  # Ctrl-C or SIGTERM while it imported: stop as they stop
+            raise
         raise UserError(f"reward {spec.text}: {path.name} fails to import: {first_line(error)}",
                         f"run `python {path}` to see the traceback, and fix the file") from error
     return module

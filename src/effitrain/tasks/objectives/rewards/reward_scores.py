@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import NamedTuple
 
 import torch
 
-from effitrain.errors import UserError
+from effitrain.errors import UserError, raised_by_code
 from effitrain.tasks.objectives.rewards.builtin_rewards import completion_text
 from effitrain.tasks.objectives.rewards.reward_file import first_line
 from effitrain.tasks.objectives.rewards.reward_function import NOT_COLUMNS, RewardFunction
@@ -66,12 +66,14 @@ class _Batch:
             # Copies: a function that edits its lists in place must not change what the next one sees.
             output = function(list(self.prompts), list(self.completions),
                               **{key: list(values) for key, values in self.keywords.items()})
-        except Exception as error:
+        except BaseException as error:  # SystemExit too: a function's exit() would end the run with code 0
+            if not raised_by_code(error):  # Ctrl-C or SIGTERM while it ran: stop as they stop
+                raise
             raise self._failed(function, error, self._first_failing(function)) from error
         if hasattr(output, "tolist") and not isinstance(output, (list, tuple)):  # a tensor or an array
             output = output.tolist()
-        elif isinstance(output, Iterable) and not isinstance(output, (list, tuple, str, bytes, dict)):
-            output = list(output)  # a generator: TRL takes one too
+        elif isinstance(output, Iterable) and not isinstance(output, (list, tuple, str, bytes, Mapping, Set)):
+            output = list(output)  # a generator: TRL takes one too (not a set: it has no order)
         count = len(self.completions)
         if not isinstance(output, (list, tuple)) or len(output) != count:
             got = f"{len(output)} reward(s)" if isinstance(output, (list, tuple)) else f"a {type(output).__name__}"
@@ -88,8 +90,10 @@ class _Batch:
             raise UserError(f"reward {function.name} ({function.source}) returned {str(value)[:40]!r}, a "
                             f"{type(value).__name__}, {self._where(index)}",
                             "return a number (float, int or bool) or None for each completion")
-        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # rewards are float32, as TRL's
-            raise UserError(f"reward {function.name} ({function.source}) returned {value} {self._where(index)}",
+        # abs first: an int beyond a float's range would overflow math.isfinite
+        if abs(value) > FLOAT32_MAX or not math.isfinite(value):  # rewards are float32, as TRL's
+            raise UserError(f"reward {function.name} ({function.source}) returned {_shown(value)} "
+                            f"{self._where(index)}",
                             "return a finite number, or None for a completion it cannot score")
         return float(value)
 
@@ -99,11 +103,13 @@ class _Batch:
             try:
                 function([self.prompts[index]], [self.completions[index]],
                          **{key: [values[index]] for key, values in self.keywords.items()})
-            except Exception:
+            except BaseException as error:
+                if not raised_by_code(error):
+                    raise
                 return index
         return None
 
-    def _failed(self, function: RewardFunction, error: Exception, index: int | None) -> UserError:
+    def _failed(self, function: RewardFunction, error: BaseException, index: int | None) -> UserError:
         where = self._where(index) if index is not None else f"on a batch of {len(self.completions)} completions"
         if isinstance(error, UserError):  # a built-in's refusal: its own fix
             return UserError(f"reward {function.name} {where}: {error.problem}", error.fix)
@@ -115,6 +121,15 @@ class _Batch:
         row = f"row {self.row_ids[index]} of the data, " if self.row_ids is not None else ""
         return f"on {row}completion {index} of {len(self.completions)} " \
                f"({completion_text(self.completions[index])[:60]!r})"
+
+
+def _shown(value) -> str:
+    """A number as a message shows it: an int too long to print (Python refuses past 4,300 digits) by its size."""
+    try:
+        text = str(value)
+    except ValueError:
+        return f"an integer of {value.bit_length():,} bits"
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text):,} characters)"
 
 
 def _scalar(value):
