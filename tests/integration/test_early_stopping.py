@@ -99,6 +99,20 @@ def test_a_higher_is_better_metric_and_a_threshold(data, tmp_path):
     assert metrics["best"]["step"] == 2 and metrics["steps"] == 6 and metrics["best"]["metric"] == "accuracy"
 
 
+def test_a_target_stops_at_the_first_evaluation_that_reaches_it(data, stopped, tmp_path, capsys):
+    """--early-stopping-target without patience: the patience run's first validation loss as the target (loss:
+    at most it) stops the same run at that evaluation, step 2, with model/ holding step 2's weights."""
+    losses = validation_losses(stopped[0])
+    metrics = effitrain.train(settings(data, tmp_path / "o", early_stopping_patience=None,
+                                       early_stopping_target=losses[2]))
+    assert metrics["stopped_early"] and metrics["steps"] == 2 and metrics["validation"]["loss"] == losses[2]
+    assert f"early stopping at step 2: validation loss {losses[2]:.4f} reached --early-stopping-target" in \
+        capsys.readouterr().out
+    best = best_weights(stopped[0])  # the patience run's step-2 weights
+    model = load_file(str(tmp_path / "o" / "model" / "model.safetensors"))
+    assert all(torch.equal(best[name], model[name]) for name in best)
+
+
 def test_two_processes_take_the_same_decisions(data, stopped, tmp_path):
     one_dir, single = stopped  # the same settings on one process
     values = settings(data, tmp_path / "two", batch_size=2)
