@@ -1,12 +1,23 @@
 """Online RL's training sequences: each prompt (left-padded, as sampled) followed by one of its sampled
 completions (right-padded), with positions counted from each row's first token, so that a row computes what
 it computed alone while it was sampled, whatever the rows beside it; and the completion tokens' log-probs of
-the policy's forward over them (through the LM head: tasks/lm_head.py, chunked where it can be)."""
+the policy's forward over them (through the LM head: tasks/lm_head.py, chunked where it can be).
+
+The forward runs each prompt once for the rows that share it (a prompt's G completions sit side by side):
+the prompts alone, their keys and values then copied to each of their rows (as sampling shares a prompt's
+pass) and the completions run through that cache. The positions multiplied are the distinct prompts' and
+the completions' (less each completion's last token, which predicts nothing) instead of every row's whole
+sequence: at G = 8 and a prompt as long as its completions, 9/16 of them; the prompt's gradient flows back
+through the copies. The same function of the weights as one forward over the whole rows (equal to float
+rounding); that whole-row forward is kept where the prompt pass cannot be shared (no two rows share a
+prompt, gradient checkpointing, which drops the cache, a cache other than transformers' plain DynamicCache,
+the planner's fake tensors)."""
 
 from __future__ import annotations
 
 import torch
 
+import effitrain.tasks.sampling as sampling
 from effitrain.tasks.lm_head import LMHead
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -23,7 +34,67 @@ def sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_id
 
 def completion_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
     """[rows, completion width] fp32: each completion token's log-prob under `model` at `temperature` (the
-    log-softmax of the logits divided by it), 0 where `completion_mask` is 0; differentiable."""
+    log-softmax of the logits divided by it), 0 where `completion_mask` is 0; differentiable. Each shared
+    prompt run once (the module's doc) where it can be."""
+    groups = shared_prompts(batch, model)
+    logps = None if groups is None else _shared_prompt_logps(model, batch, temperature, *groups)
+    return _whole_rows_logps(model, batch, temperature) if logps is None else logps
+
+
+def shared_prompts(batch: dict, model=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(each row's group, each group's first row) where neighbouring rows with the same prompt (ids and mask)
+    form a group; None where no two rows share one, or the prompt pass cannot be shared: the planner's fake
+    tensors (no values to compare), `model` with gradient checkpointing (its layers drop the cache)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    ids = batch["input_ids"]
+    if is_fake(ids) or model is not None and _checkpointing(model):
+        return None
+    start = ids.shape[1] - batch["completion_mask"].shape[1]
+    prompts = torch.cat([ids[:, :start], batch["attention_mask"][:, :start]], dim=1)
+    new = torch.ones(len(ids), dtype=torch.bool, device=ids.device)
+    new[1:] = (prompts[1:] != prompts[:-1]).any(dim=1)
+    firsts = new.nonzero().squeeze(1)
+    return None if len(firsts) == len(ids) else (new.cumsum(0) - 1, firsts)
+
+
+def _checkpointing(model) -> bool:
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
+def _shared_prompt_logps(model, batch: dict, temperature: float, group: torch.Tensor,
+                         firsts: torch.Tensor) -> torch.Tensor | None:
+    """completion_logps with each group's prompt run once (`group`, `firsts`: shared_prompts'); None where the
+    model's cache is not a plain DynamicCache (its layers' keys and values copied per row and grown by
+    torch.cat, both differentiable)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    ids, mask, positions = (batch[key] for key in MODEL_INPUTS)
+    width = batch["completion_mask"].shape[1]
+    start = ids.shape[1] - width  # the prompt's width
+    keyword = sampling.cache_keyword()
+    # The prompts through the model itself, not a DDP wrapper: DDP sees the one forward below, whose graph
+    # reaches the prompts' through the cache, so its gradient hooks fire once per parameter as always.
+    prompt_head = LMHead(getattr(model, "module", model) if isinstance(
+        model, torch.nn.parallel.DistributedDataParallel) else model)
+    prompts = {key: batch[key][firsts, :start] for key in MODEL_INPUTS}
+    out = prompt_head.run(prompts, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, keyword)
+    if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    first = prompt_head.held(out.logits).index_select(0, group)  # the last prompt position predicts token 0
+    head = LMHead(model)
+    if width > 1:  # the completions but their last token, through each row's copy of its prompt's cache
+        cache.reorder_cache(group)
+        rest = {"input_ids": ids[:, start:-1], "attention_mask": mask[:, :-1], "position_ids": positions[:, start:-1]}
+        later = head.held(head.run(rest, use_cache=True, **{keyword: cache}).logits)
+        first = torch.cat([first, later], dim=1)
+    targets = ids[:, start:].masked_fill(batch["completion_mask"] == 0, -100)
+    return head.log_probs_of(first, targets, temperature)
+
+
+def _whole_rows_logps(model, batch: dict, temperature: float) -> torch.Tensor:
+    """completion_logps over every row's whole sequence in one forward."""
     ids, width = batch["input_ids"], batch["completion_mask"].shape[1]
     targets = torch.full_like(ids[:, 1:], -100)  # position t predicts token t + 1
     targets[:, -width:] = ids[:, -width:].masked_fill(batch["completion_mask"] == 0, -100)
