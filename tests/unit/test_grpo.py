@@ -91,11 +91,19 @@ def hand_gradient(model, completions, advantages, loss_type, temperature):
 
 @pytest.fixture
 def fp64_head(monkeypatch):
-    """The plain head's logits kept in the model's fp64 (it casts them to fp32, as TRL does), so that the
-    comparison with the hand computation is exact to fp64's rounding: the arithmetic, not its precision."""
+    """The plain head's logits kept in the model's fp64 (it casts them to fp32, as TRL does), and Llama's RMSNorm
+    in fp64 (transformers computes it in fp32: the objective runs a shared prompt once for its G rows, so its
+    gradient there is summed before that fp32 arithmetic, the hand computation's after), so that the comparison
+    with the hand computation is exact to fp64's rounding: the arithmetic, not its precision."""
+    from transformers.models.llama import modeling_llama
+
     from effitrain.tasks import lm_head
 
-    monkeypatch.setattr(lm_head.LMHead, "_outputs", lambda self, inputs: self.model(**inputs).logits[:, :-1])
+    def fp64_norm(self, hidden):
+        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    monkeypatch.setattr(lm_head.LMHead, "held", lambda self, logits: logits)
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", fp64_norm)
 
 
 @pytest.mark.parametrize("rl, loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("grpo", "dr-grpo"), ("rloo", None)])
