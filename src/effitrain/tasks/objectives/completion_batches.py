@@ -42,9 +42,9 @@ def completion_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tens
 
 
 def shared_prompts(batch: dict, model=None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(each row's group, each group's first row) where neighbouring rows with the same prompt (ids and mask)
-    form a group; None where no two rows share one, or the prompt pass cannot be shared: the planner's fake
-    tensors (no values to compare), `model` with gradient checkpointing (its layers drop the cache)."""
+    """(each group's first row, its number of rows) where neighbouring rows with the same prompt (ids and
+    mask) form a group; None where no two rows share one, or the prompt pass cannot be shared: the planner's
+    fake tensors (no values to compare), `model` with gradient checkpointing (its layers drop the cache)."""
     from torch._subclasses.fake_tensor import is_fake
 
     ids = batch["input_ids"]
@@ -55,23 +55,31 @@ def shared_prompts(batch: dict, model=None) -> tuple[torch.Tensor, torch.Tensor]
     new = torch.ones(len(ids), dtype=torch.bool, device=ids.device)
     new[1:] = (prompts[1:] != prompts[:-1]).any(dim=1)
     firsts = new.nonzero().squeeze(1)
-    return None if len(firsts) == len(ids) else (new.cumsum(0) - 1, firsts)
+    if len(firsts) == len(ids):
+        return None
+    return firsts, torch.diff(firsts, append=firsts.new_tensor([len(ids)]))
 
 
 def _checkpointing(model) -> bool:
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
-def _shared_prompt_logps(model, batch: dict, temperature: float, group: torch.Tensor,
-                         firsts: torch.Tensor) -> torch.Tensor | None:
-    """completion_logps with each group's prompt run once (`group`, `firsts`: shared_prompts'); None where the
-    model's cache is not a plain DynamicCache (its layers' keys and values copied per row and grown by
-    torch.cat, both differentiable)."""
+def _shared_prompt_logps(model, batch: dict, temperature: float, firsts: torch.Tensor,
+                         sizes: torch.Tensor) -> torch.Tensor | None:
+    """completion_logps with each group's prompt run once (`firsts`, `sizes`: shared_prompts'); None where the
+    model's cache is not a plain DynamicCache, whose layers' keys and values are copied to each row here and
+    grown by torch.cat, both differentiable (the gradient of a row's copy is summed into its prompt's)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     ids, mask, positions = (batch[key] for key in MODEL_INPUTS)
     width = batch["completion_mask"].shape[1]
     start = ids.shape[1] - width  # the prompt's width
+
+    rows = torch.arange(len(firsts), device=ids.device).repeat_interleave(sizes, output_size=len(ids))
+
+    def copied(tensor: torch.Tensor) -> torch.Tensor:  # each group's tensor once per row of the group
+        return _RowCopies.apply(tensor, rows)
+
     keyword = sampling.cache_keyword()
     # The prompts through the model itself, not a DDP wrapper: DDP sees the one forward below, whose graph
     # reaches the prompts' through the cache, so its gradient hooks fire once per parameter as always.
@@ -82,15 +90,33 @@ def _shared_prompt_logps(model, batch: dict, temperature: float, group: torch.Te
     cache = getattr(out, keyword)
     if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
-    first = prompt_head.held(out.logits).index_select(0, group)  # the last prompt position predicts token 0
+    first = copied(prompt_head.held(out.logits))  # the last prompt position predicts token 0
     head = LMHead(model)
     if width > 1:  # the completions but their last token, through each row's copy of its prompt's cache
-        cache.reorder_cache(group)
+        for layer in cache.layers:
+            layer.keys, layer.values = copied(layer.keys), copied(layer.values)
         rest = {"input_ids": ids[:, start:-1], "attention_mask": mask[:, :-1], "position_ids": positions[:, start:-1]}
         later = head.held(head.run(rest, use_cache=True, **{keyword: cache}).logits)
         first = torch.cat([first, later], dim=1)
     targets = ids[:, start:].masked_fill(batch["completion_mask"] == 0, -100)
     return head.log_probs_of(first, targets, temperature)
+
+
+class _RowCopies(torch.autograd.Function):
+    """tensor.index_select(0, rows), whose backward sums each copy's gradient into its row from a contiguous
+    gradient: torch's index_add_ from the strided gradients that reach the cache's copies (a slice of the
+    attention's) takes a scatter-add 20-40x slower on a CPU than the whole micro-batch's attention."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.shape = tensor.shape
+        return tensor.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).index_add_(0, rows, grad.contiguous()), None
 
 
 def _whole_rows_logps(model, batch: dict, temperature: float) -> torch.Tensor:
