@@ -21,6 +21,8 @@ import effitrain.tasks.sampling as sampling
 from effitrain.tasks.lm_head import LMHead
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# A micro-batch's tensors a column per completion token (the rest: a column per position, or none).
+COMPLETION_COLUMNS = ("completion_mask", "old_logps", "ref_logps")
 
 
 def sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -30,6 +32,34 @@ def sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_id
     ids = torch.cat([prompt_ids, completion_ids.to(prompt_ids.device)], dim=1)
     mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.device, prompt_mask.dtype)], dim=1)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
+def rows_of(batch: dict, keep: torch.Tensor) -> dict:
+    """The micro-batch's rows where `keep` (bool, a row each), in their order, and its completion columns cut
+    after the last one a kept row counts (completion_mask); the first row where none is kept (a forward still
+    runs: every parameter in the graph, as DDP needs). The batch itself where that changes nothing, or its
+    tensors are the planner's fake ones."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    mask = batch["completion_mask"]
+    if is_fake(mask):
+        return batch
+    rows = keep.nonzero().squeeze(1)
+    rows = rows if len(rows) else rows.new_zeros(1)
+    counted = mask.index_select(0, rows).any(dim=0).nonzero()
+    width = int(counted.max()) + 1 if len(counted) else 1
+    cut = mask.shape[1] - width
+    if len(rows) == len(mask) and cut == 0:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        value = value if len(rows) == len(mask) else value.index_select(0, rows)
+        if cut and key in COMPLETION_COLUMNS:
+            value = value[:, :width]
+        elif cut and key in MODEL_INPUTS:
+            value = value[:, :value.shape[1] - cut]
+        out[key] = value
+    return out
 
 
 def completion_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
