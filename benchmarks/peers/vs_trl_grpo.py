@@ -3,9 +3,9 @@
 Both sides train the same Llama-shaped model (2 layers, hidden 128, from a config) with the same
 character-level tokenizer (digits, `+`, `=`, an end of sequence and a pad token; `addition`'s spaces between
 digits dropped in encoding and put back between tokens in decoding, so every prompt, "2 3 + 4 5 =", is 6
-tokens, an answer "6 8" 2 or 3 tokens and its end, no row is padded and both sides count positions alike), from the same weights: random from --seed, then
---sft-steps of effitrain SFT on `addition` (prompt-completion, run once in the parent) so that some answers
-are right and the groups have a reward spread to learn from. Data: effitrain's training split of `addition`
+tokens, an answer "6 8" 2 or 3 tokens and its end, no row is padded and both sides count positions alike),
+from the same weights: random from --seed, then --sft-steps of effitrain SFT on `addition` (prompt-completion,
+run once in the parent) so that some answers are right and the groups have a reward spread to learn from. Data: effitrain's training split of `addition`
 (TRL is given those rows, its sampler the order effitrain's sampler draws, each prompt repeated G times as
 TRL's RepeatSampler repeats it: the same prompts in every step). The same G (GENERATIONS), at most
 MAX_NEW_TOKENS new tokens, temperature 1, top-p 1, learning rate, no warm-up, no weight decay, max grad
