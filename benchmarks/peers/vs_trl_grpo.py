@@ -5,8 +5,8 @@ character-level tokenizer (digits, `+`, `=`, an end of sequence and a pad token;
 digits dropped in encoding and put back between tokens in decoding, so every prompt, "2 3 + 4 5 =", is 6
 tokens, an answer "6 8" 2 or 3 tokens and its end, no row is padded and both sides count positions alike),
 from the same weights: random from --seed, then --sft-steps of effitrain SFT on `addition` (prompt-completion,
-run once in the parent) so that some answers are right and the groups have a reward spread to learn from. Data: effitrain's training split of `addition`
-(TRL is given those rows, its sampler the order effitrain's sampler draws, each prompt repeated G times as
+run once in the parent) so that some answers are right and the groups have a reward spread to learn from.
+Data: effitrain's training split of `addition` (TRL is given those rows, its sampler the order effitrain's sampler draws, each prompt repeated G times as
 TRL's RepeatSampler repeats it: the same prompts in every step). The same G (GENERATIONS), at most
 MAX_NEW_TOKENS new tokens, temperature 1, top-p 1, learning rate, no warm-up, no weight decay, max grad
 norm 1, fused AdamW, loss dapo with group-scaled rewards, no KL (beta 0, no reference held: TRL's default),
