@@ -6,13 +6,14 @@ digits dropped in encoding and put back between tokens in decoding, so every pro
 tokens, an answer "6 8" 2 or 3 tokens and its end, no row is padded and both sides count positions alike),
 from the same weights: random from --seed, then --sft-steps of effitrain SFT on `addition` (prompt-completion,
 run once in the parent) so that some answers are right and the groups have a reward spread to learn from.
-Data: effitrain's training split of `addition` (TRL is given those rows, its sampler the order effitrain's sampler draws, each prompt repeated G times as
-TRL's RepeatSampler repeats it: the same prompts in every step). The same G (GENERATIONS), at most
-MAX_NEW_TOKENS new tokens, temperature 1, top-p 1, learning rate, no warm-up, no weight decay, max grad
-norm 1, fused AdamW, loss dapo with group-scaled rewards, no KL (beta 0, no reference held: TRL's default),
-one update per generation (the whole step's prompts x G completions one micro-batch on both sides: TRL's
-per_device_train_batch_size = prompts x G, effitrain's --batch-size = prompts), the same reward: effitrain's
-built-in exact-match (the completion stripped equals the `answer` column), given to TRL as its reward function.
+Data: effitrain's training split of `addition` (TRL is given those rows, its sampler the order effitrain's
+sampler draws, each prompt repeated G times as TRL's RepeatSampler repeats it: the same prompts in every
+step). The same G (GENERATIONS), at most MAX_NEW_TOKENS new tokens, temperature 1, top-p 1, learning rate, no
+warm-up, no weight decay, max grad norm 1, fused AdamW, loss dapo with group-scaled rewards, no KL (beta 0, no
+reference held: TRL's default), one update per generation (the whole step's prompts x G completions one
+micro-batch on both sides: TRL's per_device_train_batch_size = prompts x G, effitrain's --batch-size =
+prompts), the same reward: effitrain's built-in exact-match (the completion stripped equals the `answer`
+column), given to TRL as its reward function.
 
 Sides (`--sides`):
   trl               GRPOTrainer (CPU, no vLLM, gradient checkpointing off, bf16 autocast with --precision bf16)
