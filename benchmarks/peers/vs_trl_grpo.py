@@ -1,17 +1,19 @@
 """effitrain's online RL (--rl grpo) against TRL's GRPOTrainer: GRPO on the built-in `addition` prompts.
 
 Both sides train the same Llama-shaped model (2 layers, hidden 128, from a config) with the same
-character-level tokenizer (digits, `+`, `=`, an end of sequence and a pad token: every prompt is 6 tokens,
-so no row is padded and both sides count positions alike), from the same weights: random from --seed, then
---sft-steps of effitrain SFT on `addition` (prompt-completion, run once in the parent) so that some answers
-are right and the groups have a reward spread to learn from. Data: effitrain's training split of `addition`
-(TRL is given those rows, its sampler the order effitrain's sampler draws, each prompt repeated G times as
-TRL's RepeatSampler repeats it: the same prompts in every step). The same G (GENERATIONS), at most
-MAX_NEW_TOKENS new tokens, temperature 1, top-p 1, learning rate, no warm-up, no weight decay, max grad
-norm 1, fused AdamW, loss dapo with group-scaled rewards, no KL (beta 0, no reference held: TRL's default),
-one update per generation (the whole step's prompts x G completions one micro-batch on both sides: TRL's
-per_device_train_batch_size = prompts x G, effitrain's --batch-size = prompts), the same reward: effitrain's
-built-in exact-match (the completion stripped equals the `answer` column), given to TRL as its reward function.
+character-level tokenizer (digits, `+`, `=`, an end of sequence and a pad token; `addition`'s spaces between
+digits dropped in encoding and put back between tokens in decoding, so every prompt, "2 3 + 4 5 =", is 6
+tokens, an answer "6 8" 2 or 3 tokens and its end, no row is padded and both sides count positions alike),
+from the same weights: random from --seed, then --sft-steps of effitrain SFT on `addition` (prompt-completion,
+run once in the parent) so that some answers are right and the groups have a reward spread to learn from.
+Data: effitrain's training split of `addition` (TRL is given those rows, its sampler the order effitrain's
+sampler draws, each prompt repeated G times as TRL's RepeatSampler repeats it: the same prompts in every
+step). The same G (GENERATIONS), at most MAX_NEW_TOKENS new tokens, temperature 1, top-p 1, learning rate, no
+warm-up, no weight decay, max grad norm 1, fused AdamW, loss dapo with group-scaled rewards, no KL (beta 0, no
+reference held: TRL's default), one update per generation (the whole step's prompts x G completions one
+micro-batch on both sides: TRL's per_device_train_batch_size = prompts x G, effitrain's --batch-size =
+prompts), the same reward: effitrain's built-in exact-match (the completion stripped equals the `answer`
+column), given to TRL as its reward function.
 
 Sides (`--sides`):
   trl               GRPOTrainer (CPU, no vLLM, gradient checkpointing off, bf16 autocast with --precision bf16)
@@ -85,15 +87,18 @@ def parse_args(argv=None):
 
 def make_model(folder: Path, seed: int, tiny: bool) -> dict:
     """A character-level tokenizer (pad, end of sequence, the digits, `+`, `=`) and a Llama-shaped model from
-    a config with random weights from `seed`, saved to `folder`."""
+    a config with random weights from `seed`, saved to `folder`. Whitespace is dropped when encoding and
+    tokens are joined by a space when decoding (no decoder: the tokenizers library's default), as `addition`
+    writes its digits apart ("2 3 + 4 5 =" -> "6 8"): without that its spaces are unknown tokens, a prompt is
+    11 tokens and a three-digit answer needs 6 new tokens, more than MAX_NEW_TOKENS."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     vocabulary = {token: index for index, token in enumerate([PAD, EOS, "<unk>", *"0123456789+="])}
     backend = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                     pre_tokenizers.Split(Regex("."), behavior="isolated")])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=PAD, unk_token="<unk>")
     shape = TINY if tiny else SHAPE
     config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=64, tie_word_embeddings=False,

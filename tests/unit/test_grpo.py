@@ -91,11 +91,19 @@ def hand_gradient(model, completions, advantages, loss_type, temperature):
 
 @pytest.fixture
 def fp64_head(monkeypatch):
-    """The plain head's logits kept in the model's fp64 (it casts them to fp32, as TRL does), so that the
-    comparison with the hand computation is exact to fp64's rounding: the arithmetic, not its precision."""
+    """The plain head's logits kept in the model's fp64 (it casts them to fp32, as TRL does), and Llama's RMSNorm
+    in fp64 (transformers computes it in fp32: the objective runs a shared prompt once for its G rows, so its
+    gradient there is summed before that fp32 arithmetic, the hand computation's after), so that the comparison
+    with the hand computation is exact to fp64's rounding: the arithmetic, not its precision."""
+    from transformers.models.llama import modeling_llama
+
     from effitrain.tasks import lm_head
 
-    monkeypatch.setattr(lm_head.LMHead, "_outputs", lambda self, inputs: self.model(**inputs).logits[:, :-1])
+    def fp64_norm(self, hidden):
+        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    monkeypatch.setattr(lm_head.LMHead, "held", lambda self, logits: logits)
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", fp64_norm)
 
 
 @pytest.mark.parametrize("rl, loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("grpo", "dr-grpo"), ("rloo", None)])
@@ -173,3 +181,45 @@ def test_the_reference_is_the_adapters_switched_off_with_peft_else_a_frozen_copy
     assert objective("grpo").reference is None  # --kl-beta 0: no reference held
     assert isinstance(objective("grpo", kl_beta=0.1).reference, reference.FrozenCopy)
     assert isinstance(objective("grpo", kl_beta=0.1, peft="lora").reference, reference.AdaptersOff)
+
+
+def odd_answers_parity(completions, answer, completion_ids, **_):
+    """The parity reward on the prompts whose answer is odd (rows 7 and 11); 0.5 on the others (rows 2 and 0):
+    groups with no spread, whose advantages are exactly 0."""
+    return [float(ids[0] % 2) + len(ids) / 10 if int(a) % 2 else 0.5 for a, ids in zip(answer, completion_ids)]
+
+
+@pytest.mark.parametrize("rl, settings", [("grpo", {"loss_type": "dapo"}), ("grpo", {"loss_type": "grpo"}),
+                                          ("grpo", {"loss_type": "dapo", "mask_truncated": True}), ("rloo", {})])
+def test_rows_without_a_gradient_stay_out_of_the_forward_and_change_nothing(rl, settings):
+    """Zero-advantage rows (groups with no spread) and, with --mask-truncated, rows with no counted token: the
+    loss runs its forward on the others only, and its loss sum, log sums and gradient equal those of the
+    forward over every row; its counts are every row's."""
+    rl_objective, model = objective(rl, temperature=0.7, **settings), tiny_llama()
+    rl_objective.functions = [RewardFunction.of(odd_answers_parity, "odd", "test")]
+    (batch,) = rl_objective.rollout(model, [prompt_batch([0, 1, 2, 3])], step_generator(42, 1, "cpu"))
+    zero = batch["advantages"] == 0
+    assert zero[G:2 * G].all() and zero[3 * G:].all()  # rows 2 and 0: no spread
+    assert not zero[:G].all() and not zero[2 * G:3 * G].all()
+    kept = grpo.pg.contributing(batch["advantages"], batch["completion_mask"])
+    assert 0 < kept.sum() <= 2 * G
+    rows_seen = []
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows_seen.append(len(args[0])))
+
+    def step(objective_now):
+        model.zero_grad()
+        result = objective_now.loss(model, batch)
+        result.loss_sum.div(objective_now.item_count(batch)).backward()
+        return result, [p.grad.clone() for p in model.parameters()]
+
+    skipping, skipping_grads = step(rl_objective)
+    assert rows_seen[-1] == int(kept.sum())  # the completions' forward (the prompts': one row a kept prompt)
+    rl_objective._contributing = lambda batch: batch  # every row
+    every, every_grads = step(rl_objective)
+    handle.remove()
+    assert rows_seen[-1] == 4 * G
+    torch.testing.assert_close(skipping.loss_sum, every.loss_sum, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(skipping.sums, every.sums, rtol=1e-12, atol=1e-15)
+    assert any(g.abs().max() > 0 for g in every_grads)
+    for a, b in zip(skipping_grads, every_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -297,3 +297,10 @@ def test_trls_per_micro_batch_grpo_mean_depends_on_the_layout_where_the_step_glo
     per_sequence = torch.tensor([1.0, 2.0, 3.0, 10.0], dtype=torch.float64)
     mean_of_means = (per_sequence[:3].mean() + per_sequence[3:].mean()) / 2
     assert float(mean_of_means) == pytest.approx(6.0) and float(per_sequence.mean()) == pytest.approx(4.0)
+
+
+def test_the_rows_that_contribute_have_an_advantage_and_a_counted_token():
+    advantages = torch.tensor([0.0, 1.2, -0.4, 0.0, 2.0])
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0], [0, 0], [1, 1]])
+    assert pg.contributing(advantages, mask).tolist() == [False, True, False, False, True]
+    assert pg.contributing(advantages[:, None], mask).tolist() == [False, True, False, False, True]

@@ -26,12 +26,21 @@ class LMHead:
     def chunked(self) -> bool:
         return self.layer is not None
 
-    def _outputs(self, inputs: dict) -> torch.Tensor:
-        """What the positions that predict hold: the final hidden states (chunked), else fp32 logits."""
+    def run(self, inputs: dict, **options):
+        """The model's forward on `inputs` with `options` (a cache, logits_to_keep): its output, whose `logits`
+        are what the positions hold for the head once `held`."""
         if self.layer is None:
-            return self.model(**inputs, use_cache=False).logits[:, :-1].float()  # no cache: packed masks need None
+            return self.model(**inputs, **options)
         with chunked_lm_loss.hidden_states_of(self.layer):
-            return self.model(**inputs, use_cache=False).logits[:, :-1]
+            return self.model(**inputs, **options)
+
+    def held(self, logits: torch.Tensor) -> torch.Tensor:
+        """What positions of `run`'s logits hold for the head: the final hidden states (chunked), else fp32 logits."""
+        return logits if self.layer is not None else logits.float()
+
+    def _outputs(self, inputs: dict) -> torch.Tensor:
+        """What the positions that predict hold (`held`)."""
+        return self.held(self.run(inputs, use_cache=False).logits[:, :-1])  # no cache: packed masks need None
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return chunked_lm_loss.weight_and_bias(self.layer)  # read after the forward (FSDP: gathered then)
@@ -47,7 +56,11 @@ class LMHead:
     def token_log_probs(self, inputs: dict, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Each position's log-prob of its target, shaped as `targets`, 0 where it does not count; at a
         `temperature`, the log-softmax of the logits divided by it (online RL's, as TRL's)."""
-        outputs = self._outputs(inputs)
+        return self.log_probs_of(self._outputs(inputs), targets, temperature)
+
+    def log_probs_of(self, outputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """token_log_probs from what the positions hold (`held`, of a forward the caller ran), `targets` one per
+        position of `outputs`."""
         if self.layer is not None:
             weight, bias = self._weights()
             if temperature != 1.0:  # (h W^T + b) / T, without the whole logits: h / T and b / T

@@ -79,11 +79,15 @@ def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float
     return tokens, logps.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _cache_keyword() -> str:
-    """transformers 5.25 renamed `past_key_values` to `cache` (the old name warns until it goes)."""
+def cache_keyword() -> str:
+    """transformers 5.25 renamed `past_key_values` to `cache` (the old name warns until it goes): the name of a
+    model's cache argument and output."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+_cache_keyword = cache_keyword  # its earlier name (tests/unit/test_rl_plan.py)
 
 
 def sample(model, prompt_ids: list[list[int]], keys: list[tuple[int, ...]], *, max_new_tokens: int,
@@ -119,7 +123,7 @@ def _decode(model, prompt_ids, u, max_new_tokens, temperature, top_p, stop_ids, 
     index = {prompt: i for i, prompt in enumerate(distinct)}
     batch = left_padded([list(prompt) for prompt in distinct], pad_id, next(model.parameters()).device)
     rows = torch.tensor([index[tuple(prompt)] for prompt in prompt_ids], device=batch["input_ids"].device)
-    keyword = _cache_keyword()
+    keyword = cache_keyword()
     out = model(**batch, position_ids=_positions(batch["attention_mask"]), use_cache=True, logits_to_keep=1)
     cache, logits = getattr(out, keyword), out.logits[:, -1].index_select(0, rows)
     cache.reorder_cache(rows)

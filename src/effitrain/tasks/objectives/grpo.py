@@ -239,13 +239,24 @@ class Grpo(Objective):
     def loss(self, model, batch) -> TrainLoss:
         if "completion_mask" not in batch:  # the stand-in: weighted zero by the step runner
             return TrainLoss(completion_batches.prompt_only_logps(model, batch).sum() * 0.0)
-        logps = self._logps(model, batch)
-        mask = batch["completion_mask"]
-        loss, found = self.policy_loss(logps, batch)
+        trained = self._contributing(batch)
+        logps = self._logps(model, trained)
+        loss, found = self.policy_loss(logps, trained)
         clipped, kl = self.clip_and_kl(found, batch)
+        mask = batch["completion_mask"]
         sums = torch.cat([batch["completion_sums"].sum(0), torch.stack([clipped, *kl]),
                           torch.tensor([float(len(mask))], dtype=torch.float64, device=mask.device)])
-        return TrainLoss(pg.loss_sum(loss, mask, self.loss_type), sums)
+        return TrainLoss(pg.loss_sum(loss, trained["completion_mask"], self.loss_type), sums)
+
+    def _contributing(self, batch) -> dict:
+        """The rows the forward needs: those whose loss has a gradient (pg.contributing), unless the loss has a
+        KL term, which every row's has. The loss sum, its gradient and the clipped share (a zero advantage is
+        never clipped) are the whole micro-batch's; the counts (`item_count`) and the log's per-completion sums
+        stay the whole micro-batch's. Groups with no reward spread, most of them while few answers are right
+        (or while most are), then cost no forward or backward."""
+        if self.beta and not self.sequence_level:
+            return batch
+        return completion_batches.rows_of(batch, pg.contributing(batch["advantages"], batch["completion_mask"]))
 
     def policy_loss(self, logps: torch.Tensor, batch) -> tuple[torch.Tensor, dict]:
         return pg.token_loss(logps, logps.detach(), batch["advantages"], batch["completion_mask"], self.epsilon,

@@ -107,6 +107,14 @@ def _rloo_advantages(rewards: torch.Tensor, scale_rewards: str) -> torch.Tensor:
     return values
 
 
+def contributing(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sequences] bool: the completions whose loss term and its gradient are not exactly zero with one update
+    per generation (ratio 1) and no KL term in the loss: a non-zero advantage (a group with no spread has none)
+    and a token that counts (mask: --mask-truncated zeroes a completion's). The others' loss is -min(1 x 0,
+    clip(1) x 0) or masked: leaving them out of the forward changes neither the loss nor the gradient."""
+    return (advantages.flatten() != 0) & mask.bool().any(dim=-1)
+
+
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Per token, Schulman's k3 estimate of KL(policy || reference) on the policy's samples:
     exp(ref - logp) - (ref - logp) - 1, >= 0 (TRL's GRPO)."""
