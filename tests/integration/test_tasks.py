@@ -177,3 +177,30 @@ def test_preprocessing_is_cached_and_reused(tiny_model_dir):
     assert files[0] == files[1] != files[2]
     # The fingerprint comes from the same hash as the file (datasets does not hash the tokenizer for it).
     assert first["train"]._fingerprint == second["train"]._fingerprint != other["train"]._fingerprint
+
+
+def test_the_cache_knows_a_tokenizer_by_what_it_does_not_by_its_folder(tiny_model_dir, tmp_path):
+    """A tokenizer saved again in the same folder with other tokens (same name, same size) gets its own
+    preprocessed splits, not the earlier tokenizer's; the same tokenizer loaded again reuses them."""
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+    from effitrain.data import text
+    from effitrain.models import character_tokenizer
+    from transformers import AutoTokenizer
+
+    splits = tasks.get("sequence-classification").load_data(
+        TrainConfig(max_train_samples=20, max_eval_samples=8)).splits
+    folder = tmp_path / "tok"
+    character_tokenizer.character_tokenizer().save_pretrained(folder)
+    first = text.tokenize(splits, AutoTokenizer.from_pretrained(folder), 32)
+    again = text.tokenize(splits, AutoTokenizer.from_pretrained(folder), 32)
+    vocabulary = character_tokenizer.vocabulary()
+    swapped = dict(vocabulary, a=vocabulary["b"], b=vocabulary["a"])  # the same tokens and size, two ids swapped
+    from transformers import BertTokenizer
+
+    BertTokenizer(vocab=swapped, do_lower_case=False, tokenize_chinese_chars=False,
+                  strip_accents=False).save_pretrained(folder)
+    changed = text.tokenize(splits, AutoTokenizer.from_pretrained(folder), 32)
+    files = [d["train"].cache_files[0]["filename"] for d in (first, again, changed)]
+    assert files[0] == files[1] != files[2]
+    assert first["train"]["input_ids"] != changed["train"]["input_ids"]

@@ -244,7 +244,7 @@ def encode_splits(splits, tokenizer, fmt: str, loss_on: str, max_length: int):
             out["attention_mask"].append([1] * len(out["input_ids"][-1]))
         return out
 
-    key = ["answers", tokenizer.name_or_path, len(tokenizer), max_length, fmt, loss_on, str(template)]
+    key = ["answers", cache.tokenizer_key(tokenizer), max_length, fmt, loss_on, str(template)]
     return cache.map_splits(splits, encode_batch, key, per_split=True, batched=True, with_indices=True,
                             remove_columns=next(iter(splits.values())).column_names)
 

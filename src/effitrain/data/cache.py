@@ -17,6 +17,25 @@ def files(splits, key: list) -> dict[str, str]:
     return {name: str(folder / f"{Hasher.hash([split._fingerprint, key])}.arrow") for name, split in splits.items()}
 
 
+def tokenizer_key(tokenizer) -> str:
+    """What a tokenizer does, hashed: a fast tokenizer's whole definition (vocabulary, normaliser, pre-tokenizer,
+    post-processor) and its special tokens, not its folder's name and size: a tokenizer saved again in the same
+    folder with other tokens, or two in-memory tokenizers without a path (--tokenizer characters), must not
+    share preprocessed splits."""
+    import hashlib
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # Less the truncation and padding a call leaves set on it (transformers sets them per call).
+        definition = json.loads(backend.to_str())
+        definition = json.dumps({k: v for k, v in definition.items() if k not in ("truncation", "padding")})
+    else:
+        definition = repr(sorted(tokenizer.get_vocab().items()))
+    specials = repr(sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items()))
+    return hashlib.sha256(f"{definition}\n{specials}\n{len(tokenizer)}".encode()).hexdigest()
+
+
 def map_splits(splits, function, key: list, per_split: bool = False, **options):
     """`splits.map(function, **options)`, each split into its file of `files`, with that file's hash as its
     new fingerprint: otherwise datasets fingerprints the result by hashing `function` with dill, the

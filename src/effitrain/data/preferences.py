@@ -160,7 +160,7 @@ def encode_splits(splits, tokenizer, max_length: int):
                 out[key].append(value)
         return out
 
-    key = ["preferences", tokenizer.name_or_path, len(tokenizer), max_length, fmt, str(template)]
+    key = ["preferences", cache.tokenizer_key(tokenizer), max_length, fmt, str(template)]
     return cache.map_splits(splits, encode_batch, key, per_split=True, batched=True, with_indices=True,
                             remove_columns=next(iter(splits.values())).column_names)
 

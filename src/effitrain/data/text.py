@@ -23,7 +23,7 @@ def tokenize(splits, tokenizer, max_length: int, labels: bool = True, end: int |
         return encoded
 
     removed = [c for c in splits["train"].column_names if c != "label"]
-    key = [tokenizer.name_or_path, len(tokenizer), max_length, pairs, labels] + ([end] if end is not None else [])
+    key = [cache.tokenizer_key(tokenizer), max_length, pairs, labels] + ([end] if end is not None else [])
     encoded = cache.map_splits(splits, encode, key, batched=True, remove_columns=removed)
     return encoded.rename_column("label", "labels") if labels else encoded
 
