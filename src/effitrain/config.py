@@ -73,6 +73,7 @@ def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rul
     return field(default=default, metadata={"help": help, "section": section, **rules})
 
 
+LR_SCHEDULES = ("linear", "cosine", "constant")  # optimizers/schedule.py
 CHARACTER_TOKENIZER = "characters"  # --tokenizer's built-in (models/character_tokenizer.py)
 
 
@@ -239,6 +240,10 @@ class TrainConfig:
                                at_least=0, resume="must_match")
     warmup_ratio: float = _opt(0.1, "share of the optimizer steps spent warming the learning rate up from 0",
                                "schedule", within=(0, 1), resume="must_match")
+    lr_schedule: str = _opt("linear", "the learning rate after warm-up: linear (decays to 0 at the last step, as "
+                            "transformers' default), cosine (half a cosine to 0) or constant; an optimizer without a "
+                            "schedule (schedule-free) keeps its own", "schedule", choices=LR_SCHEDULES,
+                            resume="must_match", added_later=True)
     max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value (0 turns clipping off)", "optimizer",
                                 at_least=0, resume="must_match", added_later=True)
     seed: int = _opt(42, "seed for the split, the initial head, dropout and the data order", "data",

@@ -19,13 +19,20 @@ def test_length_grouped_order_is_transformers(count, batch):
     assert len(ours) == len(theirs) == count
 
 
+@pytest.mark.parametrize("shape", ["linear", "cosine", "constant"])
 @pytest.mark.parametrize("warmup,total,processes", [(6, 60, 1), (0, 10, 1), (3, 7, 2), (10, 10, 1), (2, 100, 4)])
-def test_linear_schedule_is_transformers(warmup, total, processes):
+def test_the_schedules_are_transformers(warmup, total, processes, shape):
     """optimizers/schedule.linear_schedule (written out for the same reason) gives transformers' learning rates
-    step for step, and saves the same scheduler state."""
+    step for step for --lr-schedule linear, cosine and constant (after its warm-up), and saves the same
+    scheduler state."""
     import torch
     from effitrain.optimizers import schedule
-    from transformers import get_linear_schedule_with_warmup
+    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                              get_linear_schedule_with_warmup)
+
+    theirs_of = {"linear": lambda o: get_linear_schedule_with_warmup(o, warmup * processes, total * processes),
+                 "cosine": lambda o: get_cosine_schedule_with_warmup(o, warmup * processes, total * processes),
+                 "constant": lambda o: get_constant_schedule_with_warmup(o, warmup * processes)}
 
     def rates(make) -> tuple[list[float], dict]:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
@@ -37,7 +44,7 @@ def test_linear_schedule_is_transformers(warmup, total, processes):
             scheduler.step()
         return seen, scheduler.state_dict()
 
-    ours, our_state = rates(lambda o: schedule.linear_schedule(o, total, warmup, processes))
-    theirs, their_state = rates(lambda o: get_linear_schedule_with_warmup(o, warmup * processes, total * processes))
-    assert ours == theirs
-    assert our_state == their_state
+    ours, our_state = rates(lambda o: schedule.linear_schedule(o, total, warmup, processes, shape=shape))
+    theirs, their_state = rates(theirs_of[shape])
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-18)
+    assert our_state.keys() == their_state.keys() and our_state["last_epoch"] == their_state["last_epoch"]

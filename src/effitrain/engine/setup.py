@@ -309,7 +309,8 @@ def prepare(config: TrainConfig, task, strategy: strategies.Strategy, plan: RunP
     optimizer = optimizers.build(plan.optim, model, config.lr, config.weight_decay, (config.beta1, config.beta2),
                                  blocks=blocks.blocks(model))
     warmup = schedule.warmup_steps(total_steps, config.warmup_ratio)
-    scheduler = schedule.linear_schedule(optimizer, total_steps, warmup, world, decay=optimizers.get(plan.optim).decays)
+    scheduler = schedule.linear_schedule(optimizer, total_steps, warmup, world, decay=optimizers.get(plan.optim).decays,
+                                         shape=config.lr_schedule)
     # Training shards must not recycle examples to even out the processes (accelerate's default):
     # that would train on duplicates that one process with a big batch never sees.
     accelerator.even_batches = False

@@ -1,5 +1,6 @@
-"""The learning-rate schedule: linear warm-up, then linear decay (or none, for an optimizer whose spec
-says it does not decay), the same lr at each optimizer step for any number of processes."""
+"""The learning-rate schedule: linear warm-up, then linear or cosine decay to 0, or none (--lr-schedule
+constant, or an optimizer whose spec says it does not decay), the same lr at each optimizer step for any
+number of processes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
 
 
 def linear_schedule(optimizer, total_steps: int, warmup: int, num_processes: int,
-                    decay: bool = True):
-    """Linear warm-up to the peak lr, then linear decay to 0 at `total_steps`.
+                    decay: bool = True, shape: str = "linear"):
+    """Linear warm-up to the peak lr, then `shape`'s decay to 0 at `total_steps` (linear or cosine; constant,
+    or `decay` False: none).
 
     accelerate's prepared scheduler steps `num_processes` times per optimizer step (it assumes the
     schedule was written for one process seeing every batch), so the schedule is stretched by that
@@ -26,7 +28,8 @@ def linear_schedule(optimizer, total_steps: int, warmup: int, num_processes: int
 
     from torch.optim.lr_scheduler import LambdaLR
 
-    factor = linear_factor if decay else warmup_factor
+    factors = {"linear": linear_factor, "cosine": cosine_factor, "constant": warmup_factor}
+    factor = factors[shape] if decay else warmup_factor
     return LambdaLR(optimizer, functools.partial(factor, warmup=warmup * num_processes,
                                                  total=total_steps * num_processes))
 
@@ -38,9 +41,21 @@ def linear_factor(step: int, *, warmup: int, total: int) -> float:
     return max(0.0, float(total - step) / float(max(1, total - warmup)))
 
 
+def cosine_factor(step: int, *, warmup: int, total: int) -> float:
+    """0 -> 1 over `warmup`, then half a cosine from 1 to 0 at `total` (transformers'
+    get_cosine_schedule_with_warmup with its default half cycle)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def warmup_factor(step: int, *, warmup: int, total: int) -> float:
-    """0 -> 1 over `warmup`, then 1 (`total` unused: the same call as linear_factor)."""
-    return min(1.0, float(step) / float(max(1, warmup)))
+    """0 -> 1 over `warmup`, then 1 (`total` unused: the same call as linear_factor); without warm-up, 1 from
+    the first step (transformers' get_constant_schedule_with_warmup)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    return 1.0
 
 
 def continue_schedule(scheduler, step: int, num_processes: int) -> None:
