@@ -148,8 +148,9 @@ def test_the_planners_fake_tensors_share_each_prompt_as_their_batch_says(chunked
     with FakeTensorMode():
         model = tiny_llama(chunked, torch.float32)  # (fake parameters refuse .to)
         ids = torch.zeros(6, 7, dtype=torch.long)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(7).expand(6, -1),
-                 "completion_mask": torch.ones(6, 4), completion_batches.PLANNED_GROUP_ROWS: 3}
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "position_ids": torch.arange(7).expand(6, -1), "completion_mask": torch.ones(6, 4),
+                 completion_batches.PLANNED_GROUP_ROWS: 3}
         firsts, sizes = completion_batches.shared_prompts(batch, model)
         assert is_fake(firsts) and firsts.shape == sizes.shape == (2,)
         assert forward_shapes(model, batch) == [(2, 3), (6, 3)]
