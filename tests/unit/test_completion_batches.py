@@ -31,13 +31,14 @@ def fp64(monkeypatch):
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
 
 
-def tiny_llama(chunked: bool = False):
+def tiny_llama(chunked: bool = False, dtype: torch.dtype = torch.float64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=17, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                         pad_token_id=PAD)).double()
+                                         pad_token_id=PAD))
+    model = model if dtype == torch.float32 else model.to(dtype)
     if chunked:
         assert chunked_lm_loss.apply(model)
     return model.train()
@@ -134,6 +135,31 @@ def test_the_whole_rows_where_no_prompt_is_shared_or_checkpointing_drops_the_cac
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert completion_batches.shared_prompts(BATCH, model) is None
     assert forward_shapes(model, BATCH) == [(9, 7)]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain-head", "chunked-head"])
+def test_the_planners_fake_tensors_share_each_prompt_as_their_batch_says(chunked):
+    """The planner (planning/simulate.py) runs the loss on fake tensors, which have no values to compare: grouped
+    by PLANNED_GROUP_ROWS, 2 prompts x 3 rows run the prompts once (2 x 3 positions) and the completions but
+    their last token (6 x 3) through the copied cache, DynamicCache's growth and the copies' backward included
+    (every parameter gets its gradient); without it, the whole rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    with FakeTensorMode():
+        model = tiny_llama(chunked, torch.float32)  # (fake parameters refuse .to)
+        ids = torch.zeros(6, 7, dtype=torch.long)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "position_ids": torch.arange(7).expand(6, -1), "completion_mask": torch.ones(6, 4),
+                 completion_batches.PLANNED_GROUP_ROWS: 3}
+        firsts, sizes = completion_batches.shared_prompts(batch, model)
+        assert is_fake(firsts) and firsts.shape == sizes.shape == (2,)
+        assert forward_shapes(model, batch) == [(2, 3), (6, 3)]
+        model.zero_grad(set_to_none=True)
+        completion_batches.completion_logps(model, batch).sum().backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+        del batch[completion_batches.PLANNED_GROUP_ROWS]
+        assert completion_batches.shared_prompts(batch, model) is None
+        assert forward_shapes(model, batch) == [(6, 7)]
 
 
 def test_rows_of_keeps_rows_in_order_and_cuts_the_completion_columns_no_kept_row_counts():

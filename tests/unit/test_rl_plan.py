@@ -171,10 +171,17 @@ def test_update_shapes_and_the_reference_copy(tiny_shapes):
 def test_update_simulation_against_the_live_bytes_of_the_objective_loss(precision):
     """One micro-batch of 2 prompts x G 4 (80 completion positions of a 3,000-token vocabulary: the LM head's
     chunks dominate) through the GRPO objective's real loss and backward, autocast inside the model's forward
-    only as accelerate runs it: the planner's simulated peak of the same micro-step is at least the live bytes
-    the real one holds, and over it by at most the weights (the simulation counts views of the weights its
-    operators make, as it does for every task: planning/simulate.py's timeline)."""
+    only as accelerate runs it, every row kept (the example batch: each group's rewards differ, so every
+    advantage is non-zero) and each prompt run once for its 4 rows (completion_batches.shared_prompts): the
+    planner's simulated peak of the same micro-step is at least the live bytes the real one holds, and over it
+    by at most the weights (the simulation counts views of the weights its operators make, as it does for
+    every task: planning/simulate.py's timeline); and within 1% of that timeline's own count on the real
+    tensors, which the whole-row forward (the plan before the prompt pass was shared) is 7% over."""
+    from torch.utils.flop_counter import flop_registry
+
+    from effitrain.planning import simulate
     from effitrain.speedups import chunked_lm_loss
+    from effitrain.tasks.objectives import completion_batches
 
     spec = TINY_LLAMA.replace("vocab_size=500", "vocab_size=3000")
     generations, new_tokens, prompt_len = 4, 10, 6
@@ -187,12 +194,24 @@ def test_update_simulation_against_the_live_bytes_of_the_objective_loss(precisio
     assert chunked_lm_loss.apply(model)
     task = shapes.step_task
     batch = task.example_batch(model.config, 2 * generations, prompt_len + new_tokens)
-    batch["input_ids"] = torch.randint(1, 3000, batch["input_ids"].shape)
+    firsts, sizes = completion_batches.shared_prompts(batch, model)  # the real loss shares each prompt's pass
+    assert (firsts.tolist(), sizes.tolist()) == ([0, 4], [4, 4])
+    assert bool(task.objective._contributing(batch)["advantages"].ne(0).all())  # and keeps every row
+    assert len(task.objective._contributing(batch)["advantages"]) == 2 * generations
+
+    def micro_step(counter):
+        model.zero_grad(set_to_none=True)
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
+        with counter, autocast:  # planned_loss_sum narrows autocast to the model's forward, as accelerate does
+            (task.planned_loss_sum(model, batch, None) / 2).backward()
+
     live = LiveBytes(model)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
-    with live, autocast:  # planned_loss_sum narrows autocast to the model's forward, as accelerate does
-        (task.planned_loss_sum(model, batch, None) / 2).backward()
+    micro_step(live)
+    timeline = simulate._Timeline(flop_registry)
+    micro_step(timeline)
+    counted = max(held + grads for held, grads in timeline.points)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"simulated {simulated:,} real {live.peak:,} weights {weights:,}")
+    print(f"simulated {simulated:,} real {live.peak:,} (the timeline's count {counted:,}) weights {weights:,}")
     assert live.peak <= simulated <= live.peak + weights
+    assert abs(simulated / counted - 1) <= 0.01
 

@@ -22,8 +22,13 @@ which the step runner frees after each optimizer step (engine/step.py: zero_grad
   it: autocast inside the model's forward only, so the LM head (chunked: speedups/chunked_lm_loss.py's
   _LinearTokenLogProbs, max_new_tokens positions a row) runs in fp32; its backward makes each chunk's logits
   again and holds the previous chunk's gradient while it does: 3 chunks of c x V x 4 bytes live at its peak
-  (c = chunk_rows(V), or fewer where the micro-batch has fewer completion positions). A change to that code
-  (the head at other positions, a second forward dropped, padding trimmed) changes the simulation with it.
+  (c = chunk_rows(V), or fewer where the micro-batch has fewer completion positions). As completion_batches.py
+  runs it: each prompt once for its G rows (its keys and values copied to each row through a DynamicCache, the
+  completions run through that cache; the example batch says its groups, PLANNED_GROUP_ROWS), every row kept:
+  the worst case, every group with a spread in its rewards (the update leaves out rows without a gradient,
+  grpo.py's `_contributing`, which a run's first steps may not find; with a KL term in the loss it keeps them
+  all). A change to that code (the head at other positions, a second forward dropped, padding trimmed)
+  changes the simulation with it.
 
 Not counted: the prompt pass's transient activations (one layer of prompts x prompt positions, under the
 decode's cache whenever G x (prompt + new tokens) rows-positions outweigh them), the attention masks

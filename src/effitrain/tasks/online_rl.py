@@ -15,6 +15,7 @@ import torch
 from effitrain.errors import UserError
 from effitrain.tasks.causal_lm import CausalLM
 from effitrain.tasks.base import TrainLoss, digest
+import effitrain.tasks.objectives.completion_batches as completion_batches
 from effitrain.tasks.objectives.grpo import Grpo, PromptData, unpadded
 
 
@@ -193,15 +194,26 @@ class OnlineRL(CausalLM):
 
     def example_batch(self, model_config, batch_size: int, seq_len: int) -> dict:
         """A trained micro-batch of `batch_size` rows (prompts x G completions: the planner's rows, planning/
-        rl_step.py) of `seq_len` positions, the last min(max_new_tokens, seq_len - 1) the completion's."""
+        rl_step.py) of `seq_len` positions, the last min(max_new_tokens, seq_len - 1) the completion's; each
+        prompt's G rows side by side with the same prompt, as the rollout makes them, which the batch also says
+        (PLANNED_GROUP_ROWS: fake tensors have no values to compare), so the planned forward runs each prompt
+        once as training does. Every row is kept: a non-zero advantage (+1, -1 in turn: a group whose rewards
+        differ) and every completion token counted. The worst case, every group with a spread in its rewards:
+        a run's step can meet it whatever share of groups has none on average, and the planner's fake tensors
+        keep every row anyway (rows_of cannot select by values they do not have)."""
         rows, width = batch_size, min(self.objective.max_new_tokens, seq_len - 1)
-        ids = torch.zeros(rows, seq_len, dtype=torch.long)
+        generations, vocab = self.objective.generations, max(getattr(model_config, "vocab_size", 2), 2)
+        row = torch.arange(rows)
+        # each group's prompt and each row's completion tokens distinct (ids 1..vocab - 1)
+        ids = torch.cat([(row // generations % (vocab - 1) + 1)[:, None].expand(rows, seq_len - width),
+                         (row % (vocab - 1) + 1)[:, None].expand(rows, width)], dim=1)
         metrics = len(self.objective.train_metric_names) - 1 - int(bool(self.objective.beta))  # clip_ratio, kl
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                  "position_ids": torch.arange(seq_len).expand(rows, -1), "completion_mask": torch.ones(rows, width),
-                 "advantages": torch.zeros(rows), "old_logps": torch.zeros(rows, width),
+                 "advantages": 1.0 - 2.0 * (row % 2), "old_logps": torch.zeros(rows, width),
                  "token_weight": torch.zeros(rows, dtype=torch.float64),
-                 "completion_sums": torch.zeros(rows, metrics, dtype=torch.float64)}
+                 "completion_sums": torch.zeros(rows, metrics, dtype=torch.float64),
+                 completion_batches.PLANNED_GROUP_ROWS: generations}
         if self.objective.beta:
             batch["ref_logps"] = torch.zeros(rows, width)
             if self.objective.sequence_level:  # RLOO's KL: a reward penalty per completion, made in the rollout

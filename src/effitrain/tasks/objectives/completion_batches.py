@@ -10,8 +10,9 @@ the completions' (less each completion's last token, which predicts nothing) ins
 sequence: at G = 8 and a prompt as long as its completions, 9/16 of them; the prompt's gradient flows back
 through the copies. The same function of the weights as one forward over the whole rows (equal to float
 rounding); that whole-row forward is kept where the prompt pass cannot be shared (no two rows share a
-prompt, gradient checkpointing, which drops the cache, a cache other than transformers' plain DynamicCache,
-the planner's fake tensors)."""
+prompt, gradient checkpointing, which drops the cache, a cache other than transformers' plain DynamicCache).
+The planner's fake tensors run the same code: having no values to compare, its example batch says how many
+neighbouring rows share each prompt (PLANNED_GROUP_ROWS)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from effitrain.tasks.lm_head import LMHead
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # A micro-batch's tensors a column per completion token (the rest: a column per position, or none).
 COMPLETION_COLUMNS = ("completion_mask", "old_logps", "ref_logps")
+# The planner's example batch (tasks/online_rl.py's example_batch): how many neighbouring rows share each prompt
+# (G, a prompt's completions), which its fake tensors cannot show by their values.
+PLANNED_GROUP_ROWS = "planned_group_rows"
 
 
 def sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -73,13 +77,16 @@ def completion_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tens
 
 def shared_prompts(batch: dict, model=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(each group's first row, its number of rows) where neighbouring rows with the same prompt (ids and
-    mask) form a group; None where no two rows share one, or the prompt pass cannot be shared: the planner's
-    fake tensors (no values to compare), `model` with gradient checkpointing (its layers drop the cache)."""
+    mask) form a group; None where no two rows share one, or the prompt pass cannot be shared: `model` with
+    gradient checkpointing (its layers drop the cache). The planner's fake tensors, which have no values to
+    compare, are grouped as their batch says (PLANNED_GROUP_ROWS; none said: no group)."""
     from torch._subclasses.fake_tensor import is_fake
 
     ids = batch["input_ids"]
-    if is_fake(ids) or model is not None and _checkpointing(model):
+    if model is not None and _checkpointing(model):
         return None
+    if is_fake(ids):
+        return _planned_groups(len(ids), batch.get(PLANNED_GROUP_ROWS, 1), ids.device)
     start = ids.shape[1] - batch["completion_mask"].shape[1]
     prompts = torch.cat([ids[:, :start], batch["attention_mask"][:, :start]], dim=1)
     new = torch.ones(len(ids), dtype=torch.bool, device=ids.device)
@@ -88,6 +95,15 @@ def shared_prompts(batch: dict, model=None) -> tuple[torch.Tensor, torch.Tensor]
     if len(firsts) == len(ids):
         return None
     return firsts, torch.diff(firsts, append=firsts.new_tensor([len(ids)]))
+
+
+def _planned_groups(rows: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """shared_prompts' answer for `rows` rows in groups of `size` neighbours (the last one shorter where
+    `size` does not divide them), made as shared_prompts makes it (the same small tensors)."""
+    if size < 2 or rows < 2:
+        return None
+    firsts = torch.arange(0, rows, size, device=device)
+    return firsts, torch.diff(firsts, append=firsts.new_tensor([rows]))
 
 
 def _checkpointing(model) -> bool:
