@@ -12,6 +12,7 @@ process, under the allocator the `effitrain` command preloads, with each phase o
 It is how planning/rl_step.py's terms were checked against the code (benchmarks/results/rl_plan_*.md).
 
     python benchmarks/planner/rl_step_probe.py gen-fp32 [--steps 4] [--top 12] [--kl-beta 0.04] [--peft lora]
+    python benchmarks/planner/rl_step_probe.py --dry-run   # rl_plan_runs.py's tiny row, one step
 """
 
 from __future__ import annotations
@@ -49,13 +50,19 @@ def main() -> int:
     from benchmarks.planner.rl_plan_runs import DRY_RUN, ROWS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("label")
+    parser.add_argument("label", nargs="?", help="a row of rl_plan_runs.py")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--dry-run", action="store_true", help="rl_plan_runs.py's dry-run row, one step")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--kl-beta", type=float, default=0.0)
     parser.add_argument("--peft", default=None)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.dry_run:
+        args.label, args.steps = DRY_RUN[0][0], 1
+        print(f"dry run: rl_plan_runs.py's row {args.label}, one step", flush=True)
+    if args.label is None:
+        parser.error("name a row of rl_plan_runs.py, or pass --dry-run")
     row = next(r for r in ROWS + DRY_RUN if r[0] == args.label)
     label, model, micro, accumulation, generations, new_tokens, precision, flags = row
 

@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 TOPICS = {"speedups", "techniques", "planner", "peers", "gpu"}
-# Imported by the scripts, not run: memory_plan.py --runs's rows; the peer comparisons' set-up and result writer.
-HELPERS = {"planner/memory_plan_runs", "peers/_sides", "peers/_report"}
+# Imported by the scripts, not run: memory_plan.py --runs's rows; rl_plan_runs.py's reward file; the peer comparisons' set-up and result writer.
+HELPERS = {"planner/memory_plan_runs", "planner/spread_reward", "peers/_sides", "peers/_report"}
 
 
 def modules() -> list[str]:
