@@ -1,6 +1,6 @@
 """GRPO learns on a CPU (issue 43's bar): on the built-in `addition` (two-digit sums, held-out pairs), a 2-layer
 128-wide Llama-shaped model from a config with the character tokenizer is first fine-tuned by SFT until its
-held-out greedy exact match reaches the starting range (stopped as soon as validation exact match >= 0.22,
+held-out greedy exact match reaches the starting range (stopped as soon as validation exact match >= 0.25,
 evaluated every 25 steps), then 200 GRPO steps (32 prompts x 8 completions, at most 4 new tokens, lr 3e-4, no
 KL) train it on the exact-match reward alone. Per seed (SFT and GRPO share it: it chooses the held-out split):
 the SFT's stopping step and test exact match, GRPO's test exact match and gain, GRPO's training seconds and
@@ -9,7 +9,7 @@ prompts/s. Bars: the start within [0.2, 0.35] of test exact match, a gain >= 0.1
 Both stages are docs/rl.md's walk-through, run in this process through effitrain.train (the seconds are the
 runs' own `train_seconds`: the steps, generation included, without start-up and evaluations).
 
-    .venv/bin/python benchmarks/techniques/rl_addition.py --seeds 1 2 3   # 5-15 minutes a seed on 2 cores
+    .venv/bin/python benchmarks/techniques/rl_addition.py --seeds 0 1 2 3   # 2-4 minutes a seed on 2 cores
     .venv/bin/python benchmarks/techniques/rl_addition.py --dry-run      # 2 + 1 steps, 8 prompts: seconds
 """
 
@@ -26,10 +26,12 @@ import _common  # noqa: E402
 MODEL = ("llama:hidden_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,"
          "intermediate_size=512,max_position_embeddings=64")
 # Stopped on a threshold, not a step count: the take-off step of this model on addition depends on the seed
-# (benchmarks/results/addition_sft_*.md); a high learning rate held to the stop (20,000 steps of linear decay).
+# (benchmarks/results/addition_sft_*.md). A constant lr of 5e-4 takes every seed tried through a quick take-off
+# (GRPO learns most from a checkpoint stopped inside it); lr 1e-3 with linear decay crept up over thousands of
+# steps, and GRPO added little to those checkpoints (results/rl_addition_*.md).
 SFT = {"model": MODEL, "tokenizer": "characters", "task": "causal-lm", "data": "addition", "batch_size": 32,
-       "max_steps": 20000, "lr": 1e-3, "warmup_ratio": 0.01, "eval_every": 25, "max_eval_samples": 200,
-       "metric_for_best": "exact_match", "early_stopping_target": 0.22}
+       "max_steps": 20000, "lr": 5e-4, "lr_schedule": "constant", "warmup_ratio": 0.01, "eval_every": 25,
+       "max_eval_samples": 200, "metric_for_best": "exact_match", "early_stopping_target": 0.25}
 GRPO = {"task": "causal-lm", "data": "addition", "rl": "grpo", "batch_size": 32, "num_generations": 8,
         "max_new_tokens": 4, "max_steps": 200, "lr": 3e-4, "warmup_ratio": 0.0, "eval_every": 50,
         "max_eval_samples": 200}
@@ -50,7 +52,7 @@ def one_seed(seed: int, folder: Path, dry: dict) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--dry-run", action="store_true", help="2 SFT and 1 GRPO step on 8 prompts; no bars")
     args = parser.parse_args(argv)
     dry = {}
