@@ -290,24 +290,31 @@ class FakeTask:
         return metric == "accuracy"
 
 
-@pytest.mark.parametrize("metric, values, threshold, best_step, stop_after", [
-    ("loss", [1.0, 0.8, 0.9, 0.85, 0.7], 0.0, 10, 4),  # 0.9 and 0.85 do not beat 0.8: patience 2 runs out
-    ("loss", [1.0, 0.97, 0.96], 0.05, 6, 3),  # improvements below the threshold: best, but patience runs
-    ("accuracy", [0.5, 0.7, 0.6, 0.8], 0.0, 8, None),  # higher is better
-])
-def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, best_step, stop_after):
+def evaluations(monkeypatch, metric: str, values: list[float], **stopping) -> tuple[Evaluator, TrainState, int | None]:
+    """An evaluator fed `values` as its validation `metric` every 2 steps: (it, the state after them, the
+    evaluation (1-based) at which it first said stop, or None)."""
     from effitrain.engine import evaluator as evaluation
 
     task = FakeTask(values)
     monkeypatch.setattr(evaluation, "evaluate", lambda *a: {metric: next(task.values)})
     evaluator = Evaluator(None, task, None, None, steps_per_epoch=100, total_steps=100, eval_every=2, metric=metric,
-                          patience=2, threshold=threshold)
+                          **stopping)
     state, stopped = TrainState(), None
     for number in range(1, len(values) + 1):
         state.step = 2 * number
         evaluator.validate(None, state)
         if stopped is None and evaluator.should_stop(state):
             stopped = number
+    return evaluator, state, stopped
+
+
+@pytest.mark.parametrize("metric, values, threshold, best_step, stop_after", [
+    ("loss", [1.0, 0.8, 0.9, 0.85, 0.7], 0.0, 10, 4),  # 0.9 and 0.85 do not beat 0.8: patience 2 runs out
+    ("loss", [1.0, 0.97, 0.96], 0.05, 6, 3),  # improvements below the threshold: best, but patience runs
+    ("accuracy", [0.5, 0.7, 0.6, 0.8], 0.0, 8, None),  # higher is better
+])
+def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, best_step, stop_after):
+    evaluator, state, stopped = evaluations(monkeypatch, metric, values, patience=2, threshold=threshold)
     assert state.best_step == best_step and stopped == stop_after
     assert evaluator.due(2) and not evaluator.due(3) and evaluator.due(100)
     state.step = 100  # the last step: the run ends there anyway, that is no early stop
@@ -321,19 +328,7 @@ def test_evaluator_best_and_patience(monkeypatch, metric, values, threshold, bes
 ])
 def test_evaluator_stops_once_the_target_is_reached(monkeypatch, metric, values, target, stop_after):
     """--early-stopping-target (Lightning's stopping_threshold), without patience."""
-    from effitrain.engine import evaluator as evaluation
-
-    task = FakeTask(values)
-    monkeypatch.setattr(evaluation, "evaluate", lambda *a: {metric: next(task.values)})
-    evaluator = Evaluator(None, task, None, None, steps_per_epoch=100, total_steps=100, eval_every=2, metric=metric,
-                          target=target)
-    state, stopped = TrainState(), None
-    for number in range(1, len(values) + 1):
-        state.step = 2 * number
-        evaluator.validate(None, state)
-        if stopped is None and evaluator.should_stop(state):
-            stopped = number
-    assert stopped == stop_after
+    assert evaluations(monkeypatch, metric, values, target=target)[2] == stop_after
 
 
 def test_a_step_that_raises_still_closes_the_log_the_bar_and_the_accelerator(tiny_model_dir, tmp_path, monkeypatch):
