@@ -229,7 +229,7 @@ class TrainConfig:
                                     "reused on resume), so no teacher is in memory during the steps",
                                     "distillation", nonempty=True, resume="must_match", added_later=True)
     distill_alpha: float = _opt(0.5, "distillation: the weight of the teacher's term (1 - this: the labels' "
-                                "cross-entropy)", "distillation", within=(0, 1), fix="pass e.g. {flag} 0.5",
+                                "cross-entropy)", "distillation", within=(0, 1), ends="[]", fix="pass e.g. {flag} 0.5",
                                 resume="must_match", added_later=True)
     distill_temperature: float = _opt(2.0, "distillation: both models' logits are divided by it before the KL "
                                       "(softer targets; the term is multiplied by its square)", "distillation",

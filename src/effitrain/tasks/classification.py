@@ -41,6 +41,8 @@ class Classification(Task):
     def check_config(self, config) -> None:
         """As every task; --packing also only for the model types whose packed forward is exact."""
         super().check_config(config)
+        if self.distillation is not None:  # a teacher folder that is no model of this task: before the data loads
+            self.distillation.teacher_config(self)
         if config.packing:
             packed.check_model(self.source_config(loading.resolve_source(config.model, config.allow_pickle)))
 
@@ -59,6 +61,11 @@ class Classification(Task):
                 image.check_channels(config, f"model {source.path or config.model_type}")
                 return image.image_processor(source.path, config)
             return audio.feature_extractor(source.path, config.model_type)
+
+    def check_built_model(self, model, encoded, processor, config) -> None:
+        """With --distill-from: the teacher's labels are the data's (before the output folder is claimed)."""
+        if self.distillation is not None:
+            self.distillation.teacher_config(self, [str(model.config.id2label[i]) for i in range(model.config.num_labels)])
 
     def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """With --distill-from: the training split with the teacher's logits (tasks/distillation.py)."""

@@ -44,7 +44,7 @@ def loss_sum(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logits:
 
 @dataclass(frozen=True)
 class Distillation:
-    """The run's distillation settings (tasks.for_config makes it from --distill-*)."""
+    """The run's distillation settings (tasks.for_config makes it from --distill-from, -alpha, -temperature)."""
 
     teacher: str  # the teacher's folder
     alpha: float = 0.5
@@ -59,9 +59,9 @@ class Distillation:
         return loss_sum(student_logits, batch["labels"], batch[COLUMN], self.alpha, self.temperature)
 
     # -- the teacher ------------------------------------------------------------------------------
-    def teacher_config(self, task, labels: list[str]):
-        """The teacher's config, refused when the folder is no saved model of `task` or its labels are not
-        `labels` (the student's, from the data), in their order."""
+    def teacher_config(self, task, labels: list[str] | None = None):
+        """The teacher's source, refused when the folder is no saved model of `task` or its labels are not
+        `labels` (the student's, from the data; None: not checked), in their order."""
         from effitrain.models import loading
 
         where = f"--distill-from {self.teacher}"
@@ -75,7 +75,7 @@ class Distillation:
             raise UserError(f"{where} is a {kind}, not a {task.name} model",
                             f"pass a {task.name} model folder (e.g. an effitrain run's model/ on this data)")
         theirs = [str(config.id2label[i]) for i in range(config.num_labels)]
-        if theirs != list(labels):
+        if labels is not None and theirs != list(labels):
             raise UserError(f"{where} predicts the labels {theirs}, and the data's are {list(labels)} (in this order)",
                             "pass a teacher trained on this data's labels")
         return source
