@@ -59,8 +59,8 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(alpha, temperature):
     teacher, labels = torch.randn(5, 4) * 3, torch.tensor([0, 3, 1, 1, 2])
     loss = distillation.loss_sum(student, labels, teacher, alpha, temperature)
     loss.backward()
-    assert float(loss.detach()) == pytest.approx(float(hand_loss(student.detach(), labels, teacher, alpha, temperature)),
-                                        rel=1e-6)
+    hand = hand_loss(student.detach(), labels, teacher, alpha, temperature)
+    assert float(loss.detach()) == pytest.approx(float(hand), rel=1e-6)
     torch.testing.assert_close(student.grad.double(), hand_gradient(student.detach(), labels, teacher, alpha,
                                                                     temperature), rtol=1e-5, atol=1e-6)
     if alpha == 0.0:  # plain cross-entropy
@@ -126,8 +126,8 @@ def test_the_stored_logits_are_the_teachers_forward_and_a_resume_reads_them_back
     out = task.distillation.prepare(task, student, encoded, tokenizer, collate, 3, tmp_path)
     teacher = AutoModelForSequenceClassification.from_pretrained(teacher_dir).eval()
     with torch.no_grad():
-        for i, row in enumerate(out["train"]):
-            one = {"input_ids": torch.tensor([row["input_ids"]]), "attention_mask": torch.tensor([row["attention_mask"]])}
+        for row in out["train"]:
+            one = {key: torch.tensor([row[key]]) for key in ("input_ids", "attention_mask")}
             torch.testing.assert_close(torch.tensor(row["teacher_logits"]), teacher(**one).logits[0],
                                        rtol=1e-5, atol=1e-5)
     assert "teacher_logits" not in out["validation"].column_names
@@ -166,9 +166,10 @@ def counted_teacher(monkeypatch):
     return calls
 
 
-def run_args(tiny_model_dir, teacher_dir, out):
+def run_args(tiny_model_dir, teacher_dir, out, batch: list | None = None):
     return ["--model", tiny_model_dir, "--distill-from", teacher_dir, "--distill-alpha", "0.7",
-            "--distill-temperature", "3", "--max-train-samples", 24, "--max-eval-samples", 8, "--batch-size", 4,
+            "--distill-temperature", "3", "--max-train-samples", 24, "--max-eval-samples", 8,
+            *(batch or ["--batch-size", 4]),
             "--max-steps", 4, "--save-every", 2, "--log-every", 1, "--precision", "fp32", "--lr", "1e-3",
             "--output-dir", out]
 
@@ -217,3 +218,19 @@ def test_a_stored_file_deleted_or_altered_before_resume_is_refused(tiny_model_di
     assert result.returncode == 2, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert "teacher's stored logits" in line and ("is missing" if damage == "deleted" else "digest differs") in line
+
+
+@pytest.mark.parametrize("layout", [["--batch-size", "4", "--grad-accum", "2"], ["--batch-size", "8", "--packing"]])
+def test_accumulation_and_packing_equal_one_padded_micro_batch(tiny_model_dir, teacher_dir, tmp_path, cli_here,
+                                                               layout):
+    """Each example's term is summed and the step divides by its examples: 4 x accumulation 2, and packed rows
+    (each example's logits beside its label), end with the weights of 1 x 8 (fp32, 1e-5)."""
+    def run(name, *more):
+        result = cli_here("train", *run_args(tiny_model_dir, teacher_dir, tmp_path / name, list(more)),
+                          "--no-group-by-length")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return read_weights(tmp_path / name)
+
+    wanted, got = run("whole", "--batch-size", "8"), run("other", *layout)
+    for name in wanted:
+        torch.testing.assert_close(got[name], wanted[name], rtol=1e-5, atol=1e-5)

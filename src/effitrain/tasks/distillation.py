@@ -80,16 +80,21 @@ class Distillation:
                             "pass a teacher trained on this data's labels")
         return source
 
-    def load_teacher(self, task, source, processor):
-        """The teacher model, in evaluation mode, refused when it reads text with another vocabulary."""
+    def check_teacher(self, task, labels: list[str], processor) -> None:
+        """The teacher's labels are `labels`, and a text teacher reads the student's token ids (its tokenizer's
+        vocabulary is the student's): checked once the student is built, before the run folder is claimed."""
         from effitrain.models import loading
 
-        if task.is_text:
+        source = self.teacher_config(task, labels)
+        if task.is_text and processor is not None:
             theirs = loading.load_text_tokenizer(source)
             if theirs.get_vocab() != processor.get_vocab():
                 raise UserError(f"--distill-from {self.teacher} has another tokenizer vocabulary than the model "
-                                f"trained ({len(theirs)} vs {len(processor)} tokens): its logits would be of other "
-                                "token ids", "pass a teacher with the student's tokenizer")
+                                f"trained ({len(theirs)} vs {len(processor)} tokens): it would read other token ids",
+                                "pass a teacher with the student's tokenizer")
+
+    def load_teacher(self, task, source, processor):
+        """The teacher model, in evaluation mode."""
         model = task.build_model(source, None, processor)
         return model.eval().requires_grad_(False)
 
