@@ -50,6 +50,7 @@ RL = rl_names.NAMES  # --rl: the online RL objectives (tasks/objectives/grpo.py)
 # What no --rl leaves alone (--max-new-tokens aside: evaluation by generation takes it too).
 RL_SETTINGS = ("num_generations", "temperature", "top_p", "clip_epsilon", "clip_epsilon_high", "loss_type",
                "scale_rewards", "kl_beta", "mask_truncated", "reward", "reward_weights")
+DISTILL_SETTINGS = ("distill_alpha", "distill_temperature")  # what no --distill-from leaves alone
 RL_MAX_NEW_TOKENS = 64  # --max-new-tokens with --rl when none is given
 # The built-in data sets' names (data/builtins.py makes them; a test keeps the two the same).
 BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits",
@@ -58,7 +59,7 @@ BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
 SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters", "preference",
-            "online RL", "distributed", "evaluation", "checkpoints", "logging")
+            "online RL", "distillation", "distributed", "evaluation", "checkpoints", "logging")
 
 
 def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rules: Any) -> Any:
@@ -222,6 +223,18 @@ class TrainConfig:
     reward_weights: list[float] | None = _opt(None, "online RL: one weight per --reward, in their order (default "
                                               "1.0 each)", "online RL", example="1.0", resume="must_match",
                                               added_later=True)
+    distill_from: str | None = _opt(None, "classification: a saved model folder of the same task and labels (e.g. "
+                                    "an effitrain run's model/) whose logits the model learns from beside the labels; "
+                                    "computed once before training (teacher_logits.safetensors in the run folder, "
+                                    "reused on resume), so no teacher is in memory during the steps",
+                                    "distillation", nonempty=True, resume="must_match", added_later=True)
+    distill_alpha: float = _opt(0.5, "distillation: the weight of the teacher's term (1 - this: the labels' "
+                                "cross-entropy)", "distillation", within=(0, 1), ends="[]", fix="pass e.g. {flag} 0.5",
+                                resume="must_match", added_later=True)
+    distill_temperature: float = _opt(2.0, "distillation: both models' logits are divided by it before the KL "
+                                      "(softer targets; the term is multiplied by its square)", "distillation",
+                                      positive=True, fix="pass e.g. {flag} 2.0", resume="must_match",
+                                      added_later=True)
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
@@ -718,6 +731,7 @@ def validate(config: TrainConfig) -> None:
     _check_peft(config)
     _check_preference(config)
     _check_rl(config)
+    _check_distillation(config)
     _check_optimizer(config)
     if config.plan is not None:
         check_plan(config.plan, config.batch_size)
@@ -752,6 +766,23 @@ def _check_preference(config: TrainConfig) -> None:
     if config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
         raise UserError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {config.dpo_loss}",
                         "drop --dpo-label-smoothing, or pass --dpo-loss sigmoid")
+
+
+def _check_distillation(config: TrainConfig) -> None:
+    """--distill-alpha / --distill-temperature only with --distill-from; its folder checked before torch loads."""
+    if config.distill_from is None:
+        changed = _changed_from_defaults(config, DISTILL_SETTINGS)
+        if changed:
+            raise UserError(f"{flag(changed[0])} applies to distillation, and --distill-from is not set",
+                            f"pass --distill-from TEACHER (a saved model folder), or drop {flag(changed[0])}")
+        return
+    path = Path(config.distill_from).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--distill-from {config.distill_from} is not a folder",
+                        "pass the folder of a saved model (e.g. an effitrain run's model/)")
+    if not (path / "config.json").is_file():
+        raise UserError(f"--distill-from {config.distill_from} holds no config.json: it is not a saved model",
+                        "pass the folder of a saved model (e.g. an effitrain run's model/)")
 
 
 def reward_texts(value) -> list[str]:

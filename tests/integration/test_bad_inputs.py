@@ -59,7 +59,24 @@ def workdir(tiny_model_dir, tmp_path_factory):
     write_preference_cases(root)
     write_rl_cases(root)
     write_mismatched_media(root)
+    write_distill_cases(root)
     return root
+
+
+def write_distill_cases(root):
+    """--distill-from teachers: a folder without a model, one of sms-spam's labels (d.csv's: ham, spam)."""
+    import json
+
+    from effitrain.models import character_tokenizer
+
+    (root / "no-teacher").mkdir()
+    (root / "no-teacher" / "notes.txt").write_text("no model here\n")
+    shutil.copytree(root / "prev" / "model", root / "teacher-hs")
+    config = json.loads((root / "teacher-hs" / "config.json").read_text())
+    config.update(id2label={"0": "ham", "1": "spam"}, label2id={"ham": 0, "spam": 1})
+    (root / "teacher-hs" / "config.json").write_text(json.dumps(config))
+    shutil.copytree(root / "teacher-hs", root / "teacher-chars")  # the same teacher reading other token ids
+    character_tokenizer.character_tokenizer().save_pretrained(root / "teacher-chars")
 
 
 def write_chat_cases(root):
@@ -889,6 +906,27 @@ CASES = [
     (["plan", "--optim", "muon", "--strategy", "fsdp"], "it needs each weight whole"),
     (["plan", "--optim", "adam-8bit", "--strategy", "fsdp"], "--optim adam-8bit with --strategy fsdp"),
     (["evaluate", "--model", "prev/model", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    # --distill-from (tasks/distillation.py)
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "nowhere", "--output-dir", "new"],
+     "--distill-from nowhere is not a folder"),
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "no-teacher", "--output-dir", "new"],
+     "--distill-from no-teacher holds no config.json: it is not a saved model"),
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "corrupt", "--output-dir", "new"], "--distill-from corrupt"),
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "vit", "--output-dir", "new"],
+     "--distill-from vit is a ViTForImageClassification, not a sequence-classification model"),
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "prev/model", "--output-dir", "new"],
+     "--distill-from prev/model predicts the labels ['LABEL_0', 'LABEL_1'], and the data's are ['ham', 'spam']"),
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "teacher-chars", "--output-dir", "new"],
+     "--distill-from teacher-chars has another tokenizer vocabulary than the model trained"),
+    (["train", *TINY, "--data", "d.csv", "--distill-alpha", "0.2"],
+     "--distill-alpha applies to distillation, and --distill-from is not set"),
+    (["train", *TINY, "--data", "d.csv", "--distill-temperature", "4"],
+     "--distill-temperature applies to distillation, and --distill-from is not set"),
+    (["train", *TINY, "--distill-from", "teacher-hs", "--distill-alpha", "1.5"], "--distill-alpha must be in [0, 1]"),
+    (["train", *TINY, "--distill-from", "teacher-hs", "--distill-temperature", "0"],
+     "--distill-temperature must be > 0"),
+    (["train", *LLAMA, "--distill-from", "teacher-hs"], "--distill-from applies to the classification tasks, not "
+                                                        "causal-lm"),
     (["train", "--zero-stage", "3"], "--zero-stage applies to --strategy deepspeed, not ddp"),
     (["train", "--batch-size", "99999999999999999999"], "--batch-size must be at most 2,147,483,647"),
     (["plan", "--num-labels", "99999999999999999999"], "--num-labels must be at most 1,000,000"),

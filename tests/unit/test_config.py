@@ -100,9 +100,13 @@ def test_every_field_has_a_section_help_and_only_known_rules():
 
 def _base(name: str) -> dict:
     """Values under which the field's own rule is the one that speaks (--lora-* apply with --peft, online RL's
-    flags with --rl)."""
+    flags with --rl, distillation's with --distill-from a model folder)."""
     if name in cfg.RL_SETTINGS:
         return {"rl": "grpo", "task": "causal-lm"}
+    if name in cfg.DISTILL_SETTINGS:
+        from effitrain.models.loading import default_model_dir
+
+        return {"distill_from": str(default_model_dir())}
     return {"peft": "lora"} if name in cfg.LORA_SETTINGS else {}
 
 

@@ -59,6 +59,8 @@ class ClassificationPacker:
                 labels.append(features[i]["labels"] if "labels" in features[i] else features[i]["label"])
                 at = end
         batch["labels"] = torch.tensor(labels, dtype=torch.long)
+        if "teacher_logits" in features[0]:  # --distill-from: each example's teacher logits, in label order
+            batch["teacher_logits"] = torch.tensor([features[i]["teacher_logits"] for row in rows for i in row])
         return batch
 
 

@@ -158,7 +158,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     log = sinks.RunLog(sinks.JsonlLog(out_dir / "log.jsonl" if accelerator.is_main_process else None),
                          tracking.start(accelerator, config, out_dir, plan.to_dict()))
     cleanup.callback(log.close)
-    run = prepare(config, task, strategy, plan, data, model, sizes, out_dir, log)
+    run = prepare(config, task, strategy, plan, data, model, sizes, out_dir, log, resuming=resume_from is not None)
     run.resume_from, run.resume_state, run.compiled, run.transforms = resume_from, resume_state, compiled, applied
     return run
 
@@ -298,10 +298,12 @@ def loaders(task, config: TrainConfig, data: Data, world: int, grad_accum: int):
 
 
 def prepare(config: TrainConfig, task, strategy: strategies.Strategy, plan: RunPlan, data: Data, model,
-            sizes: list[int], out_dir: Path, log) -> Run:
+            sizes: list[int], out_dir: Path, log, resuming: bool = False) -> Run:
     accelerator, world = strategy.accelerator, strategy.accelerator.num_processes
-    # The starting model, before any wrapping: what the task makes of it (a preference reference).
-    data.encoded = task.before_training(model, data.encoded, data.processor, config, out_dir, accelerator.autocast)
+    # The starting model, before any wrapping: what the task makes of it (a preference reference, a teacher's
+    # logits); `resuming`: a checkpoint is resumed, so what an earlier start stored must be there.
+    data.encoded = task.before_training(model, data.encoded, data.processor, config, out_dir, accelerator.autocast,
+                                        resuming=resuming)
     train_dl, eval_dls, stand_in = loaders(task, config, data, world, plan.grad_accum)
     assert len(train_dl) == math.ceil(len(data.encoded["train"]) / config.batch_size)
     total_steps = config.max_steps or config.epochs * len(sizes)

@@ -50,7 +50,8 @@ def get(name: str):
 def for_config(config):
     """The task object of a run's settings, the one place tasks are built: the registered one, or with
     --preference the same task on preference pairs with the objective named, or with --rl on prompts with its
-    online RL objective (a new object each time: it holds the run's reference model)."""
+    online RL objective (a new object each time: it holds the run's reference model), or with --distill-from
+    the task with its distillation settings."""
     task = get(config.task)
     if getattr(config, "rl", None) is not None:
         if not task.supports_rl:
@@ -58,6 +59,12 @@ def for_config(config):
         from effitrain.tasks import objectives, online_rl
 
         return online_rl.OnlineRL(task.name, objectives.of_rl(config))
+    if getattr(config, "distill_from", None) is not None:
+        if not task.supports_distillation:
+            task.check_config(config)  # refuses --distill-from with the task's name
+        from effitrain.tasks.distillation import Distillation
+
+        return task.with_distillation(Distillation.of(config))
     if getattr(config, "preference", None) is None:
         return task
     if not task.supports_preference:

@@ -33,6 +33,7 @@ class Task:
     grows_vocabulary: bool = False  # a pretrained model's embeddings grow to its tokenizer's (a chat template's tokens)
     supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     supports_preference: bool = False  # preference pairs: --preference (tasks/preference.py)
+    supports_distillation: bool = False  # a teacher's logits beside the labels: --distill-from (tasks/distillation.py)
     supports_rl: bool = False  # prompts to generate answers to, learnt from their rewards: --rl (tasks/online_rl.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
@@ -58,6 +59,9 @@ class Task:
         if config.packing and not self.supports_packing:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")
+        if getattr(config, "distill_from", None) is not None and not self.supports_distillation:
+            raise UserError(f"--distill-from applies to the classification tasks, not {self.name}",
+                            "drop --distill-from, or pass --task sequence-classification (or image-, audio-)")
         if getattr(config, "preference", None) is not None and not self.supports_preference:
             raise UserError(f"--preference applies to --task causal-lm, not {self.name}", "drop --preference")
         if not self.supports_chat:
@@ -69,10 +73,11 @@ class Task:
             if changed:
                 raise UserError(f"{changed} applies to --task causal-lm, not {self.name}", f"drop {changed}")
 
-    def before_training(self, model, encoded, processor, config, out_dir, autocast=None):
+    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """What the task makes from the starting model before training (preference tuning: its reference);
         returns the preprocessed splits, with what it added. `autocast`: the run's autocast context (what
-        the prepared model's forward runs under). Nothing by default."""
+        the prepared model's forward runs under); `resuming`: a checkpoint of this run is resumed. Nothing by
+        default."""
         return encoded
 
     def import_model_code(self, model_config) -> None:

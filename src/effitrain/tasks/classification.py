@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from effitrain.data import packing
 from effitrain.errors import UserError
 from effitrain.models import loading
+import effitrain.tasks.distillation as distillation
 import effitrain.tasks.packed as packed
 from effitrain.tasks.base import Task, digest
 
@@ -19,6 +21,8 @@ _AUTO = {"text": "AutoModelForSequenceClassification", "image": "AutoModelForIma
 
 class Classification(Task):
     higher_is_better = ("accuracy", "f1_macro")  # and every f1_<label>
+    supports_distillation = True
+    distillation = None  # --distill-from: a tasks.distillation.Distillation (with_distillation)
 
     def __init__(self, name: str, modality: str):
         super().__init__(name)
@@ -28,9 +32,17 @@ class Classification(Task):
         self.supports_packing = self.is_text  # padding-free rows: tasks/packed.py
         self.pipeline_tag = f"{modality}-classification"  # the Hub's name for the task (model cards)
 
+    def with_distillation(self, distillation) -> Classification:
+        """This task learning from a teacher's logits as well as the labels (a copy: tasks.for_config's)."""
+        distilled = copy.copy(self)
+        distilled.distillation = distillation
+        return distilled
+
     def check_config(self, config) -> None:
         """As every task; --packing also only for the model types whose packed forward is exact."""
         super().check_config(config)
+        if self.distillation is not None:  # a teacher folder that is no model of this task: before the data loads
+            self.distillation.teacher_config(self)
         if config.packing:
             packed.check_model(self.source_config(loading.resolve_source(config.model, config.allow_pickle)))
 
@@ -49,6 +61,21 @@ class Classification(Task):
                 image.check_channels(config, f"model {source.path or config.model_type}")
                 return image.image_processor(source.path, config)
             return audio.feature_extractor(source.path, config.model_type)
+
+    def check_built_model(self, model, encoded, processor, config) -> None:
+        """With --distill-from: the teacher's labels are the data's, its vocabulary the student's (before the output
+        folder is claimed)."""
+        if self.distillation is not None:
+            labels = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
+            self.distillation.check_teacher(self, labels, processor)
+
+    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
+        """With --distill-from: the training split with the teacher's logits (tasks/distillation.py)."""
+        if self.distillation is None:
+            return encoded
+        _, collate = self.collators(processor, config)
+        return self.distillation.prepare(self, model, encoded, processor, collate, config.eval_batch_size, out_dir,
+                                         autocast, resuming)
 
     def adapt_config(self, config, processor) -> None:
         if self.is_text:
@@ -148,8 +175,14 @@ class Classification(Task):
             return [digest(example) for example in packing.examples(batch)]
         return Task.example_digests(batch)
 
+    @staticmethod
+    def inputs(batch) -> dict:
+        return {k: v for k, v in batch.items() if k not in ("labels", distillation.COLUMN)}
+
     def loss_sum(self, model, batch) -> torch.Tensor:
         logits = packed.logits(model, batch) if packing.is_packed(batch) else model(**self.inputs(batch)).logits
+        if distillation.COLUMN in batch:  # the training batches of --distill-from
+            return self.distillation.loss_sum(logits, batch)
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
 
     def eval_outputs(self, model, batch, setting=None) -> tuple[torch.Tensor, ...]:

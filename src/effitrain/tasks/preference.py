@@ -91,7 +91,7 @@ class Preference(CausalLM):
         collate = preferences.collator(processor.pad_token_id, text.pad_multiple(config))
         return collate, collate
 
-    def before_training(self, model, encoded, processor, config, out_dir, autocast=None):
+    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """The reference, made from the starting model (dpo); the splits with its column (precompute)."""
         if self.reference is None:
             return encoded

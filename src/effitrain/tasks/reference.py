@@ -94,9 +94,10 @@ class Absent(Reference):
 MODES = {"precompute": Precomputed, "copy": FrozenCopy, "adapters": AdaptersOff, "none": Absent}
 
 
-def compute(model, split, collate, batch_size: int, answer_logps) -> torch.Tensor:
+def compute(model, split, collate, batch_size: int, answer_logps, width: int = 2) -> torch.Tensor:
     """The starting model's [pairs, 2] log-probs over a split, in its order, in evaluation mode (adapters, if
-    any, switched off: they start as zero updates, and so every mode computes the same model)."""
+    any, switched off: they start as zero updates, and so every mode computes the same model); `answer_logps`
+    may give any [rows, width] values (a teacher's logits: tasks/distillation.py)."""
     from effitrain.models import adapters
 
     device = next(model.parameters()).device
@@ -106,21 +107,21 @@ def compute(model, split, collate, batch_size: int, answer_logps) -> torch.Tenso
             batch = collate([split[i] for i in range(start, min(start + batch_size, len(split)))])
             batch = {key: value.to(device) for key, value in batch.items()}
             out.append(answer_logps(model, batch).double().cpu())
-    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
+    return torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
 
 
-def compute_shared(model, split, collate, batch_size: int, answer_logps) -> torch.Tensor:
+def compute_shared(model, split, collate, batch_size: int, answer_logps, width: int = 2) -> torch.Tensor:
     """`compute` over a split with the work shared by the processes: each takes every W-th pair (rank,
     rank + W, ...), and all of them end with every pair's log-probs, in the split's order."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return compute(model, split, collate, batch_size, answer_logps)
+        return compute(model, split, collate, batch_size, answer_logps, width)
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = compute(model, split.select(range(rank, len(split), world)), collate, batch_size, answer_logps)
+    mine = compute(model, split.select(range(rank, len(split), world)), collate, batch_size, answer_logps, width)
     parts: list = [None] * world
     dist.all_gather_object(parts, mine)  # small: 2 float64 a pair
-    whole = torch.zeros(len(split), 2, dtype=torch.float64)
+    whole = torch.zeros(len(split), width, dtype=torch.float64)
     for r, part in enumerate(parts):
         whole[r::world] = part
     return whole

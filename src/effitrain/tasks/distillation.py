@@ -1,0 +1,197 @@
+"""Distillation of a classifier from a teacher's logits computed offline (--distill-from): the loss is
+(1 - alpha) x cross-entropy + alpha x T^2 x KL(softmax(teacher / T) || softmax(student / T)), summed per
+example, so that the step's normalisation (engine/step.py: the step's sum over its labelled examples) keeps
+accumulation and processes exact.
+
+The teacher's logits are computed once, before training, in one pass over the training split (evaluation
+mode, no gradients, in batches, the work shared by the processes), stored in the run folder with the
+fingerprint of the teacher's folder and of the training split, and the teacher is freed: no teacher is in
+memory during the steps. Each training example carries its logits as a column, so the collated batch holds
+them beside its labels (whatever the order, the micro-batch or the packing). A resumed run reads the stored
+file back; one deleted, altered, or made from another teacher or other data is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from effitrain.errors import UserError
+from effitrain.outputs.run_folder import TEACHER_LOGITS as FILE
+import effitrain.tasks.reference as reference
+
+COLUMN = "teacher_logits"  # the training split's column, and the batch's key: [examples, labels]
+FINGERPRINT = "effitrain_teacher_and_data"  # the stored file's metadata key: sha256 of the teacher and the data
+
+
+def loss_sum(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor, alpha: float,
+             temperature: float) -> torch.Tensor:
+    """The distillation loss summed over the examples whose label is not -100 (each example's own term: the
+    step divides by its labelled examples, as it does the cross-entropy)."""
+    student = student_logits.float()
+    cross_entropy = F.cross_entropy(student, labels, reduction="none", ignore_index=-100)
+    teacher_log_probs = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    student_log_probs = F.log_softmax(student / temperature, dim=-1)
+    kl = (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum(-1)
+    per_example = (1.0 - alpha) * cross_entropy + alpha * temperature ** 2 * kl
+    return torch.where(labels != -100, per_example, per_example.new_zeros(())).sum()
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """The run's distillation settings (tasks.for_config makes it from --distill-from, -alpha, -temperature)."""
+
+    teacher: str  # the teacher's folder
+    alpha: float = 0.5
+    temperature: float = 2.0
+    allow_pickle: bool = False
+
+    @classmethod
+    def of(cls, config) -> Distillation:
+        return cls(config.distill_from, config.distill_alpha, config.distill_temperature, config.allow_pickle)
+
+    def loss_sum(self, student_logits, batch) -> torch.Tensor:
+        return loss_sum(student_logits, batch["labels"], batch[COLUMN], self.alpha, self.temperature)
+
+    # -- the teacher ------------------------------------------------------------------------------
+    def teacher_config(self, task, labels: list[str] | None = None):
+        """The teacher's source, refused when the folder is no saved model of `task` or its labels are not
+        `labels` (the student's, from the data; None: not checked), in their order."""
+        from effitrain.models import loading
+
+        where = f"--distill-from {self.teacher}"
+        try:
+            source = loading.resolve_source(str(Path(self.teacher).expanduser()), self.allow_pickle)
+        except UserError as err:
+            raise UserError(f"{where}: {err.problem}", err.fix) from None
+        config = task.source_config(source)
+        if not task.makes(config):
+            kind = (getattr(config, "architectures", None) or [config.model_type])[0]
+            raise UserError(f"{where} is a {kind}, not a {task.name} model",
+                            f"pass a {task.name} model folder (e.g. an effitrain run's model/ on this data)")
+        theirs = [str(config.id2label[i]) for i in range(config.num_labels)]
+        if labels is not None and theirs != list(labels):
+            raise UserError(f"{where} predicts the labels {theirs}, and the data's are {list(labels)} (in this order)",
+                            "pass a teacher trained on this data's labels")
+        return source
+
+    def check_teacher(self, task, labels: list[str], processor) -> None:
+        """The teacher's labels are `labels`, and a text teacher reads the student's token ids (its tokenizer's
+        vocabulary is the student's): checked once the student is built, before the run folder is claimed."""
+        from effitrain.models import loading
+
+        source = self.teacher_config(task, labels)
+        if task.is_text and processor is not None:
+            theirs = loading.load_text_tokenizer(source)
+            if theirs.get_vocab() != processor.get_vocab():
+                raise UserError(f"--distill-from {self.teacher} has another tokenizer vocabulary than the model "
+                                f"trained ({len(theirs)} vs {len(processor)} tokens): it would read other token ids",
+                                "pass a teacher with the student's tokenizer")
+
+    def load_teacher(self, task, source, processor):
+        """The teacher model, in evaluation mode."""
+        model = task.build_model(source, None, processor)
+        return model.eval().requires_grad_(False)
+
+    # -- the stored logits ------------------------------------------------------------------------
+    def prepare(self, task, model, encoded, processor, collate, batch_size: int, out_dir: Path | None,
+                autocast=None, resuming: bool = False):
+        """The splits, the training split with the teacher's logits as a column: read back from the run
+        folder on resume, else computed (the teacher loaded, run once, freed) and stored."""
+        from datasets import DatasetDict
+
+        labels = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
+        source = self.teacher_config(task, labels)
+        train = encoded["train"]
+        train = train.remove_columns([c for c in (COLUMN,) if c in train.column_names])
+        fingerprint = self.fingerprint(train)
+        logits = read(out_dir, fingerprint, len(train), len(labels)) if resuming else None
+        if logits is None:
+            teacher = self.load_teacher(task, source, processor)
+            try:
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    logits = compute_logits(teacher, train, collate, batch_size,
+                                            lambda m, batch: m(**task.inputs(batch)).logits.float(), len(labels))
+            finally:
+                del teacher
+                gc.collect()  # the teacher's weights go before the student's steps start
+            write(out_dir, logits.float(), fingerprint)
+        return DatasetDict({**encoded, "train": train.add_column(COLUMN, logits.float().tolist())})
+
+    def fingerprint(self, train) -> str:
+        """sha256 over the teacher folder's files (names and bytes) and the training split's rows, in order."""
+        import pyarrow as pa
+
+        hashed = hashlib.sha256()
+        folder = Path(self.teacher).expanduser()
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            hashed.update(f"{path.relative_to(folder)}|{path.stat().st_size}|".encode())
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    hashed.update(chunk)
+        for batch in train.with_format("arrow").iter(batch_size=4096):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_table(batch)
+            hashed.update(sink.getvalue().to_pybytes())
+        return hashed.hexdigest()
+
+
+def compute_logits(teacher, split, collate, batch_size: int, logits_of, labels: int) -> torch.Tensor:
+    """The teacher's [examples, labels] logits over the split, in its order (reference.compute_shared: one
+    pass in evaluation mode without gradients, each process taking every W-th example)."""
+    return reference.compute_shared(teacher, split, collate, batch_size, logits_of, width=labels)
+
+
+def read(out_dir: Path | None, fingerprint: str, examples: int, labels: int) -> torch.Tensor:
+    """The logits an earlier start of this run stored (a resume): refused when the file is gone, altered, or
+    made from another teacher or other training data."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(out_dir or ".") / FILE
+    if not path.is_file():
+        raise _refused(path, "is missing, and the checkpoint being resumed was trained against it")
+    try:
+        with safe_open(str(path), framework="pt") as stored_file:
+            metadata = stored_file.metadata() or {}
+            stored = {name: stored_file.get_tensor(name) for name in stored_file.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise _refused(path, f"cannot be read ({' '.join(str(err).split())[:200]})") from None
+    if metadata.get(reference.DIGEST) != reference.digest(stored) or set(stored) != {"logits"}:
+        raise _refused(path, "is not what this run wrote (its digest differs: edited, or written by something else)")
+    if metadata.get(FINGERPRINT) != fingerprint or tuple(stored["logits"].shape) != (examples, labels):
+        raise _refused(path, "was computed from another teacher folder or other training data than this run's")
+    return stored["logits"]
+
+
+def write(out_dir: Path | None, logits: torch.Tensor, fingerprint: str) -> None:
+    """Written whole (a temporary file renamed) by the main process; every process holds the same."""
+    import os
+
+    from accelerate import PartialState
+    from safetensors.torch import save_file
+
+    from effitrain.outputs import files
+
+    if out_dir is None or not PartialState().is_main_process:
+        return
+    path = Path(out_dir) / FILE
+    partial = path.with_name(FILE + ".tmp")
+    stored = {"logits": logits.contiguous()}
+    try:
+        with files.writing(partial):
+            save_file(stored, str(partial), metadata={reference.DIGEST: reference.digest(stored),
+                                                      FINGERPRINT: fingerprint})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _refused(path: Path, problem: str) -> UserError:
+    return UserError(f"the teacher's stored logits {path} {problem}",
+                     "restore the file (and the teacher folder and data it was made from), or start a new --output-dir")
