@@ -57,7 +57,8 @@ def gpt2(layers=5):
 
 
 # (the teacher, the prefix of its layers' parameter names, the student's layers)
-MODELS = {"bert": (bert, "bert.encoder.layer.", 3), "llama": (llama, "model.layers.", 4), "gpt2": (gpt2, "transformer.h.", 2)}
+MODELS = {"bert": (bert, "bert.encoder.layer.", 3), "llama": (llama, "model.layers.", 4),
+          "gpt2": (gpt2, "transformer.h.", 2)}
 INPUT = torch.tensor([[1, 7, 3, 9, 4, 2, 8, 5]])
 
 

@@ -1,0 +1,35 @@
+"""`train --student-layers`: a run trains the student, saves it as a plain model of that many layers, and resumes
+it only with the same student (a must-match setting), bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification
+
+
+def test_a_student_run_saves_a_model_of_its_layers_and_resumes_only_as_the_same_student(tiny_model_dir, tmp_path,
+                                                                                         cli_here):
+    common = ["--model", tiny_model_dir, "--max-train-samples", 16, "--max-eval-samples", 8, "--batch-size", 4,
+              "--max-steps", 4, "--save-every", 2, "--student-layers", 1]
+    whole = cli_here("train", *common, "--output-dir", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    metrics = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert metrics["transforms"][0] == "student"
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "whole" / "model")
+    assert saved.config.num_hidden_layers == 1 and len(saved.bert.encoder.layer) == 1
+    teacher = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir)
+    assert not torch.equal(saved.bert.encoder.layer[0].output.dense.weight,
+                           teacher.bert.encoder.layer[0].output.dense.weight)  # trained from the teacher's layer 0
+
+    stopped = cli_here("train", *common, "--output-dir", tmp_path / "stopped")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    (tmp_path / "stopped" / "metrics.json").unlink()  # as if killed after its step-2 checkpoint
+    other = cli_here("train", *common[:-2], "--output-dir", tmp_path / "stopped", "--resume", "auto")
+    assert other.returncode == 2 and "student_layers" in other.stderr, other.stderr[-3000:]
+    resumed = cli_here("train", *common, "--output-dir", tmp_path / "stopped", "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours, theirs = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("stopped", "whole"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
