@@ -33,3 +33,22 @@ def test_a_student_run_saves_a_model_of_its_layers_and_resumes_only_as_the_same_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ours, theirs = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("stopped", "whole"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+def test_inspect_and_plan_show_the_student_train_builds(tiny_model_dir, cli_here):
+    from effitrain import tasks
+    from effitrain.models import loading, student
+
+    built = student.make_student(tasks.get("sequence-classification").build_model(
+        loading.ModelSource(tiny_model_dir), ["ham", "spam"], None), 1)
+    count = sum(p.numel() for p in built.parameters())
+    shown = cli_here("inspect", tiny_model_dir, "--student-layers", 1, "--json")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    inspected = json.loads(shown.stdout)
+    assert inspected["student_layers"] == [0] and inspected["config"]["num_hidden_layers"] == 1
+    assert inspected["parameters"]["total"] == count
+    planned = cli_here("plan", "--model", tiny_model_dir, "--student-layers", 1, "--memory", "8GiB", "--json")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert json.loads(planned.stdout)["parameters"] == count
+    text = cli_here("inspect", tiny_model_dir, "--student-layers", 1)
+    assert "student: 1 layer, the teacher's 0 (--student-layers)" in text.stdout

@@ -36,7 +36,8 @@ def main(args) -> int:
         return 0
     print(f"model: {path}")
     if kept:
-        print(f"student: {len(kept)} layers, the teacher's layers {', '.join(map(str, kept))} (--student-layers)")
+        print(f"student: {len(kept)} layer{'s' * (len(kept) > 1)}, the teacher's {', '.join(map(str, kept))} "
+              "(--student-layers)")
     print(model.config)
     print(f"parameters: {counts['total']:,} total, {counts['trainable']:,} trainable, "
           f"{counts['embedding']:,} in embeddings ({args.task}"
