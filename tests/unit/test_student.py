@@ -186,3 +186,15 @@ def test_the_planner_plans_the_student_train_builds(tiny_model_dir):
     assert shapes.parameters < planner.model_shapes(config.task, config.model, 2).parameters
     with pytest.raises(UserError, match="more than the 2 layers"):
         planner.model_shapes(config.task, config.model, 2, student_layers=3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_the_planner_plans_a_causal_lm_student(kind, tmp_path):
+    make, _, layers = MODELS[kind]
+    teacher = make()
+    teacher.save_pretrained(tmp_path)
+    shapes = planner.model_shapes("causal-lm", str(tmp_path), student_layers=layers)
+    made = student.make_student(teacher, layers)
+    assert shapes.parameters == sum(p.numel() for p in made.parameters())
+    assert shapes.config.num_hidden_layers == layers
+    assert getattr(shapes.config, "layer_types", None) == getattr(made.config, "layer_types", None)
