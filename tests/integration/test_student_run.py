@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import effitrain
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
@@ -52,3 +53,21 @@ def test_inspect_and_plan_show_the_student_train_builds(tiny_model_dir, cli_here
     assert json.loads(planned.stdout)["parameters"] == count
     text = cli_here("inspect", tiny_model_dir, "--student-layers", 1)
     assert "student: 1 layer, the teacher's 0 (--student-layers)" in text.stdout
+
+
+def test_a_causal_lm_student_trains_and_generates(tmp_path):
+    """A 4-layer Llama teacher (one SFT step from a config) and its 2-layer student, evaluated by greedy
+    generation through the KV cache (which each kept layer indexes by its new depth)."""
+    settings = {"task": "causal-lm", "data": "addition", "max_train_samples": 16, "max_eval_samples": 4,
+                "batch_size": 8, "precision": "fp32"}
+    effitrain.train({**settings, "model": "llama:hidden_size=32,num_hidden_layers=4,num_attention_heads=2,"
+                     "num_key_value_heads=2,intermediate_size=64,max_position_embeddings=64",
+                     "output_dir": str(tmp_path / "teacher"), "max_steps": 1})
+    effitrain.train({**settings, "model": str(tmp_path / "teacher" / "model"), "student_layers": 2,
+                     "output_dir": str(tmp_path / "student"), "max_steps": 2})
+    metrics = json.loads((tmp_path / "student" / "metrics.json").read_text())
+    assert metrics["transforms"][0] == "student" and "exact_match" in metrics["test"]
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "student" / "model")
+    assert saved.config.num_hidden_layers == 2 and len(saved.model.layers) == 2
