@@ -95,6 +95,11 @@ class TrainConfig:
                                  "(one token a character: 381 tokens), or a folder tokenizer.save_pretrained wrote; "
                                  "default the default model's WordPiece tokenizer (30,522 tokens). A pretrained model "
                                  "keeps its own", "model", nonempty=True, resume="must_match", added_later=True)
+    student_layers: int | None = _opt(None, "train a student of --model, DistilBERT's way: its architecture with this "
+                                      "many transformer layers, taken evenly from its own (6 -> 3: layers 0, 2, 4), "
+                                      "embeddings, final norm and head kept; at most --model's layers",
+                                      "model", positive=True, fix="pass e.g. {flag} 3", resume="must_match",
+                                      added_later=True)
     task: str = _opt("sequence-classification", f"what the model learns: {', '.join(TASKS)}", "model", choices=TASKS,
                      problem="unknown task `{value}`", resume="must_match")
     data: str = _opt("sms-spam", f"a built-in ({', '.join(BUILTIN_DATA)}), a CSV/TSV/JSON/JSONL/Parquet file, a "

@@ -484,6 +484,14 @@ CASES = [
     pytest.param(["train", "--model", "corrupt", "--output-dir", "new"], "cannot load the model", marks=FRESH),
     (["train", "--model", "pickled", "--output-dir", "new"], "only pickle weights"),
     (["train", "--model", "gpt2:n_layerz=2", "--task", "causal-lm"], "gpt2 has no setting `n_layerz`"),
+    # --student-layers: 0, more than the teacher's layers, a teacher with random weights
+    (["train", *TINY, "--student-layers", "0"], "--student-layers must be > 0, got 0"),
+    (["train", *TINY, "--student-layers", "3", "--output-dir", "new"], "--student-layers 3 is more than the 2 layers"),
+    (["train", *LLAMA, "--student-layers", "1", "--output-dir", "new"], "takes the layers of a pretrained model"),
+    (["plan", "--student-layers", "7"], "--student-layers 7 is more than the 6 layers"),
+    (["plan", "--model", "bert:num_hidden_layers=2", "--student-layers", "1"], "takes the layers of a pretrained"),
+    (["inspect", "prev/model", "--student-layers", "-1"], "--student-layers must be > 0, got -1"),
+    (["inspect", "vit", "--task", "image-classification", "--student-layers", "2"], "more than the 1 layers"),
     # data files, columns, labels, rows
     (["train", *TINY, "--data", "imagenet"], "no such file, folder or built-in"),
     (["train", *TINY, "--data", "empty.csv", "--output-dir", "new"], "is empty"),

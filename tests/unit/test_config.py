@@ -180,9 +180,9 @@ def test_train_help_is_grouped_by_section_in_order():
 
 # The flags each command shares with train: the field's help, and (but evaluate's) train's default.
 SHARED = {
-    "plan": ["model", "task", "strategy", "zero_stage", "peft", "lora_r", "lora_dropout", "lora_target_modules"],
+    "plan": ["model", "task", "student_layers", "strategy", "zero_stage", "peft", "lora_r", "lora_dropout", "lora_target_modules"],
     "bench": ["model", "task", "data", "batch_size", "max_length", "seed", "overwrite"],
-    "inspect": ["task"],
+    "inspect": ["task", "student_layers"],
     "predict": ["max_duration", "allow_pickle"],
     "evaluate": ["data", "seed", "max_length", "eval_batch_size", "precision", "allow_pickle"],
 }

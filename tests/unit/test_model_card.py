@@ -97,3 +97,14 @@ def test_an_online_rl_card_states_every_setting_and_the_final_reward():
             "the validation prompts, 0.5000 greedy on the test prompts.") in text
     sft = ModelCard(model_card.render({**config, "rl": None}, result(**rl), facts())).text
     assert "online RL" not in sft and "Final reward" not in sft
+
+
+def test_a_students_card_says_it_is_one():
+    config = TrainConfig(output_dir="o", student_layers=3).to_dict()
+    card = ModelCard(model_card.render(config, result(test={"accuracy": 0.9}, validation={}, best={}),
+                                       {**facts(), "pipeline_tag": "text-classification"}))
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"  # what it was made from
+    assert "base model: `default` (sentence-transformers/all-MiniLM-L6-v2); trained as a student of 3 of its " \
+        "layers" in card.text
+    assert "student" not in ModelCard(model_card.render(TrainConfig(output_dir="o").to_dict(), result(test={
+        "accuracy": 0.9}, validation={}, best={}), {**facts(), "pipeline_tag": "text-classification"})).text

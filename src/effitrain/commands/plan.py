@@ -11,7 +11,7 @@ from effitrain import optimizers
 from effitrain.errors import UserError
 
 # The flags plan shares with train: same meaning, same default (help and choices from the config's fields).
-SHARED_MODEL = ("model", "tokenizer", "task")
+SHARED_MODEL = ("model", "tokenizer", "task", "student_layers")
 SHARED_STRATEGY = ("strategy", "zero_stage")
 SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
 SHARED_PREFERENCE = ("preference", "reference")
@@ -61,6 +61,7 @@ def add_parser(commands) -> None:
 
 def check_flags(args) -> None:
     cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
+    cfg.check_value("student_layers", args.student_layers)
     for name in ("seq_len", "world_size"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
     cfg.check_value("num_labels", args.num_labels, {"positive": True, "at_most": 1_000_000})  # a head per label
@@ -101,7 +102,8 @@ def main(args) -> int:
     budget = cfg.parse_size(args.memory) if args.memory else plan.available_bytes(device)
     # The config as written (its own vocabulary), or --tokenizer's: what a text model built from a config gets
     # in `train` (whose --memory-budget plans with the tokenizer it loaded).
-    shapes = plan.model_shapes(args.task, args.model, args.num_labels, _vocabulary(args), peft=_plan_peft(args))
+    shapes = plan.model_shapes(args.task, args.model, args.num_labels, _vocabulary(args), peft=_plan_peft(args),
+                               student_layers=args.student_layers)
     shapes = plan.for_preference(shapes, args.preference, _plan_reference(args))
     planner, estimate_of = _planner(args, shapes, device)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"], _optimizers(args),
@@ -109,7 +111,8 @@ def main(args) -> int:
                                    budget, args.all, estimate_of)
     best = plan.recommend(rows)
     if args.json:
-        print(json.dumps({"model": args.model, "task": args.task, "peft": args.peft, "parameters": shapes.parameters,
+        print(json.dumps({"model": args.model, "task": args.task, "peft": args.peft,
+                          "student_layers": args.student_layers, "parameters": shapes.parameters,
                           "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes,
                           "seq_len": args.seq_len, "batch_size": args.batch_size, **_rl_settings(args),
                           "world_size": args.world_size, "strategy": args.strategy, "device": device,
@@ -119,7 +122,8 @@ def main(args) -> int:
     per_step = (f"{args.batch_size} prompts of {args.seq_len} tokens x {args.num_generations} completions of up to "
                 f"{_max_new_tokens(args)} tokens (--rl {args.rl}: the step generates, then updates)"
                 if args.rl else f"{args.batch_size} x {args.seq_len}")
-    print(f"{args.model} ({args.task}): {shapes.parameters:,} parameters, {shapes.trainable:,} trainable; "
+    student = f", a student of {args.student_layers} layers" if args.student_layers else ""
+    print(f"{args.model} ({args.task}{student}): {shapes.parameters:,} parameters, {shapes.trainable:,} trainable; "
           f"{per_step} per {device} device per step, {args.world_size} process(es) "
           f"({args.strategy}); budget {budget / plan.GiB:.2f} GiB per device. GiB per device:")
     print(plan.format_table(rows, best))

@@ -92,7 +92,7 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         budget = int(smallest.item())
     shapes = plan.model_shapes(config.task, config.model, max(num_labels, 1), vocab, plan.Peft.of(config),
-                               config.packing)
+                               config.packing, config.student_layers)
     shapes = plan.for_preference(shapes, config.preference, config.reference)
     if config.rl is not None:
         planner, estimate_of = _rl_planner(config, shapes, device, world, encoded)
@@ -172,7 +172,8 @@ def check_rollout_fits(config: TrainConfig, device: torch.device, accumulation: 
     prompts = config.batch_size * accumulation
     rows = prompts * config.num_generations
     longest = max((len(ids) for ids in encoded["train"]["input_ids"]), default=1)
-    model = plan.model_config(config.model, config.task, vocab_size=len(processor))
+    model = plan.model_config(config.model, config.task, vocab_size=len(processor),
+                              student_layers=config.student_layers)
     least = (rl_step.kv_cache_bytes(model, rows, longest + config.max_new_tokens)
              + rl_step.sampled_logits_bytes(model, rows))
     if total and least > total:

@@ -94,7 +94,9 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         (f"micro-batches run in {pieces} pieces (--memory-budget)", pieces > 1),
     ) if on]
     return [
-        f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else ""),
+        f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else "")
+        + (f"; trained as a student of {config['student_layers']} of its layers, evenly spaced, DistilBERT's way "
+           f"(--student-layers)" if config.get("student_layers") else ""),
         f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
                                        else "") + (f", online RL: {rl_said(config, code)}" if config.get("rl") else ""),
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "

@@ -318,7 +318,8 @@ def announce(job: Run) -> None:
         job.main_print(plan.note)
         job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, **(plan.memory or {})})
     described = job.task.data_description(data.loaded.splits, config)
-    job.main_print(f"training {config.model} ({job.task.name}) on {config.data}"
+    student = f", a student of {config.student_layers} layers" if config.student_layers else ""
+    job.main_print(f"training {config.model} ({job.task.name}{student}) on {config.data}"
                    + (f" ({described})" if described else "") + f": {len(encoded['train'])} train / "
                    f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"
                    + (f", {skipped} bad rows skipped" if skipped else "")

@@ -29,7 +29,7 @@ from effitrain.engine import (
     strategies,
 )
 from effitrain.errors import UserError
-from effitrain.models import adapters, blocks, loading, transforms
+from effitrain.models import adapters, blocks, loading, student, transforms
 from effitrain.optimizers import schedule
 from effitrain.outputs import files, run_folder, sinks, tracking
 from effitrain.runtime import libraries
@@ -129,6 +129,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     # Fail on the cheap checks before loading anything heavy.
     source = loading.resolve_source(config.model, config.allow_pickle, tokenizer=config.tokenizer)
     source.allow_partial = config.allow_partial_load
+    student.check_source(source, config.student_layers, task.build_on_meta)
     tracking.check_installed(config)
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, strategies.accelerator_plugins(config), mixed_precision,

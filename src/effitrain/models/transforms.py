@@ -18,7 +18,7 @@ import torch
 
 from effitrain.config import shards_weights
 from effitrain.errors import UserError
-from effitrain.models import adapters, loading
+from effitrain.models import adapters, loading, student
 from effitrain.models.blocks import blocks
 from effitrain.speedups import adapter_step, chunked_lm_loss, dropout, first_token_head, onednn_linear
 
@@ -38,12 +38,13 @@ class Settings:
     # too (they change which tensors a step holds; planning/simulate.settings); off for benchmarks that
     # measure transformers' own layers.
     speed_ups: bool = True
+    student_layers: int | None = None  # --student-layers: the loaded model cut to a student of this many layers
 
 
 def of_run(config, plan, device: torch.device, task) -> Settings:
     """A training run's settings: its TrainConfig and the engine's resolved plan (engine/setup.RunPlan)."""
     return Settings(task, device.type, plan.gradient_checkpointing, config.packing, adapters.Peft.of(config),
-                    config.compile, sharded=shards_weights(config.strategy))
+                    config.compile, sharded=shards_weights(config.strategy), student_layers=config.student_layers)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,14 @@ def _compile(model: torch.nn.Module, settings: Settings) -> Applied:
     return model, True
 
 
+def _student(model: torch.nn.Module, settings: Settings) -> Applied:
+    return student.make_student(model, settings.student_layers), True
+
+
 PIPELINE = (
+    Transform("student", lambda s: s.student_layers is not None, _student,
+              why="first, right after loading: every entry below (the adapters, checkpointing, compile) and the "
+                  "sharding after them must see only the layers that train; the teacher's others are freed"),
     Transform("fast-dropout", lambda s: s.speed_ups, _fast_dropout,
               why="on the plain model, before the adapters: its nn.Dropout layers and attention function, not the "
                   "dropout peft adds (speedups/adapter_step.py draws those, with the adapters)"),

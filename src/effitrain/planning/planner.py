@@ -26,7 +26,7 @@ import torch
 from effitrain import optimizers, tasks
 from effitrain.config import accepted_optimizers, shards_weights
 from effitrain.errors import UserError
-from effitrain.models import adapters, blocks, loading
+from effitrain.models import adapters, blocks, loading, student
 from effitrain.models.adapters import Peft  # the adapter settings planned (`plan.Peft`)
 from effitrain.planning import simulate
 
@@ -108,15 +108,16 @@ class ModelShapes:
 
 
 def model_shapes(task: str, model: str, num_labels: int = 2, vocab_size: int | None = None,
-                 peft: Peft | None = None, packing: bool = False) -> ModelShapes:
+                 peft: Peft | None = None, packing: bool = False, student_layers: int | None = None) -> ModelShapes:
     """--model as `effitrain train` takes it (default, a directory, a cached hub id, a config.json or
     model_type:key=value), built on fake tensors. `vocab_size`: the tokenizer's, which `train` gives
     a text model built from a config, and to which a causal LM grows (a chat template's tokens). `peft`:
     with LoRA or QLoRA, the adapted model (built on the meta device: peft moves modules, which fake
-    tensors refuse), only its adapters, head and new tokens' rows trainable."""
+    tensors refuse), only its adapters, head and new tokens' rows trainable. `student_layers`: the student
+    --student-layers makes of it (models/student.py), built from its config."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    config = model_config(model, task, num_labels, vocab_size)
+    config = model_config(model, task, num_labels, vocab_size, student_layers)
     tasks.get(task).check_supported(config)
     quantized = None
     own = getattr(config, "vocab_size", None)
@@ -155,12 +156,15 @@ def for_preference(shapes: ModelShapes, preference: str | None, reference: str |
     return replace(shapes, rows_per_example=2, reference_bytes=held)
 
 
-def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None):
+def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | None = None,
+                 student_layers: int | None = None):
     """The transformers config of --model, with the head `effitrain train` would give it; `vocab_size`
-    replaces the vocabulary of a model built from a config (as `train` does with the tokenizer's)."""
+    replaces the vocabulary of a model built from a config (as `train` does with the tokenizer's);
+    `student_layers`: the config of the student --student-layers makes of it."""
     from transformers import AutoConfig
 
     source = loading.resolve_source(model, allow_pickle=True)  # only the config is read
+    student.check_source(source, student_layers, tasks.get(task).build_on_meta)
     if source.config is not None:
         config = source.config
         if vocab_size is not None:
@@ -169,6 +173,8 @@ def model_config(model: str, task: str, num_labels: int = 2, vocab_size: int | N
         with loading.loading(source.path):
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     config.num_labels = num_labels
+    if student_layers is not None:
+        config = student.student_config(config, student_layers)
     if tasks.get(task).is_text and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification needs one to find the last token
     return config
