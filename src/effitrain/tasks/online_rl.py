@@ -111,7 +111,7 @@ class OnlineRL(CausalLM):
 
         return collate, collate
 
-    def before_training(self, model, encoded, processor, config, out_dir, autocast=None):
+    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """The objective gets the prompts' rows and, with --kl-beta, its reference made from the starting model."""
         self.objective.data = self.prompt_data
         reference = self.objective.reference
