@@ -748,16 +748,21 @@ def _changed_from_defaults(config: TrainConfig, names) -> list[str]:
     return [name for name in names if getattr(config, name) != getattr(defaults, name)]
 
 
+def _refuse_without_switch(config: TrainConfig, settings, what: str, switch: str) -> None:
+    """A flag among `settings` given while its switch (`switch`'s first word) is off: one line naming both."""
+    changed = _changed_from_defaults(config, settings)
+    if changed:
+        raise UserError(f"{flag(changed[0])} applies to {what}, and {switch.split()[0]} is not set",
+                        f"pass {switch}, or drop {flag(changed[0])}")
+
+
 def _check_preference(config: TrainConfig) -> None:
     """--preference's own flags: only with it, each only with an objective that takes it (a reference: dpo's),
     adapters only with adapters."""
     names = list(objective_names.NAMES)
     if config.preference is None:
-        changed = _changed_from_defaults(config, PREFERENCE_SETTINGS)
-        if changed:
-            raise UserError(f"{flag(changed[0])} applies to preference tuning, and --preference is not set",
-                            f"pass --preference {names[0]} (or {', '.join(names[1:])}), or drop {flag(changed[0])}")
-        return
+        return _refuse_without_switch(config, PREFERENCE_SETTINGS, "preference tuning",
+                                      f"--preference {names[0]} (or {', '.join(names[1:])})")
     objective = objective_names.get(config.preference)
     changed = [name for name in PREFERENCE_SETTINGS if name != "beta" and name not in objective.settings
                and getattr(config, name) != getattr(TrainConfig, name)]
@@ -776,11 +781,8 @@ def _check_preference(config: TrainConfig) -> None:
 def _check_distillation(config: TrainConfig) -> None:
     """--distill-alpha / --distill-temperature only with --distill-from; its folder checked before torch loads."""
     if config.distill_from is None:
-        changed = _changed_from_defaults(config, DISTILL_SETTINGS)
-        if changed:
-            raise UserError(f"{flag(changed[0])} applies to distillation, and --distill-from is not set",
-                            f"pass --distill-from TEACHER (a saved model folder), or drop {flag(changed[0])}")
-        return
+        return _refuse_without_switch(config, DISTILL_SETTINGS, "distillation",
+                                      "--distill-from TEACHER (a saved model folder)")
     path = Path(config.distill_from).expanduser()
     if not path.is_dir():
         raise UserError(f"--distill-from {config.distill_from} is not a folder",
@@ -810,11 +812,7 @@ def _check_rl(config: TrainConfig) -> None:
     its --scale-rewards; the strategies whose processes keep generating together."""
     names = list(rl_names.NAMES)
     if config.rl is None:
-        changed = _changed_from_defaults(config, RL_SETTINGS)
-        if changed:
-            raise UserError(f"{flag(changed[0])} applies to online RL, and --rl is not set",
-                            f"pass --rl {names[0]} (or {', '.join(names[1:])}), or drop {flag(changed[0])}")
-        return
+        return _refuse_without_switch(config, RL_SETTINGS, "online RL", f"--rl {names[0]} (or {', '.join(names[1:])})")
     if config.preference is not None:
         raise UserError(f"--rl {config.rl} and --preference {config.preference} are two ways to train a causal LM: "
                         "on generated completions and their rewards, or on given preference pairs",
