@@ -58,8 +58,8 @@ BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", 
 
 
 # The sections of `effitrain train --help`, in their order; every field names one.
-SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters", "preference",
-            "online RL", "distillation", "distributed", "evaluation", "checkpoints", "logging")
+SECTIONS = ("model", "data", "output", "schedule", "optimizer", "precision and speed", "memory", "adapters",
+            "preference", "online RL", "distillation", "distributed", "evaluation", "checkpoints", "logging")
 
 
 def _opt(default: Any, help: str | typing.Callable[[], str], section: str, **rules: Any) -> Any:
@@ -194,9 +194,9 @@ class TrainConfig:
                                 resume="must_match", added_later=True)
     temperature: float = _opt(1.0, "online RL: the sampling temperature (the log-probs of the loss are taken at it, "
                               "as TRL's)", "online RL", positive=True,
-                              problem="{flag} must be > 0, got {value} (at 0, greedy sampling gives the same completion "
-                              "--num-generations times: no spread in a group, nothing to learn; below 0 is no "
-                              "temperature)",
+                              problem="{flag} must be > 0, got {value} (at 0, greedy sampling gives the same "
+                              "completion --num-generations times: no spread in a group, nothing to learn; below 0 "
+                              "is no temperature)",
                               fix="pass e.g. {flag} 1.0", resume="must_match", added_later=True)
     top_p: float = _opt(1.0, "online RL: sample from the smallest set of tokens holding this probability (1: all)",
                         "online RL", within=(0, 1), ends="(]", fix="pass e.g. {flag} 1.0", resume="must_match",
