@@ -24,7 +24,7 @@ def run() -> int:
         print("effitrain: stopped by SIGINT", file=sys.stderr)
         return 130
     code = main()
-    process_tuning.ending_process()  # no teardown collections over the imports' objects
+    process_tuning.ending_process(code)  # no teardown collections over the imports' objects
     return code
 
 

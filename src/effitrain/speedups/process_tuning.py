@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import sys
 
 from effitrain.speedups import allocator
 
@@ -59,9 +61,19 @@ def give_back(device) -> None:
         allocator.give_back()
 
 
-def ending_process() -> None:
+def ending_process(code: int = 0) -> None:
     """The command is done and the process ends: the interpreter's teardown would run full garbage
     collections over every object the imports made (torch, transformers, datasets), only to free memory
     the system takes back anyway. Frozen objects are skipped; the teardown still joins threads, runs
-    atexit handlers and closes files (ours are closed by then)."""
+    atexit handlers and closes files (ours are closed by then).
+
+    A worker of a launched job (torchrun's WORLD_SIZE > 1) ends here with `code`, after flushing its output:
+    its process group is destroyed by then, but a C++ thread of the distributed libraries could still be torn
+    down by the static destructors after Python, and under load a 2-process fsdp run aborted there ("terminate
+    called without an active exception", exit -6) after writing every file. os._exit skips those destructors
+    (and atexit handlers: the run's files, trackers and logs are closed before this point)."""
     gc.freeze()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
