@@ -174,30 +174,104 @@ def run_args(tiny_model_dir, teacher_dir, out, batch: list | None = None):
             "--output-dir", out]
 
 
-def test_a_resumed_run_reuses_the_stored_logits_and_ends_as_the_uninterrupted_one(tiny_model_dir, teacher_dir,
-                                                                                  tmp_path, cli_here, counted_teacher):
-    straight = cli_here("train", *run_args(tiny_model_dir, teacher_dir, tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert len(counted_teacher) == 1 and (tmp_path / "straight" / distillation.FILE).is_file()
-    out = tmp_path / "cut"
-    first = cli_here("train", *run_args(tiny_model_dir, teacher_dir, out))
-    assert first.returncode == 0, first.stderr[-3000:]
-    (out / "metrics.json").unlink()  # as if killed after its step-2 checkpoint (the last one it keeps)
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-2"]
-    stored = (out / distillation.FILE).stat().st_mtime_ns
-    resumed = cli_here("train", *run_args(tiny_model_dir, teacher_dir, out), "--resume", "auto")
+def test_the_flags_reach_the_tasks_distillation(teacher_dir):
+    """--distill-alpha and --distill-temperature are the loss's (the loss itself: the hand computations above)."""
+    from effitrain import tasks
+    from effitrain.config import TrainConfig
+    from effitrain.tasks.distillation import Distillation
+
+    config = TrainConfig(distill_from=str(teacher_dir), distill_alpha=0.7, distill_temperature=3.0)
+    assert tasks.for_config(config).distillation == Distillation(str(teacher_dir), 0.7, 3.0)
+
+
+# The exact runs: a 1-layer student of the 2-layer model distilled from the teacher, 64 examples, 12 steps of 16.
+EXACT = ["--student-layers", 1, "--distill-alpha", 0.7, "--distill-temperature", 3, "--max-train-samples", 64,
+         "--max-eval-samples", 8, "--eval-batch-size", 8, "--max-steps", 12, "--save-every", 3, "--log-every", 1,
+         "--precision", "fp32", "--lr", "1e-3", "--no-group-by-length", "--seed", 5]
+
+
+def exact_args(tiny_model_dir, teacher_dir, *layout) -> list[str]:
+    return [str(a) for a in ["--model", tiny_model_dir, "--distill-from", teacher_dir, *EXACT, *layout]]
+
+
+@pytest.fixture(scope="module")
+def one_batch_of_16(tiny_model_dir, teacher_dir, tmp_path_factory):
+    """The run never stopped, 1 process x 16, in this process (and its first line)."""
+    import contextlib
+    import io
+
+    from effitrain.cli import main
+
+    out = tmp_path_factory.mktemp("single") / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["train", *exact_args(tiny_model_dir, teacher_dir, "--batch-size", 16), "--output-dir", str(out)])
+    assert code == 0
+    return out, printed.getvalue()
+
+
+def test_the_first_line_names_the_teacher_beside_the_student(one_batch_of_16, teacher_dir):
+    first = next(line for line in one_batch_of_16[1].splitlines() if line.startswith("training "))
+    assert f"a student of 1 layers, distilled from {teacher_dir} (alpha 0.7, T 3)" in first, first
+
+
+def stored_logits(out):
+    from safetensors import safe_open
+
+    with safe_open(str(out / distillation.FILE), framework="pt") as stored:
+        return stored.get_tensor("logits"), stored.metadata()
+
+
+def test_two_processes_x_4_x_accumulation_2_equal_one_process_x_16(tiny_model_dir, teacher_dir, tmp_path,
+                                                                   one_batch_of_16):
+    """The teacher's logits computed by the 2 processes (each every 2nd example) then gathered are the single
+    process's, in the data's order; the trained weights and the test loss are 1 x 16's (fp32, 1e-5)."""
+    from test_distributed import torchrun
+
+    single = one_batch_of_16[0]
+    result = torchrun(2, "train", *exact_args(tiny_model_dir, teacher_dir, "--batch-size", 4, "--grad-accum", 2),
+                      "--output-dir", tmp_path / "ddp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (theirs, their_meta), (ours, our_meta) = stored_logits(tmp_path / "ddp"), stored_logits(single)
+    assert theirs.shape == ours.shape == (64, 2) and their_meta[distillation.FINGERPRINT] == \
+        our_meta[distillation.FINGERPRINT]
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    wanted, got = read_weights(single), read_weights(tmp_path / "ddp")
+    assert wanted.keys() == got.keys() and len([k for k in got if ".layer." in k]) > 0
+    assert not any(".layer.1." in k for k in got)  # the student: one layer
+    for name in wanted:
+        torch.testing.assert_close(got[name], wanted[name], rtol=1e-5, atol=1e-5)
+    import json
+
+    runs = [json.loads((d / "metrics.json").read_text()) for d in (single, tmp_path / "ddp")]
+    assert runs[1]["world_size"] == 2 and runs[1]["steps"] == runs[0]["steps"] == 12
+    assert runs[1]["test"]["loss"] == pytest.approx(runs[0]["test"]["loss"], rel=1e-5)
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_the_teacher(tiny_model_dir, teacher_dir, tmp_path,
+                                                                             one_batch_of_16, cli_here, monkeypatch):
+    """SIGKILLed once its step-3 checkpoint is written, resumed with the teacher's loading made to fail: the
+    stored logits are read back (the file untouched) and the weights end bitwise those of the run never stopped."""
+    from test_resume import kill_when, read_log, train
+
+    args = exact_args(tiny_model_dir, teacher_dir, "--batch-size", 16)
+    out = tmp_path / "killed"
+    job = train(*args, "--output-dir", out)  # a process of its own, to be killed
+    kill_when(job, lambda: any(r.get("step", 0) >= 4 for r in read_log(out)))
+    assert not (out / "metrics.json").exists() and (out / "checkpoints" / "step-3").is_dir()
+    path = out / distillation.FILE
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher was loaded or run on resume")
+
+    monkeypatch.setattr(distillation.Distillation, "load_teacher", no_teacher)
+    monkeypatch.setattr(distillation, "compute_logits", no_teacher)
+    resumed = cli_here("train", *args, "--output-dir", out, "--resume", "auto")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    assert len(counted_teacher) == 2  # the two fresh runs; the resume ran no teacher
-    assert (out / distillation.FILE).stat().st_mtime_ns == stored
-    wanted, got = read_weights(tmp_path / "straight"), read_weights(out)
-    assert all(torch.equal(wanted[name], got[name]) for name in wanted)
-    # alpha and T reached the loss: the same run without distillation ends elsewhere.
-    plain = cli_here("train", *[a for a in run_args(tiny_model_dir, teacher_dir, tmp_path / "plain")
-                                if str(a) not in ("--distill-from", str(teacher_dir), "--distill-alpha", "0.7",
-                                                  "--distill-temperature", "3")])
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    other = read_weights(tmp_path / "plain")
-    assert not all(torch.equal(wanted[name], other[name]) for name in wanted)
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+    wanted, got = read_weights(one_batch_of_16[0]), read_weights(out)
+    assert wanted.keys() == got.keys() and all(torch.equal(wanted[name], got[name]) for name in wanted)
 
 
 @pytest.mark.parametrize("damage", ["deleted", "edited"])

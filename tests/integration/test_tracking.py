@@ -119,6 +119,18 @@ def test_records_become_scalars_and_the_config_flat_hyperparameters(tmp_path):
     assert all(isinstance(value, (bool, int, float, str)) for value in values.values())
 
 
+def test_a_distilled_students_teacher_and_layers_are_hyperparameters(tmp_path):
+    """The teacher (folder, alpha, T) and --student-layers, as every setting: what a tracker's run table shows."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text("{}")
+    config = cfg.build({"report_to": "tensorboard", "distill_from": str(teacher), "distill_alpha": 0.3,
+                        "distill_temperature": 4.0, "student_layers": 3})
+    values = tracking.hyperparameters(config, tmp_path / "run", {})
+    assert (values["distill_from"], values["distill_alpha"], values["distill_temperature"],
+            values["student_layers"]) == (str(teacher), 0.3, 4.0, 3)
+
+
 def test_stores_are_run_folders():
     """--overwrite replaces a run with trackers (and refuses a folder with other files)."""
     assert set(tracking.STORES.values()) <= run_folder.RUN_FOLDERS

@@ -108,3 +108,17 @@ def test_a_students_card_says_it_is_one():
         "layers" in card.text
     assert "student" not in ModelCard(model_card.render(TrainConfig(output_dir="o").to_dict(), result(test={
         "accuracy": 0.9}, validation={}, best={}), {**facts(), "pipeline_tag": "text-classification"})).text
+
+
+def test_a_distilled_students_card_names_its_teacher_and_how_many_layers_of_how_many():
+    config = {**TrainConfig(output_dir="o", student_layers=3).to_dict(), "distill_from": "runs/spam/model",
+              "distill_alpha": 0.3, "distill_temperature": 4.0}
+    made = {"layers": 3, "of": 6, "kept": [0, 2, 4]}
+    card = ModelCard(model_card.render(config, result(test={"accuracy": 0.9}, validation={}, best={}, student=made),
+                                       {**facts(), "pipeline_tag": "text-classification"}))
+    assert "trained as a student of 3 of its 6 layers (layers 0, 2, 4), evenly spaced" in card.text
+    assert "- distilled from the teacher `runs/spam/model` (--distill-from): " in card.text
+    assert "alpha 0.3, T 4;" in card.text
+    plain = ModelCard(model_card.render(TrainConfig(output_dir="o").to_dict(), result(test={"accuracy": 0.9},
+                                        validation={}, best={}), {**facts(), "pipeline_tag": "text-classification"}))
+    assert "distilled" not in plain.text

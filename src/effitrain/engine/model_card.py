@@ -95,10 +95,10 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
     ) if on]
     return [
         f"- base model: {code(config['model'])}" + (f" ({base})" if base not in (None, config["model"]) else "")
-        + (f"; trained as a student of {config['student_layers']} of its layers, evenly spaced, DistilBERT's way "
-           f"(--student-layers)" if config.get("student_layers") else ""),
+        + (f"; trained as a student of {student_said(config, result)}" if config.get("student_layers") else ""),
         f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
                                        else "") + (f", online RL: {rl_said(config, code)}" if config.get("rl") else ""),
+        *([f"- distilled from {distillation_said(config, code)}"] if config.get("distill_from") else []),
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
         f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
@@ -117,6 +117,22 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         f"peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"- seed {config['seed']}",
     ]
+
+
+def student_said(config: dict, result: dict) -> str:
+    """--student-layers in words: how many layers of how many (metrics.json's `student`), which ones."""
+    made = result.get("student") or {}
+    of = f" of its {made['of']} layers (layers {', '.join(map(str, made['kept']))})" if made.get("of") else \
+        " of its layers"
+    return f"{config['student_layers']}{of}, evenly spaced, DistilBERT's way (--student-layers)"
+
+
+def distillation_said(config: dict, shown=str) -> str:
+    """--distill-from in words (docs/distillation.md); the report's summary says the same. `shown`: how the
+    teacher's folder is written (the card shows it as code)."""
+    return (f"the teacher {shown(config['distill_from'])} (--distill-from): loss (1 - alpha) x cross-entropy + "
+            f"alpha x T^2 x KL(teacher || student) at temperature T, alpha {config['distill_alpha']:g}, "
+            f"T {config['distill_temperature']:g}; the teacher's logits computed once before training and stored")
 
 
 def rl_said(config: dict, shown=str) -> str:

@@ -86,6 +86,7 @@ class Run:
     local_sgd: Any = None
     compiled: compilation.Watch | None = None  # --compile: the graphs and seconds compiling cost
     transforms: list[str] = field(default_factory=list)  # the model transforms applied, in order
+    student: dict | None = None  # --student-layers: models/student.summary (N layers of L, which ones)
 
     @property
     def world(self) -> int:
@@ -129,7 +130,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     # Fail on the cheap checks before loading anything heavy.
     source = loading.resolve_source(config.model, config.allow_pickle, tokenizer=config.tokenizer)
     source.allow_partial = config.allow_partial_load
-    student.check_source(source, config.student_layers, task.build_on_meta)
+    made_student = student.check_source(source, config.student_layers, task.build_on_meta)
     tracking.check_installed(config)
     mixed_precision, reason = precision.choose(config.precision)
     accelerator = make_accelerator(config.ddp_timeout, strategies.accelerator_plugins(config), mixed_precision,
@@ -161,6 +162,7 @@ def setup(config: TrainConfig, cleanup: contextlib.ExitStack, run_dir: run_folde
     cleanup.callback(log.close)
     run = prepare(config, task, strategy, plan, data, model, sizes, out_dir, log, resuming=resume_from is not None)
     run.resume_from, run.resume_state, run.compiled, run.transforms = resume_from, resume_state, compiled, applied
+    run.student = made_student
     return run
 
 

@@ -58,6 +58,7 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "adapter_bytes": run.form.adapter_bytes(model),
         "gradient_checkpointing": plan.gradient_checkpointing,
         "transforms": run.transforms,  # the model transforms applied, in order (models/transforms.py)
+        "student": run.student,  # --student-layers: {"layers": N, "of": L, "kept": the layers taken}
         # --compile: blocks, graphs and compile seconds of process 0 in this invocation (not in train_seconds).
         "compile": run.compiled.summary() if run.compiled else None,
         "grad_accum": plan.grad_accum,

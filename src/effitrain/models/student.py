@@ -52,12 +52,13 @@ def check(model_config, student_layers: int, where: str) -> None:
                         f"drop {FLAG}")
 
 
-def check_source(source, student_layers: int | None, build_on_meta) -> None:
+def check_source(source, student_layers: int | None, build_on_meta) -> dict | None:
     """--student-layers against --model (a loading.ModelSource) before anything heavy loads: its config, and its
     model built on the meta device (`build_on_meta`: the task's) to find the layers. A model built from a config
-    is refused: its weights are random, so there is nothing to take (its own layer count makes the same model)."""
+    is refused: its weights are random, so there is nothing to take (its own layer count makes the same model).
+    Returns `summary` of the student (metrics.json's `student`), None without --student-layers."""
     if student_layers is None:
-        return
+        return None
     if not source.pretrained:
         raise UserError(f"{FLAG} takes the layers of a pretrained model, and --model builds one from a config "
                         "(random weights: nothing to take)", "set the layer count in the config instead "
@@ -65,6 +66,12 @@ def check_source(source, student_layers: int | None, build_on_meta) -> None:
     model_config = loading.load_config(source.path)
     check(model_config, student_layers, f"--model {source.path}")
     layer_list(build_on_meta(copy.deepcopy(model_config)))
+    return summary(layer_count(model_config), student_layers)
+
+
+def summary(teacher_layers: int, student_layers: int) -> dict:
+    """What metrics.json, the model card and the report say of the student: N layers of L, which ones."""
+    return {"layers": student_layers, "of": teacher_layers, "kept": kept_layers(teacher_layers, student_layers)}
 
 
 def layer_list(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList]:
