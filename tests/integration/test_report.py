@@ -219,6 +219,47 @@ def test_differences_hold_only_what_differs(runs):
     assert table["peak memory"][1].endswith("x)") and "x)" not in table["peak memory"][0]  # ratio to the first
 
 
+def fake_run(folder: Path, config: dict, accuracy: float, layers: int, parameters: int, weight_bytes: int) -> Path:
+    """A finished classification run's files, written by hand: config, metrics and a model/ of a known size."""
+    import yaml
+
+    (folder / "model").mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump({"task": "sequence-classification", "model": "default",
+                                                        **config}))
+    (folder / "metrics.json").write_text(json.dumps({"task": "sequence-classification", "steps": 4,
+                                                     "test": {"accuracy": accuracy, "loss": 0.1},
+                                                     "parameters": {"total": parameters, "trainable": parameters},
+                                                     "train_samples_per_second": 100.0 * 6 / layers}))
+    model_config = json.dumps({"architectures": ["BertForSequenceClassification"], "num_hidden_layers": layers})
+    (folder / "model" / "config.json").write_text(model_config)
+    (folder / "model" / "model.safetensors").write_bytes(b"\0" * (weight_bytes - len(model_config)))
+    return folder
+
+
+def test_a_distilled_student_is_shown_beside_its_teacher_and_the_student_alone(tmp_path):
+    teacher = fake_run(tmp_path / "teacher", {}, 0.99, 6, 22_000_000, 88 * 2**20)
+    student = fake_run(tmp_path / "student", {"distill_from": str(teacher / "model"), "student_layers": 3,
+                                              "distill_alpha": 0.5, "distill_temperature": 2.0},
+                       0.985, 3, 17_000_000, 66 * 2**20)
+    alone = fake_run(tmp_path / "alone", {"student_layers": 3}, 0.98, 3, 17_000_000, 66 * 2**20)
+    other = fake_run(tmp_path / "other", {"student_layers": 2}, 0.9, 2, 15_000_000, 60 * 2**20)  # not that student
+    found = report_runs.find_runs([str(p) for p in (alone, student, other, teacher)])
+    [pair] = report_runs.distilled_pairs(found)
+    assert (pair.teacher.name, pair.student.name, [r.name for r in pair.alone]) == ("teacher", "student", ["alone"])
+    header, rows = report_page.distillation_table(pair)
+    assert header == ["", "teacher: teacher", "distilled student: student", "student alone: alone"]
+    table = {row[0]: row[1:] for row in rows}
+    assert table["test accuracy"] == ["0.99", "0.985", "0.98"]
+    assert table["layers"] == ["6", "3 (0.50x)", "3 (0.50x)"]
+    assert table["model/ size"] == ["88 MiB", "66 MiB (0.75x)", "66 MiB (0.75x)"]
+    assert table["parameters"][1] == "17,000,000 (0.77x)" and table["training samples/s"][1] == "200 (2.00x)"
+    assert table["distillation"] == ["-", "alpha 0.5, T 2.0, 3 layers kept", "-"]
+    page = report_page.render(found)
+    assert page.count("Teacher and distilled student") == 1 and "distilled student: student" in page
+    # Without its teacher among the runs given, nothing is paired.
+    assert report_runs.distilled_pairs([r for r in found if r.name != "teacher"]) == []
+
+
 def test_find_runs_expands_a_bench_and_reports_a_run_once(runs, tmp_path, capsys):
     bench = tmp_path / "bench"
     bench.mkdir()

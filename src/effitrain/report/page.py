@@ -28,8 +28,10 @@ from effitrain.report.runs import (
     GENERATOR,
     NOT_SETTINGS,
     PAGE,
+    Distilled,
     ReportedRun,
     confusion_matrix,
+    distilled_pairs,
     find_runs,
     finite,
     png_names,
@@ -144,6 +146,39 @@ def differences(runs: list[ReportedRun]) -> tuple[list[str], list[list[str]]]:
             rows.append([label, *[fmt(v) + (f" ({svg.times(v / first)})" if ratio and finite(v) and finite(first)
                                              and first and i else "") for i, v in enumerate(values)]])
     return header, rows
+
+
+def distillation_table(pair: Distilled) -> tuple[list[str], list[list[str]]]:
+    """The teacher, its distilled student and the same student trained alone, side by side: test metrics, then
+    what the student is for (size, layers, parameters, speed), each with its ratio to the teacher."""
+    runs = [pair.teacher, pair.student, *pair.alone]
+    header = ["", *[f"{role}: {run.name}" for role, run in zip(
+        ["teacher", "distilled student"] + ["student alone"] * len(pair.alone), runs)]]
+    tests = [run.metrics.get("test") or {} for run in runs]
+    rows = [[f"test {metric}", *[svg.number(t.get(metric)) for t in tests]]
+            for metric in ("accuracy", "f1_macro") if any(metric in t for t in tests)]
+    measures = (("layers", lambda run: run.model_config.get("num_hidden_layers", run.model_config.get("n_layer")),
+                 svg.number), ("parameters", lambda run: (run.metrics.get("parameters") or {}).get("total"), svg.number),
+                ("model/ size", ReportedRun.model_bytes, svg.mib),
+                ("training samples/s", lambda run: run.final("train_samples_per_second"), svg.number),
+                ("training peak memory", lambda run: run.final("peak_memory_bytes"), svg.mib))
+    for label, value_of, fmt in measures:
+        values = [value_of(run) for run in runs]
+        teacher = values[0]
+        rows.append([label, *[fmt(v) + (f" ({svg.times(v / teacher)})" if i and finite(v) and finite(teacher) and
+                                        teacher else "") for i, v in enumerate(values)]])
+    settings = pair.student.config
+    rows.append(["distillation", "-", f"alpha {settings.get('distill_alpha')}, T {settings.get('distill_temperature')}"
+                 + (f", {settings['student_layers']} layers kept" if settings.get("student_layers") else ""),
+                 *["-"] * len(pair.alone)])
+    return header, rows
+
+
+def distillation_html(runs: list[ReportedRun]) -> str:
+    """Each distilled student beside its teacher (deliverable 5 of docs/distillation.md); predict's speed is not
+    measured by a run, so the sizes stand for it."""
+    return "".join("<h3>Teacher and distilled student</h3>" + table(*distillation_table(pair))
+                   for pair in distilled_pairs(runs))
 
 
 MEASURES = (  # (key of ReportedRun.final, row, cell format, show the ratio to the first run)
@@ -272,7 +307,8 @@ def render(runs: list[ReportedRun], pngs_hint: bool = False) -> str:
             + ", ".join(svg.esc(run.path) for run in runs) + "</p>"]
     if several:
         body.append('<section><h2>Compared</h2><div class="cards"><div><h3>What differs</h3>'
-                    + table(*differences(runs)) + '</div><div class="curves"><h3>Curves</h3>' + charts_html(runs)
+                    + table(*differences(runs)) + distillation_html(runs)
+                    + '</div><div class="curves"><h3>Curves</h3>' + charts_html(runs)
                     + "</div></div></section>")
     body += [run_section(run, with_curves=not several) for run in runs]
     if pngs_hint:

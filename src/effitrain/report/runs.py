@@ -86,7 +86,43 @@ class ReportedRun:
         return predicted + before if finite(predicted) and finite(before) else None
 
 
+    def model_bytes(self) -> int | None:
+        """The size of model/ on disk (weights, config, tokenizer): what a user ships."""
+        folder = self.path / "model"
+        sizes = [p.stat().st_size for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+        return sum(sizes) if sizes else None
+
+
 PLAN_BYTES = ("budget_bytes", "predicted_peak_bytes", "in_use_bytes")
+
+
+@dataclass
+class Distilled:
+    """A student given with its teacher's run (--distill-from named that run's model/ or best/), and the runs of
+    the same student trained without a teacher (the same --model and --student-layers)."""
+
+    teacher: ReportedRun
+    student: ReportedRun
+    alone: list[ReportedRun]
+
+
+def distilled_pairs(runs: list[ReportedRun]) -> list[Distilled]:
+    """Each distilled student among `runs` whose teacher is among them too."""
+    def folder(value) -> Path | None:
+        return Path(str(value)).expanduser().resolve() if value else None
+
+    pairs = []
+    for student in runs:
+        teacher_folder = folder(student.config.get("distill_from"))
+        teacher = next((run for run in runs if run is not student and teacher_folder in
+                        (run.path.resolve() / "model", run.path.resolve() / "best", run.path.resolve())), None)
+        if teacher is None:
+            continue
+        alone = [run for run in runs if run not in (student, teacher) and not run.config.get("distill_from")
+                 and run.config.get("model") == student.config.get("model")
+                 and run.config.get("student_layers") == student.config.get("student_layers")]
+        pairs.append(Distilled(teacher, student, alone))
+    return pairs
 
 
 @dataclass
