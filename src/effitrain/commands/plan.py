@@ -17,6 +17,8 @@ SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
 SHARED_PREFERENCE = ("preference", "reference")
 # Online RL's settings that change the step's memory (the rest change only what it computes).
 SHARED_RL = ("rl", "num_generations", "max_new_tokens", "kl_beta", "top_p")
+# --distill-from: the teacher's pass before training, in batches of --eval-batch-size (planning/teacher_pass.py).
+SHARED_DISTILL = ("distill_from", "eval_batch_size")
 
 
 def add_parser(commands) -> None:
@@ -54,6 +56,9 @@ def add_parser(commands) -> None:
                   default_notes={"rl": " (default: none; planned as a step that generates, then updates: its peak "
                                        "is the larger of the two)",
                                  "max_new_tokens": f" (default with --rl: {cfg.RL_MAX_NEW_TOKENS})"})
+    cfg.add_flags(plan, SHARED_DISTILL, defaults=True,
+                  default_notes={"distill_from": " (planned: the teacher's pass before training, beside the "
+                                                 "student; the peak is the larger of it and the training step)"})
     plan.add_argument("--all", action="store_true", help="every micro-batch, not only the largest that fits")
     plan.add_argument("--json", action="store_true", help="print the rows and the recommendation as JSON")
     plan.add_argument("--debug", action="store_true")
@@ -62,6 +67,7 @@ def add_parser(commands) -> None:
 def check_flags(args) -> None:
     cfg.check_value("batch_size", args.batch_size)  # train's rule, and its words
     cfg.check_value("student_layers", args.student_layers)
+    cfg.check_value("eval_batch_size", args.eval_batch_size)
     for name in ("seq_len", "world_size"):
         cfg.check_value(name, getattr(args, name), {"positive": True})
     cfg.check_value("num_labels", args.num_labels, {"positive": True, "at_most": 1_000_000})  # a head per label
@@ -106,13 +112,20 @@ def main(args) -> int:
                                student_layers=args.student_layers)
     shapes = plan.for_preference(shapes, args.preference, _plan_reference(args))
     planner, estimate_of = _planner(args, shapes, device)
+    teacher = _teacher(args)
+    if teacher is not None:
+        from effitrain.planning import teacher_pass
+
+        estimate_of = teacher_pass.estimator(planner, teacher, args.eval_batch_size, estimate_of)
     rows = plan.best_per_technique(planner, args.batch_size, args.precision or ["fp32", "bf16"], _optimizers(args),
                                    [False, True] if shapes.supports_checkpointing else [False],
                                    budget, args.all, estimate_of)
     best = plan.recommend(rows)
     if args.json:
         print(json.dumps({"model": args.model, "task": args.task, "peft": args.peft,
-                          "student_layers": args.student_layers, "parameters": shapes.parameters,
+                          "student_layers": args.student_layers, "distill_from": args.distill_from,
+                          "teacher_parameters": teacher.parameters if teacher else None,
+                          "eval_batch_size": args.eval_batch_size, "parameters": shapes.parameters,
                           "trainable": shapes.trainable, "buffer_bytes": shapes.buffer_bytes,
                           "seq_len": args.seq_len, "batch_size": args.batch_size, **_rl_settings(args),
                           "world_size": args.world_size, "strategy": args.strategy, "device": device,
@@ -126,6 +139,10 @@ def main(args) -> int:
     print(f"{args.model} ({args.task}{student}): {shapes.parameters:,} parameters, {shapes.trainable:,} trainable; "
           f"{per_step} per {device} device per step, {args.world_size} process(es) "
           f"({args.strategy}); budget {budget / plan.GiB:.2f} GiB per device. GiB per device:")
+    if teacher is not None:
+        print(f"distilled from {args.distill_from} ({teacher.parameters:,} parameters): its pass over the training "
+              f"data before the first step, {args.eval_batch_size} x {args.seq_len} a batch (--eval-batch-size), "
+              "beside the student; each row's total is the larger of it and the training step ('peak in')")
     print(plan.format_table(rows, best))
     if best is None:
         print("nothing fits: raise --memory, shorten --seq-len, add processes with --strategy fsdp, "
@@ -151,6 +168,16 @@ def _planner(args: argparse.Namespace, shapes, device: str):
     planner = plan.Planner(shapes, args.seq_len + new_tokens, device, args.world_size, args.strategy,
                            args.zero_stage)
     return planner, rl_step.estimator(planner, args.seq_len, new_tokens, args.top_p)
+
+
+def _teacher(args: argparse.Namespace):
+    """--distill-from's model shapes (its config alone, on fake tensors), checked as train checks the folder."""
+    if args.distill_from is None:
+        return None
+    from effitrain.planning import planner as plan
+
+    cfg.validate(cfg.TrainConfig(task=args.task, distill_from=args.distill_from))
+    return plan.model_shapes(args.task, args.distill_from, args.num_labels)
 
 
 def _max_new_tokens(args: argparse.Namespace) -> int:

@@ -57,8 +57,7 @@ def metrics(run, state, test: dict, stopped_early: bool, confusion: dict | None 
         "peft": config.peft,  # adapter_bytes: the LoRA matrices and trained head, as adapter/ stores them
         "adapter_bytes": run.form.adapter_bytes(model),
         "gradient_checkpointing": plan.gradient_checkpointing,
-        "transforms": run.transforms,  # the model transforms applied, in order (models/transforms.py)
-        "student": run.student,  # --student-layers: {"layers": N, "of": L, "kept": the layers taken}
+        "transforms": run.transforms, "student": run.student,  # transforms applied; --student-layers' N of L
         # --compile: blocks, graphs and compile seconds of process 0 in this invocation (not in train_seconds).
         "compile": run.compiled.summary() if run.compiled else None,
         "grad_accum": plan.grad_accum,

@@ -395,3 +395,25 @@ def _simulate(task, config, batch_size, seq_len, precision, checkpointing, split
                   backward_heap_churn=backward_heap_churn, backward_large_churn=backward_large_churn,
                   flops=timeline.flops)
 
+
+
+def inference_peak(task, config, batch_size: int, seq_len: int, precision: str) -> int:
+    """The most bytes above the weights that one forward of `batch_size` rows holds in evaluation mode without
+    gradients (a teacher's pass over the data, tasks/distillation.py): each layer's activations are freed once
+    the next has read them, so the peak is one layer's temporaries and the logits, not the depth's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import flop_registry
+
+    config = copy.deepcopy(config)
+    for key_, value in RANDOM_STRUCTURE.items():
+        if hasattr(config, key_):
+            setattr(config, key_, value)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model = build(task, config).eval().requires_grad_(False)
+        batch = example_batch(task, model.config, batch_size, seq_len)
+        timeline = _Timeline(flop_registry)
+        autocast = (torch.autocast("cpu", dtype=AUTOCAST_DTYPES[precision]) if precision in AUTOCAST_DTYPES
+                    else contextlib.nullcontext())
+        with torch.no_grad(), timeline, autocast:
+            model(**task_of(task).inputs(batch)).logits.float()
+    return max((held for held, _ in timeline.points), default=0)
