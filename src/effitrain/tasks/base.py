@@ -61,7 +61,8 @@ class Task:
                             "drop --packing")
         if getattr(config, "distill_from", None) is not None and not self.supports_distillation:
             raise UserError(f"--distill-from applies to the classification tasks and causal-lm, not {self.name}",
-                            "drop --distill-from, or pass --task sequence-classification (or image-, audio-, causal-lm)")
+                            "drop --distill-from, or pass --task sequence-classification (or image-, audio-, "
+                            "causal-lm)")
         if getattr(config, "preference", None) is not None and not self.supports_preference:
             raise UserError(f"--preference applies to --task causal-lm, not {self.name}", "drop --preference")
         if not self.supports_chat:
