@@ -50,7 +50,7 @@ RL = rl_names.NAMES  # --rl: the online RL objectives (tasks/objectives/grpo.py)
 # What no --rl leaves alone (--max-new-tokens aside: evaluation by generation takes it too).
 RL_SETTINGS = ("num_generations", "temperature", "top_p", "clip_epsilon", "clip_epsilon_high", "loss_type",
                "scale_rewards", "kl_beta", "mask_truncated", "reward", "reward_weights")
-DISTILL_SETTINGS = ("distill_alpha", "distill_temperature")  # what no --distill-from leaves alone
+DISTILL_SETTINGS = ("distill_alpha", "distill_temperature", "distill_top_k")  # what no --distill-from leaves alone
 RL_MAX_NEW_TOKENS = 64  # --max-new-tokens with --rl when none is given
 # The built-in data sets' names (data/builtins.py makes them; a test keeps the two the same).
 BUILTIN_DATA = ("sms-spam", "sms-spam-chat", "sms-spam-preference", "bbc-news", "fashion-mnist", "digits",
@@ -228,9 +228,10 @@ class TrainConfig:
     reward_weights: list[float] | None = _opt(None, "online RL: one weight per --reward, in their order (default "
                                               "1.0 each)", "online RL", example="1.0", resume="must_match",
                                               added_later=True)
-    distill_from: str | None = _opt(None, "classification: a saved model folder of the same task and labels (e.g. "
-                                    "an effitrain run's model/) whose logits the model learns from beside the labels; "
-                                    "computed once before training (teacher_logits.safetensors in the run folder, "
+    distill_from: str | None = _opt(None, "a saved model folder of the same task (e.g. an effitrain run's model/) "
+                                    "whose outputs the model learns from beside the labels: classification, its "
+                                    "logits (same labels); causal-lm, its top-k log-probs at each labelled position "
+                                    "(same tokenizer). Computed once before training (stored in the run folder, "
                                     "reused on resume), so no teacher is in memory during the steps",
                                     "distillation", nonempty=True, resume="must_match", added_later=True)
     distill_alpha: float = _opt(0.5, "distillation: the weight of the teacher's term (1 - this: the labels' "
@@ -240,6 +241,9 @@ class TrainConfig:
                                       "(softer targets; the term is multiplied by its square)", "distillation",
                                       positive=True, fix="pass e.g. {flag} 2.0", resume="must_match",
                                       added_later=True)
+    distill_top_k: int = _opt(20, "causal-lm distillation: the teacher's likeliest tokens stored per position (their "
+                              "log-probs; the rest of its mass is one more bucket of the KL)", "distillation",
+                              positive=True, fix="pass e.g. {flag} 20", resume="must_match", added_later=True)
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "

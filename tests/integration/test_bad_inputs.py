@@ -77,6 +77,17 @@ def write_distill_cases(root):
     (root / "teacher-hs" / "config.json").write_text(json.dumps(config))
     shutil.copytree(root / "teacher-hs", root / "teacher-chars")  # the same teacher reading other token ids
     character_tokenizer.character_tokenizer().save_pretrained(root / "teacher-chars")
+    # Causal LMs over the packaged tokenizer (LLAMA's), and the same reading other token ids.
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "prev" / "model")
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(root / "lm-teacher")
+    tokenizer.save_pretrained(root / "lm-teacher")
+    shutil.copytree(root / "lm-teacher", root / "lm-teacher-chars")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (root / "lm-teacher-chars" / name).unlink(missing_ok=True)
+    character_tokenizer.character_tokenizer().save_pretrained(root / "lm-teacher-chars")
 
 
 def write_chat_cases(root):
@@ -933,8 +944,20 @@ CASES = [
     (["train", *TINY, "--distill-from", "teacher-hs", "--distill-alpha", "1.5"], "--distill-alpha must be in [0, 1]"),
     (["train", *TINY, "--distill-from", "teacher-hs", "--distill-temperature", "0"],
      "--distill-temperature must be > 0"),
-    (["train", *LLAMA, "--distill-from", "teacher-hs"], "--distill-from applies to the classification tasks, not "
-                                                        "causal-lm"),
+    # --distill-from with --task causal-lm (tasks/lm_distillation.py)
+    (["train", *LLAMA, "--distill-from", "teacher-hs", "--output-dir", "new"],
+     "--distill-from teacher-hs is a BertForSequenceClassification, not a causal-lm model"),
+    (["train", *LLAMA, "--distill-from", "lm-teacher-chars", "--output-dir", "new"],
+     "--distill-from lm-teacher-chars has another tokenizer vocabulary than the model trained"),
+    (["train", *LLAMA, "--distill-from", "lm-teacher", "--distill-top-k", "0"], "--distill-top-k must be > 0"),
+    (["train", *LLAMA, "--distill-from", "lm-teacher", "--distill-top-k", "1000000", "--output-dir", "new"],
+     "--distill-top-k 1000000 is above the vocabulary"),
+    (["train", *LLAMA, "--distill-top-k", "5"],
+     "--distill-top-k applies to distillation, and --distill-from is not set"),
+    (["train", *TINY, "--data", "d.csv", "--distill-from", "teacher-hs", "--distill-top-k", "5"],
+     "--distill-top-k applies to --task causal-lm, not sequence-classification"),
+    (["train", *LLAMA, "--distill-from", "lm-teacher", "--data", "chat.jsonl", "--chat-template", "chatml",
+      "--preference", "dpo"], "--distill-from applies to supervised fine-tuning"),
     (["train", "--zero-stage", "3"], "--zero-stage applies to --strategy deepspeed, not ddp"),
     (["train", "--batch-size", "99999999999999999999"], "--batch-size must be at most 2,147,483,647"),
     (["plan", "--num-labels", "99999999999999999999"], "--num-labels must be at most 1,000,000"),

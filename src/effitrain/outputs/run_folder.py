@@ -35,9 +35,11 @@ DELETING = ".tmp-previous"  # a replaced run being deleted
 # (save_pretrained's, save_state's). Nested runs (bench variants) carry their own marker.
 REFERENCE_LOGPS = "reference_logps.safetensors"  # --preference dpo --reference precompute: kept for a resume
 TEACHER_LOGITS = "teacher_logits.safetensors"  # --distill-from: the teacher's logits on the training split
+TEACHER_TOP_K = "teacher_top_k.safetensors"  # --distill-from, causal-lm: the teacher's top-k log-probs per position
 RUN_FILES = {"config.yaml", "log.jsonl", "metrics.json", "bench.json", "bench.png", MARKER, LOCK,
              "report.html", "report-curves.png", "report-confusion.png",  # report/'s page and PNGs
-             REFERENCE_LOGPS, REFERENCE_LOGPS + ".tmp", TEACHER_LOGITS, TEACHER_LOGITS + ".tmp"}
+             REFERENCE_LOGPS, REFERENCE_LOGPS + ".tmp", TEACHER_LOGITS, TEACHER_LOGITS + ".tmp",
+             TEACHER_TOP_K, TEACHER_TOP_K + ".tmp"}
 
 
 RUN_FOLDERS = {"model", "best", "adapter", "checkpoints", PREVIOUS, MOVING, DELETING, ".tmp-model", ".tmp-best",

@@ -59,12 +59,10 @@ def for_config(config):
         from effitrain.tasks import objectives, online_rl
 
         return online_rl.OnlineRL(task.name, objectives.of_rl(config))
-    if getattr(config, "distill_from", None) is not None:
+    if getattr(config, "distill_from", None) is not None and getattr(config, "preference", None) is None:
         if not task.supports_distillation:
             task.check_config(config)  # refuses --distill-from with the task's name
-        from effitrain.tasks.distillation import Distillation
-
-        return task.with_distillation(Distillation.of(config))
+        return task.with_distillation(task.distillation_of(config))
     if getattr(config, "preference", None) is None:
         return task
     if not task.supports_preference:

@@ -33,7 +33,7 @@ class Task:
     grows_vocabulary: bool = False  # a pretrained model's embeddings grow to its tokenizer's (a chat template's tokens)
     supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     supports_preference: bool = False  # preference pairs: --preference (tasks/preference.py)
-    supports_distillation: bool = False  # a teacher's logits beside the labels: --distill-from (tasks/distillation.py)
+    supports_distillation: bool = False  # a teacher's outputs beside the labels: --distill-from (tasks/distillation.py)
     supports_rl: bool = False  # prompts to generate answers to, learnt from their rewards: --rl (tasks/online_rl.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
@@ -60,8 +60,9 @@ class Task:
             raise UserError(f"--packing applies to text (--task sequence-classification or causal-lm), not {self.name}",
                             "drop --packing")
         if getattr(config, "distill_from", None) is not None and not self.supports_distillation:
-            raise UserError(f"--distill-from applies to the classification tasks, not {self.name}",
-                            "drop --distill-from, or pass --task sequence-classification (or image-, audio-)")
+            raise UserError(f"--distill-from applies to the classification tasks and causal-lm, not {self.name}",
+                            "drop --distill-from, or pass --task sequence-classification (or image-, audio-, "
+                            "causal-lm)")
         if getattr(config, "preference", None) is not None and not self.supports_preference:
             raise UserError(f"--preference applies to --task causal-lm, not {self.name}", "drop --preference")
         if not self.supports_chat:

@@ -3,6 +3,7 @@ answers' tokens are learnt (data/answers.py)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from effitrain.errors import UserError
 from effitrain.models import loading
 from effitrain.tasks.base import Task
+import effitrain.tasks.lm_distillation as lm_distillation
 from effitrain.tasks.lm_head import LMHead
 
 
@@ -23,9 +25,22 @@ class CausalLM(Task):
     supports_chat = True
     supports_preference = True  # tasks/preference.py: this task on chosen/rejected pairs
     supports_rl = True  # tasks/online_rl.py: this task on prompts, learnt from the rewards of its completions
+    supports_distillation = True  # tasks/lm_distillation.py: SFT beside a teacher's top-k log-probs
+    distillation = None  # --distill-from: a tasks.lm_distillation.LMDistillation (with_distillation)
     pipeline_tag = "text-generation"  # the Hub's name for the task (model cards)
     higher_is_better = ("token_accuracy", "exact_match", "end_of_turn_share")
     GENERATION_METRICS = ("exact_match", "end_of_turn_share")  # prompt-completion and chat data only
+
+    @staticmethod
+    def distillation_of(config):
+        """--distill-from's settings for this task (tasks.for_config)."""
+        return lm_distillation.LMDistillation.of(config)
+
+    def with_distillation(self, distillation) -> CausalLM:
+        """This task learning from a teacher's top-k log-probs as well as the labels (a copy: tasks.for_config's)."""
+        distilled = copy.copy(self)
+        distilled.distillation = distillation
+        return distilled
 
     # -- models ------------------------------------------------------------------------------------
     def load_processor(self, source: loading.ModelSource):
@@ -60,16 +75,26 @@ class CausalLM(Task):
                 model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
 
     def check_built_model(self, model, encoded, processor, config) -> None:
-        """--packing: two training examples packed and padded give the same logits (tasks/packing_check.py).
-        Run on the plain model: the transforms after it change no computation across positions."""
+        """--distill-from: the teacher's vocabulary is the student's. --packing: two training examples packed and
+        padded give the same logits (tasks/packing_check.py). Run on the plain model: the transforms after it
+        change no computation across positions."""
         import effitrain.tasks.packing_check as packing_check
 
+        if self.distillation is not None:
+            self.distillation.check_teacher(self, model, processor)
         if config.packing:
             packed, padded = self.collators(processor, config)
             packing_check.check(model, packing_check.examples(encoded["train"]), packed, padded)
 
     def check_config(self, config) -> None:
         super().check_config(config)
+        other = "--preference" if getattr(config, "preference", None) is not None else \
+            "--rl" if getattr(config, "rl", None) not in (None, "distill") else None
+        if getattr(config, "distill_from", None) is not None and other is not None:
+            raise UserError(f"--distill-from applies to supervised fine-tuning (--task causal-lm on text, prompt-"
+                            f"completion or chat data), not with {other}", f"drop --distill-from, or drop {other}")
+        if self.distillation is not None:  # a teacher folder that is no causal LM: before the data loads
+            self.distillation.teacher_config(self)
         if config.chat_template is not None:
             from effitrain.data import templates
 
@@ -165,7 +190,8 @@ class CausalLM(Task):
 
     def collators(self, processor, config):
         """(training collator, evaluation collator): packed rows only in training, when asked. Data with
-        labels of its own (answers only) keeps them; text's labels are its ids."""
+        labels of its own (answers only) keeps them; text's labels are its ids. With --distill-from, the
+        training batches carry the teacher's top-k per position (tasks/lm_distillation.py)."""
         from effitrain.data import answers, text
 
         by_ids = text.lm_collator(processor, text.pad_multiple(config))
@@ -174,7 +200,18 @@ class CausalLM(Task):
         def padded(features):
             return (by_labels if "labels" in features[0] else by_ids)(features)
 
-        return (text.packing_collator() if config.packing else padded), padded
+        train = text.packing_collator() if config.packing else padded
+        if self.distillation is not None:
+            train = lm_distillation.with_teacher_columns(train, self.distillation.top_k)
+        return train, padded
+
+    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
+        """With --distill-from: the training split with the teacher's top-k log-probs (tasks/lm_distillation.py)."""
+        if self.distillation is None:
+            return encoded
+        _, collate = self.collators(processor, config)
+        return self.distillation.prepare(self, model, encoded, processor, collate, config.eval_batch_size, out_dir,
+                                         autocast, resuming)
 
     # -- the loss and its counts -------------------------------------------------------------------
     def loss_positions(self, train) -> int | None:
@@ -193,9 +230,15 @@ class CausalLM(Task):
             return (batch["position_ids"] == 0).sum()
         return super().example_count(batch)
 
+    @staticmethod
+    def inputs(batch) -> dict:
+        return {k: v for k, v in batch.items() if k != "labels" and k not in lm_distillation.COLUMNS}
+
     def loss_sum(self, model, batch) -> torch.Tensor:
         """Next-token prediction: position t predicts token t+1; -100 targets (padding, and the first token of
-        each packed example) are ignored."""
+        each packed example) are ignored. The training batches of --distill-from add the teacher's term."""
+        if lm_distillation.IDS in batch:
+            return self.distillation.loss_sum(LMHead(model), self.inputs(batch), batch)
         return LMHead(model).loss_sum(self.inputs(batch), batch["labels"][:, 1:])
 
     def planned_loss_sum(self, model, batch, loss_positions: int | None) -> torch.Tensor:

@@ -32,6 +32,11 @@ class Classification(Task):
         self.supports_packing = self.is_text  # padding-free rows: tasks/packed.py
         self.pipeline_tag = f"{modality}-classification"  # the Hub's name for the task (model cards)
 
+    @staticmethod
+    def distillation_of(config) -> distillation.Distillation:
+        """--distill-from's settings for this task (tasks.for_config)."""
+        return distillation.Distillation.of(config)
+
     def with_distillation(self, distillation) -> Classification:
         """This task learning from a teacher's logits as well as the labels (a copy: tasks.for_config's)."""
         distilled = copy.copy(self)
@@ -41,6 +46,11 @@ class Classification(Task):
     def check_config(self, config) -> None:
         """As every task; --packing also only for the model types whose packed forward is exact."""
         super().check_config(config)
+        from effitrain.config import TrainConfig
+
+        if getattr(config, "distill_top_k", TrainConfig.distill_top_k) != TrainConfig.distill_top_k:
+            raise UserError(f"--distill-top-k applies to --task causal-lm, not {self.name} (its teacher's logits are "
+                            "stored whole)", "drop --distill-top-k")
         if self.distillation is not None:  # a teacher folder that is no model of this task: before the data loads
             self.distillation.teacher_config(self)
         if config.packing:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +23,10 @@ import torch.nn.functional as F
 from effitrain.errors import UserError
 from effitrain.outputs.run_folder import TEACHER_LOGITS as FILE
 import effitrain.tasks.reference as reference
+import effitrain.tasks.teacher_outputs as teacher_outputs
 
 COLUMN = "teacher_logits"  # the training split's column, and the batch's key: [examples, labels]
-FINGERPRINT = "effitrain_teacher_and_data"  # the stored file's metadata key: sha256 of the teacher and the data
+FINGERPRINT = teacher_outputs.FINGERPRINT
 
 
 def loss_sum(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor, alpha: float,
@@ -125,21 +125,7 @@ class Distillation:
 
     def fingerprint(self, train) -> str:
         """sha256 over the teacher folder's files (names and bytes) and the training split's rows, in order."""
-        import pyarrow as pa
-
-        hashed = hashlib.sha256()
-        folder = Path(self.teacher).expanduser()
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            hashed.update(f"{path.relative_to(folder)}|{path.stat().st_size}|".encode())
-            with open(path, "rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 20), b""):
-                    hashed.update(chunk)
-        for batch in train.with_format("arrow").iter(batch_size=4096):
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, batch.schema) as writer:
-                writer.write_table(batch)
-            hashed.update(sink.getvalue().to_pybytes())
-        return hashed.hexdigest()
+        return teacher_outputs.fingerprint(self.teacher, train)
 
 
 def compute_logits(teacher, split, collate, batch_size: int, logits_of, labels: int) -> torch.Tensor:
@@ -148,50 +134,17 @@ def compute_logits(teacher, split, collate, batch_size: int, logits_of, labels: 
     return reference.compute_shared(teacher, split, collate, batch_size, logits_of, width=labels)
 
 
+WHAT = "the teacher's stored logits"  # how a refusal names the file
+
+
 def read(out_dir: Path | None, fingerprint: str, examples: int, labels: int) -> torch.Tensor:
     """The logits an earlier start of this run stored (a resume): refused when the file is gone, altered, or
     made from another teacher or other training data."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(out_dir or ".") / FILE
-    if not path.is_file():
-        raise _refused(path, "is missing, and the checkpoint being resumed was trained against it")
-    try:
-        with safe_open(str(path), framework="pt") as stored_file:
-            metadata = stored_file.metadata() or {}
-            stored = {name: stored_file.get_tensor(name) for name in stored_file.keys()}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise _refused(path, f"cannot be read ({' '.join(str(err).split())[:200]})") from None
-    if metadata.get(reference.DIGEST) != reference.digest(stored) or set(stored) != {"logits"}:
-        raise _refused(path, "is not what this run wrote (its digest differs: edited, or written by something else)")
-    if metadata.get(FINGERPRINT) != fingerprint or tuple(stored["logits"].shape) != (examples, labels):
-        raise _refused(path, "was computed from another teacher folder or other training data than this run's")
+    stored = teacher_outputs.read(Path(out_dir or ".") / FILE, fingerprint, lambda stored: set(stored) == {"logits"}
+                                  and tuple(stored["logits"].shape) == (examples, labels), WHAT)
     return stored["logits"]
 
 
 def write(out_dir: Path | None, logits: torch.Tensor, fingerprint: str) -> None:
-    """Written whole (a temporary file renamed) by the main process; every process holds the same."""
-    import os
-
-    from accelerate import PartialState
-    from safetensors.torch import save_file
-
-    from effitrain.outputs import files
-
-    if out_dir is None or not PartialState().is_main_process:
-        return
-    path = Path(out_dir) / FILE
-    partial = path.with_name(FILE + ".tmp")
-    stored = {"logits": logits.contiguous()}
-    try:
-        with files.writing(partial):
-            save_file(stored, str(partial), metadata={reference.DIGEST: reference.digest(stored),
-                                                      FINGERPRINT: fingerprint})
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-def _refused(path: Path, problem: str) -> UserError:
-    return UserError(f"the teacher's stored logits {path} {problem}",
-                     "restore the file (and the teacher folder and data it was made from), or start a new --output-dir")
+    """Written whole by the main process; every process holds the same."""
+    teacher_outputs.write(out_dir, FILE, {"logits": logits}, fingerprint)
