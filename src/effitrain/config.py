@@ -240,6 +240,10 @@ class TrainConfig:
                                       "(softer targets; the term is multiplied by its square)", "distillation",
                                       positive=True, fix="pass e.g. {flag} 2.0", resume="must_match",
                                       added_later=True)
+    distill_beta: float = _opt(1.0, "--rl distill: the divergence to the teacher, TRL GKD's generalised JSD: 1 the "
+                               "reverse KL(student || teacher), 0 the forward KL(teacher || student), between them "
+                               "the JSD of that mixture weight", "distillation", within=(0, 1), ends="[]",
+                               fix="pass e.g. {flag} 1.0", resume="must_match", added_later=True)
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
@@ -780,6 +784,7 @@ def _check_preference(config: TrainConfig) -> None:
 
 def _check_distillation(config: TrainConfig) -> None:
     """--distill-alpha / --distill-temperature only with --distill-from; its folder checked before torch loads."""
+    _check_on_policy_distillation(config)
     if config.distill_from is None:
         return _refuse_without_switch(config, DISTILL_SETTINGS, "distillation",
                                       "--distill-from TEACHER (a saved model folder)")
@@ -790,6 +795,27 @@ def _check_distillation(config: TrainConfig) -> None:
     if not (path / "config.json").is_file():
         raise UserError(f"--distill-from {config.distill_from} holds no config.json: it is not a saved model",
                         "pass the folder of a saved model (e.g. an effitrain run's model/)")
+
+
+def _check_on_policy_distillation(config: TrainConfig) -> None:
+    """An --rl objective that learns from a teacher (distill) needs --distill-from and takes no --distill-alpha
+    (no labels to weigh against); the others take no teacher; --distill-beta is the teacher objective's alone."""
+    entry = rl_names.get(config.rl) if config.rl is not None else None
+    learns_from_teacher = entry is not None and entry.teacher
+    if learns_from_teacher and config.distill_from is None:
+        raise UserError(f"--rl {config.rl} learns from a teacher, and --distill-from is not set",
+                        "pass --distill-from TEACHER (a saved causal LM folder with the model's tokenizer)")
+    if learns_from_teacher and config.distill_alpha != TrainConfig.distill_alpha:
+        raise UserError(f"--distill-alpha does not apply to --rl {config.rl} (its loss is the divergence to the "
+                        "teacher alone: its completions have no labels to weigh it against)", "drop --distill-alpha")
+    if entry is not None and not entry.teacher and config.distill_from is not None:
+        teachers = [name for name in rl_names.NAMES if rl_names.get(name).teacher]
+        raise UserError(f"--distill-from does not apply to --rl {config.rl} (it learns from rewards)",
+                        f"drop --distill-from, or pass --rl {' or '.join(teachers)}")
+    if not learns_from_teacher and config.distill_beta != TrainConfig.distill_beta:
+        teachers = [name for name in rl_names.NAMES if rl_names.get(name).teacher]
+        raise UserError(f"--distill-beta applies to --rl {' or '.join(teachers)} (on-policy distillation)",
+                        f"drop --distill-beta, or pass --rl {teachers[0]} --distill-from TEACHER")
 
 
 def reward_texts(value) -> list[str]:
