@@ -16,7 +16,7 @@ SHARED_STRATEGY = ("strategy", "zero_stage")
 SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
 SHARED_PREFERENCE = ("preference", "reference")
 # Online RL's settings that change the step's memory (the rest change only what it computes).
-SHARED_RL = ("rl", "num_generations", "max_new_tokens", "kl_beta", "top_p")
+SHARED_RL = ("rl", "num_generations", "max_new_tokens", "kl_beta", "top_p", "distill_from")
 
 
 def add_parser(commands) -> None:
@@ -147,7 +147,8 @@ def _planner(args: argparse.Namespace, shapes, device: str):
     if args.rl is None:
         return plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage), None
     new_tokens = _max_new_tokens(args)
-    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta, args.rl)
+    teacher = None if args.distill_from is None else rl_step.teacher_bytes(args.task, args.distill_from)
+    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta, args.rl, teacher=teacher)
     planner = plan.Planner(shapes, args.seq_len + new_tokens, device, args.world_size, args.strategy,
                            args.zero_stage)
     return planner, rl_step.estimator(planner, args.seq_len, new_tokens, args.top_p)
@@ -171,7 +172,7 @@ def _check_rl(args: argparse.Namespace) -> None:
 
     config = cfg.TrainConfig(task=args.task, peft=args.peft, preference=args.preference, rl=args.rl,
                              num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
-                             kl_beta=args.kl_beta, top_p=args.top_p)
+                             kl_beta=args.kl_beta, top_p=args.top_p, distill_from=args.distill_from)
     cfg.validate(config)
     if args.rl is None:
         if args.max_new_tokens is not None:
