@@ -228,7 +228,8 @@ class TrainConfig:
     reward_weights: list[float] | None = _opt(None, "online RL: one weight per --reward, in their order (default "
                                               "1.0 each)", "online RL", example="1.0", resume="must_match",
                                               added_later=True)
-    distill_from: str | None = _opt(None, "classification: a saved model folder of the same task and labels (e.g. "
+    distill_from: str | None = _opt(None, "--rl distill: the teacher causal LM's folder (held, frozen); "
+                                    "classification: a saved model folder of the same task and labels (e.g. "
                                     "an effitrain run's model/) whose logits the model learns from beside the labels; "
                                     "computed once before training (teacher_logits.safetensors in the run folder, "
                                     "reused on resume), so no teacher is in memory during the steps",

@@ -17,7 +17,8 @@ from effitrain.tasks.objectives.on_policy_distill import OnPolicyDistill
 from effitrain.tasks.objectives.orpo import Orpo
 
 REGISTRY: dict[str, type[Objective]] = {cls.name: cls for cls in (Dpo, Orpo)}  # their names: in the catalog
-RL_REGISTRY: dict[str, type[Grpo]] = {cls.name: cls for cls in (Grpo, Rloo, OnPolicyDistill)}  # --rl's: catalog/rl_names.py
+# --rl's: their names in catalog/rl_names.py
+RL_REGISTRY: dict[str, type[Grpo]] = {cls.name: cls for cls in (Grpo, Rloo, OnPolicyDistill)}
 
 
 def _registered(registry: dict, add_to_catalog, cls: type, name) -> type:
