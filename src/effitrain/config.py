@@ -228,22 +228,28 @@ class TrainConfig:
     reward_weights: list[float] | None = _opt(None, "online RL: one weight per --reward, in their order (default "
                                               "1.0 each)", "online RL", example="1.0", resume="must_match",
                                               added_later=True)
-    distill_from: str | None = _opt(None, "a saved model folder of the same task (e.g. an effitrain run's model/) "
-                                    "whose outputs the model learns from beside the labels: classification, its "
-                                    "logits (same labels); causal-lm, its top-k log-probs at each labelled position "
-                                    "(same tokenizer). Computed once before training (stored in the run folder, "
+    distill_from: str | None = _opt(None, "a saved model folder (e.g. an effitrain run's model/) whose outputs "
+                                    "the model learns from: classification, its logits (same labels); causal-lm, "
+                                    "its top-k log-probs at each labelled position (same tokenizer); --rl distill, "
+                                    "the teacher causal LM held frozen that scores the student's samples. Offline "
+                                    "outputs are computed once before training (stored in the run folder, "
                                     "reused on resume), so no teacher is in memory during the steps",
                                     "distillation", nonempty=True, resume="must_match", added_later=True)
     distill_alpha: float = _opt(0.5, "distillation: the weight of the teacher's term (1 - this: the labels' "
                                 "cross-entropy)", "distillation", within=(0, 1), ends="[]", fix="pass e.g. {flag} 0.5",
                                 resume="must_match", added_later=True)
-    distill_temperature: float = _opt(2.0, "distillation: both models' logits are divided by it before the KL "
-                                      "(softer targets; the term is multiplied by its square)", "distillation",
-                                      positive=True, fix="pass e.g. {flag} 2.0", resume="must_match",
-                                      added_later=True)
+    distill_temperature: float | None = _opt(None, "distillation: both models' logits are divided by it before "
+                                             "the divergence (softer targets; the offline term is multiplied by its "
+                                             "square). Default: 2.0 for classification, 1.0 for causal-lm",
+                                             "distillation", positive=True, fix="pass e.g. {flag} 2.0",
+                                             resume="must_match", added_later=True)
     distill_top_k: int = _opt(20, "causal-lm distillation: the teacher's likeliest tokens stored per position (their "
                               "log-probs; the rest of its mass is one more bucket of the KL)", "distillation",
                               positive=True, fix="pass e.g. {flag} 20", resume="must_match", added_later=True)
+    distill_beta: float = _opt(1.0, "--rl distill: the divergence to the teacher, TRL GKD's generalised JSD: 1 the "
+                               "reverse KL(student || teacher), 0 the forward KL(teacher || student), between them "
+                               "the JSD of that mixture weight", "distillation", within=(0, 1), ends="[]",
+                               fix="pass e.g. {flag} 1.0", resume="must_match", added_later=True)
     memory_budget: str | None = _opt(None, "fit training into this much memory per device: `auto` (what is free "
                                      "now) or a size like 8GiB. effitrain predicts the peak (`effitrain plan`), "
                                      "splits the micro-batch and accumulates more (same effective batch), and "
@@ -547,11 +553,21 @@ def resolved(config: TrainConfig) -> TrainConfig:
             max_new_tokens=config.max_new_tokens or RL_MAX_NEW_TOKENS,
             reward=reward_texts(config.reward) if config.reward is not None else None,
             reward_weights=[float(w) for w in config.reward_weights] if config.reward_weights is not None else None)
+    if config.distill_from is not None and config.distill_temperature is None:
+        config = dataclasses.replace(config, distill_temperature=distill_temperature_of(config))
     objective = objective_names.get(config.preference)
     if objective is not None and objective.reference and config.reference is None:
         # The cheapest exact reference: adapters switched off cost nothing; else one pass before training.
         config = dataclasses.replace(config, reference="adapters" if config.peft != "none" else "precompute")
     return config
+
+
+def distill_temperature_of(config: TrainConfig) -> float:
+    """--distill-temperature, or its default: Hinton's 2.0 softens a classifier's few logits; a causal LM's
+    distribution over its vocabulary is learnt as it is sampled (T 1, as TRL GKD and on-policy distillation do)."""
+    if config.distill_temperature is not None:
+        return config.distill_temperature
+    return 1.0 if config.task == "causal-lm" else 2.0
 
 
 def from_any(config: TrainConfig | dict[str, Any] | str | Path | None) -> TrainConfig:
@@ -784,6 +800,7 @@ def _check_preference(config: TrainConfig) -> None:
 
 def _check_distillation(config: TrainConfig) -> None:
     """--distill-alpha / --distill-temperature only with --distill-from; its folder checked before torch loads."""
+    _check_on_policy_distillation(config)
     if config.distill_from is None:
         return _refuse_without_switch(config, DISTILL_SETTINGS, "distillation",
                                       "--distill-from TEACHER (a saved model folder)")
@@ -794,6 +811,30 @@ def _check_distillation(config: TrainConfig) -> None:
     if not (path / "config.json").is_file():
         raise UserError(f"--distill-from {config.distill_from} holds no config.json: it is not a saved model",
                         "pass the folder of a saved model (e.g. an effitrain run's model/)")
+
+
+def _check_on_policy_distillation(config: TrainConfig) -> None:
+    """An --rl objective that learns from a teacher (distill) needs --distill-from and takes no --distill-alpha
+    (no labels to weigh against); the others take no teacher; --distill-beta is the teacher objective's alone."""
+    entry = rl_names.get(config.rl) if config.rl is not None else None
+    learns_from_teacher = entry is not None and entry.teacher
+    if learns_from_teacher and config.distill_from is None:
+        raise UserError(f"--rl {config.rl} learns from a teacher, and --distill-from is not set",
+                        "pass --distill-from TEACHER (a saved causal LM folder with the model's tokenizer)")
+    if learns_from_teacher and config.distill_top_k != TrainConfig.distill_top_k:
+        raise UserError(f"--distill-top-k does not apply to --rl {config.rl} (the teacher scores each sampled token "
+                        "over the whole vocabulary, in the step)", "drop --distill-top-k")
+    if learns_from_teacher and config.distill_alpha != TrainConfig.distill_alpha:
+        raise UserError(f"--distill-alpha does not apply to --rl {config.rl} (its loss is the divergence to the "
+                        "teacher alone: its completions have no labels to weigh it against)", "drop --distill-alpha")
+    if entry is not None and not entry.teacher and config.distill_from is not None:
+        teachers = [name for name in rl_names.NAMES if rl_names.get(name).teacher]
+        raise UserError(f"--distill-from does not apply to --rl {config.rl} (it learns from rewards)",
+                        f"drop --distill-from, or pass --rl {' or '.join(teachers)}")
+    if not learns_from_teacher and config.distill_beta != TrainConfig.distill_beta:
+        teachers = [name for name in rl_names.NAMES if rl_names.get(name).teacher]
+        raise UserError(f"--distill-beta applies to --rl {' or '.join(teachers)} (on-policy distillation)",
+                        f"drop --distill-beta, or pass --rl {teachers[0]} --distill-from TEACHER")
 
 
 def reward_texts(value) -> list[str]:

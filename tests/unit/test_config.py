@@ -103,6 +103,10 @@ def _base(name: str) -> dict:
     flags with --rl, distillation's with --distill-from a model folder)."""
     if name in cfg.RL_SETTINGS:
         return {"rl": "grpo", "task": "causal-lm"}
+    if name == "distill_beta":  # on-policy distillation's own: --rl distill with a teacher folder
+        from effitrain.models.loading import default_model_dir
+
+        return {"rl": "distill", "task": "causal-lm", "distill_from": str(default_model_dir())}
     if name in cfg.DISTILL_SETTINGS:
         from effitrain.models.loading import default_model_dir
 

@@ -21,6 +21,7 @@ class RlName:
     scale_rewards: str  # its default --scale-rewards
     scalings: tuple[str, ...] = SCALE_REWARDS  # the --scale-rewards it accepts
     settings: tuple[str, ...] = ()  # the online-RL flags that only it takes (the others take every one)
+    teacher: bool = False  # it learns from a teacher (--distill-from), not from rewards
 
 
 _CATALOG = Catalog("online RL objective")
@@ -45,7 +46,14 @@ def help_text() -> str:
             "(docs/rl.md)")
 
 
+# What the objectives that learn from rewards take and on-policy distillation does not.
+REWARD_SETTINGS = ("reward", "reward_weights", "clip_epsilon", "clip_epsilon_high", "kl_beta")
+
 add(RlName("grpo", "group-relative policy optimisation: each completion's reward against its group's mean, TRL's "
-           "clipped per-token loss", scale_rewards="group", settings=("loss_type",)))
+           "clipped per-token loss", scale_rewards="group", settings=("loss_type", *REWARD_SETTINGS)))
 add(RlName("rloo", "REINFORCE leave-one-out: each completion's reward against the mean of its group's others, "
-           "TRL's RLOOTrainer's per-sequence loss", scale_rewards="none", scalings=("batch", "none")))
+           "TRL's RLOOTrainer's per-sequence loss", scale_rewards="none", scalings=("batch", "none"),
+           settings=REWARD_SETTINGS))
+add(RlName("distill", "on-policy distillation: the teacher (--distill-from) scores each sampled token, the loss is "
+           "the per-token reverse KL to it (TRL GKD's generalised JSD with --distill-beta); no rewards",
+           scale_rewards="none", scalings=SCALE_REWARDS, settings=("distill_beta",), teacher=True))

@@ -17,7 +17,8 @@ SHARED_PEFT = ("peft", "lora_r", "lora_dropout", "lora_target_modules")
 SHARED_PREFERENCE = ("preference", "reference")
 # Online RL's settings that change the step's memory (the rest change only what it computes).
 SHARED_RL = ("rl", "num_generations", "max_new_tokens", "kl_beta", "top_p")
-# --distill-from: the teacher's pass before training, in batches of --eval-batch-size (planning/teacher_pass.py).
+# --distill-from: the teacher's pass before training (with --rl distill: the teacher held in the step,
+# planning/rl_step.py), in batches of --eval-batch-size (planning/teacher_pass.py).
 SHARED_DISTILL = ("distill_from", "eval_batch_size")
 
 
@@ -164,15 +165,17 @@ def _planner(args: argparse.Namespace, shapes, device: str):
     if args.rl is None:
         return plan.Planner(shapes, args.seq_len, device, args.world_size, args.strategy, args.zero_stage), None
     new_tokens = _max_new_tokens(args)
-    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta, args.rl)
+    teacher = None if args.distill_from is None else rl_step.teacher_bytes(args.task, args.distill_from)
+    shapes = rl_step.for_rl(shapes, args.num_generations, new_tokens, args.kl_beta, args.rl, teacher=teacher)
     planner = plan.Planner(shapes, args.seq_len + new_tokens, device, args.world_size, args.strategy,
                            args.zero_stage)
     return planner, rl_step.estimator(planner, args.seq_len, new_tokens, args.top_p)
 
 
 def _teacher(args: argparse.Namespace):
-    """--distill-from's model shapes (its config alone, on fake tensors), checked as train checks the folder."""
-    if args.distill_from is None:
+    """--distill-from's model shapes (its config alone, on fake tensors), checked as train checks the folder; None
+    with --rl (on-policy: the teacher is held during the step and planned there, not run before training)."""
+    if args.distill_from is None or args.rl is not None:
         return None
     from effitrain.planning import planner as plan
 
@@ -198,7 +201,7 @@ def _check_rl(args: argparse.Namespace) -> None:
 
     config = cfg.TrainConfig(task=args.task, peft=args.peft, preference=args.preference, rl=args.rl,
                              num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
-                             kl_beta=args.kl_beta, top_p=args.top_p)
+                             kl_beta=args.kl_beta, top_p=args.top_p, distill_from=args.distill_from)
     cfg.validate(config)
     if args.rl is None:
         if args.max_new_tokens is not None:

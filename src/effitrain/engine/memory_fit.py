@@ -127,7 +127,8 @@ def _rl_planner(config: TrainConfig, shapes, device: torch.device, world: int, e
     if encoded is not None and len(encoded["train"]):
         prompt_len = min(prompt_len, max(len(ids) for ids in encoded["train"]["input_ids"]))
     shapes = rl_step.for_rl(shapes, config.num_generations, config.max_new_tokens, config.kl_beta, config.rl,
-                            config.temperature)
+                            config.temperature, rl_step.teacher_bytes(config.task, config.distill_from,
+                                                                      config.allow_pickle))
     planner = plan.Planner(shapes, prompt_len + config.max_new_tokens, device.type, world, config.strategy,
                            config.zero_stage)
     return planner, rl_step.estimator(planner, prompt_len, config.max_new_tokens, config.top_p)

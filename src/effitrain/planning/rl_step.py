@@ -135,20 +135,38 @@ def _cast_weights(shapes: ModelShapes) -> int:
     return matrices
 
 
+def teacher_bytes(task_name: str, folder: str | None, allow_pickle: bool = False) -> int:
+    """The bytes of a teacher's weights and buffers (--rl distill's, held on every device through the steps), from
+    its folder's config built on the meta device, at the dtype transformers builds it in (fp32)."""
+    from effitrain import tasks
+    from effitrain.models import loading
+
+    if folder is None:
+        return 0
+    task = tasks.get(task_name)
+    model = task.build_on_meta(task.source_config(loading.resolve_source(folder, allow_pickle)))
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def for_rl(shapes: ModelShapes, generations: int, max_new_tokens: int, kl_beta: float = 0.0, rl: str = "grpo",
-           temperature: float = 1.0) -> ModelShapes:
+           temperature: float = 1.0, teacher: int | None = None) -> ModelShapes:
     """The update's shapes: G sequences per prompt (`--batch-size` counts prompts), each micro-step the --rl
     objective's own loss (tasks/online_rl.py on the planner's fake tensors: its LM head at the completions'
-    positions, the policy-gradient arithmetic); with kl_beta > 0 (KL to a reference) a frozen reference copy of
-    the weights (and buffers), except with --peft, where the reference is the same weights with the adapters
-    switched off."""
+    positions, the policy-gradient arithmetic; --rl distill: the teacher's logits of the micro-batch's completion
+    tokens x the vocabulary, made before the student's forward as the loss makes them); with kl_beta > 0 (KL to a
+    reference) a frozen reference copy of the weights (and buffers), except with --peft, where the reference is
+    the same weights with the adapters switched off. `teacher`: the bytes of a teacher held through the steps
+    (teacher_bytes; None for an objective that learns from one: a teacher of the model's own size)."""
     from types import SimpleNamespace
 
+    from effitrain.catalog import rl_names
     from effitrain.tasks import objectives, online_rl
 
     peft = shapes.peft
     copied = kl_beta > 0 and adapters.method(peft) is None
     reference = shapes.weight_bytes + shapes.buffer_bytes if copied else 0
+    if rl_names.get(rl).teacher:  # never sharded, never trained: whole on every device, as a frozen reference
+        reference += shapes.weight_bytes + shapes.buffer_bytes if teacher is None else teacher
     kind = objectives.RL_REGISTRY[rl]
     objective = kind(generations=generations, max_new_tokens=max_new_tokens, beta=kl_beta, temperature=temperature,
                      loss_type=kind.loss_of(SimpleNamespace(loss_type="dapo")))  # the loss's type: tiny tensors

@@ -53,7 +53,9 @@ class Distillation:
 
     @classmethod
     def of(cls, config) -> Distillation:
-        return cls(config.distill_from, config.distill_alpha, config.distill_temperature, config.allow_pickle)
+        from effitrain.config import distill_temperature_of
+
+        return cls(config.distill_from, config.distill_alpha, distill_temperature_of(config), config.allow_pickle)
 
     def loss_sum(self, student_logits, batch) -> torch.Tensor:
         return loss_sum(student_logits, batch["labels"], batch[COLUMN], self.alpha, self.temperature)

@@ -90,7 +90,9 @@ class LMDistillation(Distillation):
 
     @classmethod
     def of(cls, config) -> LMDistillation:
-        return cls(config.distill_from, config.distill_alpha, config.distill_temperature, config.allow_pickle,
+        from effitrain.config import distill_temperature_of
+
+        return cls(config.distill_from, config.distill_alpha, distill_temperature_of(config), config.allow_pickle,
                    config.distill_top_k)
 
     def check_teacher(self, task, model, processor) -> None:

@@ -71,6 +71,14 @@ class LMHead:
         logps = torch.log_softmax(outputs, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
         return logps * (targets != -100)
 
+    def logits_of(self, outputs: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary from what the positions hold (`held`): the output layer applied
+        where the chunked path kept the hidden states (a distribution over the vocabulary is what is asked)."""
+        if self.layer is None:
+            return outputs
+        weight, bias = self._weights()
+        return F.linear(outputs, weight, bias).float()
+
     def per_position(self, inputs: dict, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluation's view: each position's loss (0 where ignored) and whether its arg-max is the target."""
         outputs = self._outputs(inputs)

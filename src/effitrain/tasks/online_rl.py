@@ -32,6 +32,15 @@ class OnlineRL(CausalLM):
     def __repr__(self) -> str:
         return f"<task {self.name} --rl {self.objective.name}>"
 
+    @property
+    def supports_distillation(self) -> bool:
+        """--distill-from: the teacher of an objective that learns from one (on-policy distillation)."""
+        return bool(getattr(self.objective, "teacher", None))
+
+    def check_built_model(self, model, encoded, processor, config) -> None:
+        super().check_built_model(model, encoded, processor, config)
+        self.objective.check_built_model(self, model, processor)
+
     def check_config(self, config) -> None:
         if config.loss_on != "completion":
             raise UserError(f"--loss-on does not apply to --rl {config.rl} (its loss is on the completions it "
@@ -114,6 +123,7 @@ class OnlineRL(CausalLM):
     def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """The objective gets the prompts' rows and, with --kl-beta, its reference made from the starting model."""
         self.objective.data = self.prompt_data
+        self.objective.before_training(self, model, processor, autocast)
         reference = self.objective.reference
         if reference is not None:
             if autocast is not None:
@@ -214,6 +224,7 @@ class OnlineRL(CausalLM):
                  "token_weight": torch.zeros(rows, dtype=torch.float64),
                  "completion_sums": torch.zeros(rows, metrics, dtype=torch.float64),
                  completion_batches.PLANNED_GROUP_ROWS: generations}
+        batch.update(self.objective.planned_extras(model_config))
         if self.objective.beta:
             batch["ref_logps"] = torch.zeros(rows, width)
             if self.objective.sequence_level:  # RLOO's KL: a reward penalty per completion, made in the rollout

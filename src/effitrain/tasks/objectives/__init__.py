@@ -13,10 +13,12 @@ from effitrain.catalog.rl_names import RlName
 from effitrain.tasks.objectives.dpo import Dpo
 from effitrain.tasks.objectives.grpo import Grpo, Rloo
 from effitrain.tasks.objectives.objective import Objective
+from effitrain.tasks.objectives.on_policy_distill import OnPolicyDistill
 from effitrain.tasks.objectives.orpo import Orpo
 
 REGISTRY: dict[str, type[Objective]] = {cls.name: cls for cls in (Dpo, Orpo)}  # their names: in the catalog
-RL_REGISTRY: dict[str, type[Grpo]] = {cls.name: cls for cls in (Grpo, Rloo)}  # --rl's: catalog/rl_names.py
+# --rl's: their names in catalog/rl_names.py
+RL_REGISTRY: dict[str, type[Grpo]] = {cls.name: cls for cls in (Grpo, Rloo, OnPolicyDistill)}
 
 
 def _registered(registry: dict, add_to_catalog, cls: type, name) -> type:

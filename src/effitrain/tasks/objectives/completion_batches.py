@@ -110,11 +110,38 @@ def _checkpointing(model) -> bool:
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
+def completion_logits(model, batch: dict) -> torch.Tensor:
+    """[rows, completion width, vocabulary] fp32: the logits of the positions that predict each completion token
+    (the whole vocabulary: on-policy distillation's divergences), each shared prompt run once where it can be
+    (as completion_logps); differentiable."""
+    groups = shared_prompts(batch, model)
+    found = None if groups is None else _shared_prompt_held(model, batch, *groups)
+    if found is None:
+        width, head = batch["completion_mask"].shape[1], LMHead(model)
+        inputs = {key: batch[key] for key in MODEL_INPUTS}
+        found = head, head.held(head.run(inputs, use_cache=False).logits[:, -width - 1:-1])
+    head, held = found
+    return head.logits_of(held)
+
+
 def _shared_prompt_logps(model, batch: dict, temperature: float, firsts: torch.Tensor,
                          sizes: torch.Tensor) -> torch.Tensor | None:
     """completion_logps with each group's prompt run once (`firsts`, `sizes`: shared_prompts'); None where the
-    model's cache is not a plain DynamicCache, whose layers' keys and values are copied to each row here and
-    grown by torch.cat, both differentiable (the gradient of a row's copy is summed into its prompt's)."""
+    prompt pass cannot be shared (_shared_prompt_held)."""
+    found = _shared_prompt_held(model, batch, firsts, sizes)
+    if found is None:
+        return None
+    head, held = found
+    ids, width = batch["input_ids"], batch["completion_mask"].shape[1]
+    targets = ids[:, ids.shape[1] - width:].masked_fill(batch["completion_mask"] == 0, -100)
+    return head.log_probs_of(held, targets, temperature)
+
+
+def _shared_prompt_held(model, batch: dict, firsts: torch.Tensor, sizes: torch.Tensor):
+    """(the LM head, what the positions that predict the completion tokens hold for it: LMHead.held) with each
+    group's prompt run once (`firsts`, `sizes`: shared_prompts'); None where the model's cache is not a plain
+    DynamicCache, whose layers' keys and values are copied to each row here and grown by torch.cat, both
+    differentiable (the gradient of a row's copy is summed into its prompt's)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     ids, mask, positions = (batch[key] for key in MODEL_INPUTS)
@@ -144,8 +171,7 @@ def _shared_prompt_logps(model, batch: dict, temperature: float, firsts: torch.T
         rest = {"input_ids": ids[:, start:-1], "attention_mask": mask[:, :-1], "position_ids": positions[:, start:-1]}
         later = head.held(head.run(rest, use_cache=True, **{keyword: cache}).logits)
         first = torch.cat([first, later], dim=1)
-    targets = ids[:, start:].masked_fill(batch["completion_mask"] == 0, -100)
-    return head.log_probs_of(first, targets, temperature)
+    return head, first
 
 
 class _RowCopies(torch.autograd.Function):

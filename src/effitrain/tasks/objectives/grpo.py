@@ -113,6 +113,18 @@ class Grpo(Objective):
         return ("reward", *self.reward_names, "zero_spread_share", "completion_length", "truncated_share",
                 "generation_seconds", "clip_ratio", *kl)
 
+    # -- what the run gives it before and beside the steps ----------------------------------------------
+    def check_built_model(self, task, model, processor) -> None:
+        """What the objective checks once the model is built, before the run folder is claimed (nothing here)."""
+
+    def before_training(self, task, model, processor, autocast=None) -> None:
+        """What the objective holds through the steps beside the model (GRPO: nothing; tasks/online_rl.py makes
+        its reference)."""
+
+    def planned_extras(self, model_config) -> dict:
+        """What the planner's example micro-batch adds for this objective (tasks/online_rl.py's example_batch)."""
+        return {}
+
     # -- the rewards --------------------------------------------------------------------------------
     def load_rewards(self, columns: list[str]) -> None:
         """The reward functions imported (a user's file once) and checked against the data's columns; with no
@@ -140,16 +152,8 @@ class Grpo(Objective):
     def rollout(self, model, group: list, generator: torch.Generator) -> list:
         started = time.perf_counter()
         present = [batch for batch in group if batch is not None]
-        prompts = [prompt for batch in present for prompt in unpadded(batch)]
-        rows = [int(row) for batch in present for row in batch["row_index"].tolist()]
+        rows, made = self.sample(model, present, generator)
         repeated = [row for row in rows for _ in range(self.generations)]
-        made = None
-        if prompts:
-            made = sampling.sample(model, [p for p in prompts for _ in range(self.generations)],
-                                   [(row, sample) for row in rows for sample in range(self.generations)],
-                                   max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                   top_p=self.top_p, stop_ids=self.data.stop_ids, pad_id=self.data.pad_id,
-                                   seed=generator.initial_seed())
         device = present[0]["input_ids"].device if present else _device(model)
         lengths = made.lengths.tolist() if made is not None else []
         ids = [row[:length] for row, length in zip(made.ids.tolist(), lengths)] if made is not None else []
@@ -165,6 +169,19 @@ class Grpo(Objective):
         self._attach(batches, scores, made, advantages, rewards_now, seconds, device)
         done = iter(batches)
         return [None if batch is None else next(done) for batch in group]
+
+    def sample(self, model, present: list, generator: torch.Generator) -> tuple[list[int], object]:
+        """The data rows of this process's prompts, and G completions of each (sampling.Completions, None
+        without prompts), each drawn from the stream of (the step's seed, its row, its sample index)."""
+        prompts = [prompt for batch in present for prompt in unpadded(batch)]
+        rows = [int(row) for batch in present for row in batch["row_index"].tolist()]
+        if not prompts:
+            return rows, None
+        return rows, sampling.sample(model, [p for p in prompts for _ in range(self.generations)],
+                                     [(row, sample) for row in rows for sample in range(self.generations)],
+                                     max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                     top_p=self.top_p, stop_ids=self.data.stop_ids, pad_id=self.data.pad_id,
+                                     seed=generator.initial_seed())
 
     def _micro_batches(self, model, present: list, made, mask, device) -> list[dict]:
         """Each prompt micro-batch as its prompts x G completions (the reference's log-probs with --kl-beta)."""
