@@ -15,7 +15,7 @@ from effitrain.errors import UserError
 from test_answers import TEMPLATES, bpe, with_template  # noqa: F401 (fixture)
 
 TINY_LLAMA = ("llama:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
-              "intermediate_size=16,max_position_embeddings=64")
+              "intermediate_size=16,max_position_embeddings=512")
 SYSTEM = {"role": "system", "content": "Answer with one word."}
 
 
@@ -59,7 +59,8 @@ def test_prompts_and_answers_cut_from_conversations_equal_hand_written_ones(tmp_
     rows = by_id(loaded.splits)
     assert sorted(rows) == list(range(10))
     # written out by hand: row 0 has all three parts, row 3 the exchange, row 4 the system turn, row 1 neither
-    assert rows[0] == {"id": 0, "answer": "yes", "prompt": [SYSTEM, user("Hi 0"), assistant("Hello 0"), user("Is 0 even?")]}
+    assert rows[0] == {"id": 0, "answer": "yes",
+                       "prompt": [SYSTEM, user("Hi 0"), assistant("Hello 0"), user("Is 0 even?")]}
     assert rows[3] == {"id": 3, "answer": "no", "prompt": [user("Hi 3"), assistant("Hello 3"), user("Is 3 even?")]}
     assert rows[4] == {"id": 4, "answer": "yes", "prompt": [SYSTEM, user("Is 4 even?")]}
     assert rows[1] == {"id": 1, "answer": "no", "prompt": [user("Is 1 even?")]}
