@@ -258,6 +258,11 @@ def write_rl_cases(root):
 
     jsonl("rl.jsonl", [{"prompt": f"{n}+{n}=", "answer": str(2 * n)} for n in range(12)])
     jsonl("rl_no_answer.jsonl", [{"prompt": f"{n}+{n}="} for n in range(12)])
+    # conversations whose prompt is all but the last turn (issue 44): row 3 ends on the user, or has no prompt
+    chat = [[{"role": "user", "content": f"Is {n} even?"}, {"role": "assistant", "content": ["yes", "no"][n % 2]}]
+            for n in range(12)]
+    jsonl("rl_chat_user_end.jsonl", [{"messages": turns[:1] if n == 2 else turns} for n, turns in enumerate(chat)])
+    jsonl("rl_chat_no_prompt.jsonl", [{"messages": turns[1:] if n == 2 else turns} for n, turns in enumerate(chat)])
     (root / "rl_rewards.py").write_text("def correct(completions, answer, **kwargs):\n"
                                         "    return [float(c == a) for c, a in zip(completions, answer)]\n\n"
                                         "def nan(completions, **kwargs):\n    return [float('nan')] * len(completions)\n\n"
@@ -866,6 +871,11 @@ CASES = [
     # online RL (issue 43)
     (["train", *LLAMA, "--data", "d.csv", "--rl", "grpo", "--output-dir", "new"],
      "--data d.csv has no `prompt` column (columns: text, label)"),
+    (["train", *LLAMA, "--data", "rl_chat_user_end.jsonl", "--rl", "grpo", "--output-dir", "new"],
+     "--data rl_chat_user_end.jsonl: row 3 ends on a user turn (nothing for the model to answer there)"),
+    (["train", "--model", "lm-chat", "--task", "causal-lm", "--data", "rl_chat_no_prompt.jsonl", "--rl", "distill",
+      "--distill-from", "lm-chat", "--output-dir", "new"],
+     "--data rl_chat_no_prompt.jsonl: row 3 has no turn before its assistant answer"),
     (["train", *LLAMA, "--data", "rl_no_answer.jsonl", "--rl", "grpo", "--output-dir", "new"],
      "--rl grpo needs a reward function, and the data has no `answer` or `solution` column"),
     (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "missing.py:correct", "--output-dir", "new"],
