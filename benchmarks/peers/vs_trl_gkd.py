@@ -152,8 +152,9 @@ def effitrain_settings(args) -> dict:
     precision)."""
     return {"data": str(prompts_file(args)), "rl": "distill", "distill_from": str(teacher_dir(args)),
             "distill_beta": BETA, "distill_temperature": DISTILL_T, "num_generations": GENERATIONS,
-            "max_new_tokens": MAX_NEW_TOKENS, "max_length": MAX_LENGTH, "temperature": 1.0, "top_p": 1.0, "lr": LR, "weight_decay": 0.0,
-            "warmup_ratio": 0.0, "max_grad_norm": MAX_GRAD_NORM, "max_eval_samples": 4, "log_every": 1}
+            "max_new_tokens": MAX_NEW_TOKENS, "max_length": MAX_LENGTH, "temperature": 1.0, "top_p": 1.0, "lr": LR,
+            "weight_decay": 0.0, "warmup_ratio": 0.0, "max_grad_norm": MAX_GRAD_NORM, "max_eval_samples": 4,
+            "log_every": 1}
 
 
 def effitrain_data(args):
