@@ -38,12 +38,12 @@ over those steps' seconds; peak RSS = ru_maxrss as training ends; completion tok
 subprocess (`--only SIDE`), the sides taking turns over `--runs` rounds.
 
 The first update: TRL's compute_loss runs its forwards on left-padded rows with an attention mask and no
-position ids, so a row whose prompt is shorter than the batch's longest is scored at shifted positions (not the
-positions it was sampled at); effitrain counts each row's positions from its first token. The check reports TRL's
-loss on the padded batch as TRL computes it, and TRL's compute_loss row by row (each row unpadded: the same
-function of the weights as effitrain's), whose loss and gradients must agree with effitrain's within 1e-5 in fp32.
-It also reports the normalisation TRL's training loop uses: Trainer passes num_items_in_batch counted from the
-collated dataset's labels (the reference answers' tokens), not from the sampled completions'.
+position ids (a shorter prompt's row starts at a later position than it was sampled at; Llama's rotary positions
+are relative, so that changes only rounding); effitrain counts each row's positions from its first token. The
+check reports TRL's loss on the padded batch as TRL computes it, and TRL's compute_loss row by row (each row
+unpadded: the same function of the weights as effitrain's), whose loss and gradients must agree with effitrain's
+within 1e-5 in fp32. It also reports the normalisation TRL's training loop uses: Trainer passes num_items_in_batch
+counted from the collated dataset's labels (the reference answers' tokens), not from the sampled completions'.
 
     .venv/bin/python benchmarks/peers/vs_trl_gkd.py [--steps 10] [--runs 3] [--precision fp32 bf16] [--json PATH]
     .venv/bin/python benchmarks/peers/vs_trl_gkd.py --dry-run   # 2 steps of 2 prompts, 1-layer models
