@@ -28,6 +28,9 @@ distinct prompts on both.
 Sides (`--sides`):
   trl               GKDTrainer (CPU, gradient checkpointing off, lmbda 1, beta 1)
   effitrain         effitrain.train with --rl distill --distill-from TEACHER
+  effitrain-unshared  the same with each row's prompt run on its own (sampling and loss), as TRL's repeated rows
+                    run it: what effitrain's step costs where no two rows share a prompt (one completion per
+                    prompt, which its --num-generations >= 2 refuses), not a setting of effitrain's
   trl-first-update  the first update checked, not timed: effitrain's rollout samples the first step's completions
                     once; TRL's own generate_on_policy_outputs turns them into its inputs (its masks and labels)
                     and its compute_loss scores them; the losses and every gradient compared (below)
@@ -75,7 +78,7 @@ LR, MAX_GRAD_NORM, BETA, DISTILL_T = 1e-4, 1.0, 1.0, 1.0
 STUDENT_LAYERS, TEACHER_LAYERS = 2, 4
 MAX_LENGTH = 512  # above the longest prompt on both sides: none is cut (effitrain's default 128 would keep the end)
 PROMPTS = 600  # sms-spam-chat's first rows written as prompts: effitrain holds some out, more than enough steps
-SIDES = ("trl", "effitrain", "trl-first-update")
+SIDES = ("trl", "effitrain", "effitrain-unshared", "trl-first-update")
 CHECKED = "trl-first-update"
 
 
@@ -314,12 +317,46 @@ def run_effitrain(args, side: str) -> dict:
     from effitrain.config import TrainConfig
     from effitrain.tasks import objectives
 
+    if side == "effitrain-unshared":
+        unshare_prompts()
     log = EffitrainLog(effitrain_prompts)
     config = TrainConfig(model=str(args.model_dir), task="causal-lm", **effitrain_settings(args))
     log.names = objectives.of_rl(config).train_metric_names
     result = _sides.effitrain_side(args, side, log, "vs_trl_gkd_effitrain_", "held_out_loss",
                                    effitrain_settings(args))
     return {**result, "trl_imported": "trl" in sys.modules}
+
+
+class _RowToken(int):
+    """A token id equal only to the same id of the same row: a row's prompt made of them differs from every other
+    row's, so sampling._decode's one-pass-per-distinct-prompt runs each row's prompt on its own."""
+
+    def __new__(cls, value: int, row: int):
+        token = super().__new__(cls, value)
+        token.row = row
+        return token
+
+    def __hash__(self):
+        return hash((int(self), self.row))
+
+    def __eq__(self, other):
+        return isinstance(other, _RowToken) and int(self) == int(other) and self.row == other.row
+
+
+def unshare_prompts() -> None:
+    """effitrain's step with no prompt pass shared between rows: the loss's forward over whole rows
+    (completion_batches.shared_prompts finds no group) and the sampling's prefill once per row (every row's prompt
+    distinct to sampling._decode): what its step costs at one completion per prompt, as TRL's repeated rows run."""
+    import effitrain.tasks.objectives.completion_batches as completion_batches
+    import effitrain.tasks.sampling as sampling
+
+    completion_batches.shared_prompts = lambda batch, model=None: None
+    decode = sampling._decode
+
+    def every_row(model, prompt_ids, *rest):
+        return decode(model, [[_RowToken(t, row) for t in ids] for row, ids in enumerate(prompt_ids)], *rest)
+
+    sampling._decode = every_row
 
 
 # --- the first update on the same completions ------------------------------------------------------------
@@ -437,6 +474,17 @@ def summary(results: dict, precision: str, sides) -> tuple[list[tuple], dict]:
     return rows, medians
 
 
+def ratios_of(results: dict, side: str, precision: str, medians: dict) -> dict:
+    """`side`'s medians over TRL's (prompts/s, peak RSS), and its prompts/s over TRL's round by round (the sides
+    took turns: a round's runs met about the same contention)."""
+    ours, theirs = medians[side], medians["trl"]
+    rounds = [a["prompts_per_second"] / b["prompts_per_second"]
+              for a, b in zip(results[(side, precision)], results[("trl", precision)])]
+    return {"prompts_per_second": ours["prompts_per_second"] / theirs["prompts_per_second"],
+            "peak_rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"], "rounds": rounds,
+            "round_median": statistics.median(rounds)}
+
+
 def check_lines(checks: dict) -> list[str]:
     lines = []
     for precision, run in checks.items():
@@ -452,7 +500,7 @@ def check_lines(checks: dict) -> list[str]:
             f"{run['gradient_difference']:.2e} over {run['parameters']} tensors (largest |gradient| "
             f"{run['largest_gradient']:.2e}){verdict}",
             f"  TRL on its padded batch {run['trl_loss_padded']:.9f} (|difference| {run['padded_difference']:.2e}: "
-            f"positions shifted by the left padding); as its training loop normalises it "
+            f"rows left-padded, positions not counted from each row's start); as its training loop normalises it "
             f"{run['trl_loss_training_loop']:.9f} (divided by {run['trl_loop_items']} reference-answer tokens, not "
             f"the {run['trl_counted_tokens']} sampled ones)",
             f"  the step's loss and backward alone (median of 5): effitrain "
@@ -482,13 +530,14 @@ def compare(args) -> None:
             continue
         print_columns(("", "prompts/s of each run", "median prompts/s", "completion tokens/step",
                        "generation share", "peak RSS", "s to saved model", "other cores"), rows)
-        if "effitrain" in medians and "trl" in medians:
-            ours, theirs = medians["effitrain"], medians["trl"]
-            ratios[precision] = {"prompts_per_second": ours["prompts_per_second"] / theirs["prompts_per_second"],
-                                 "peak_rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]}
-            print(f"effitrain / TRL, {precision}: prompts/s {ratios[precision]['prompts_per_second']:.2f}x, "
-                  f"peak RSS {ratios[precision]['peak_rss']:.2f}x")
-            same = {run["first_digest"] for side in ("effitrain", "trl") for run in results[(side, precision)]}
+        for ours_side in ("effitrain", "effitrain-unshared"):
+            if ours_side in medians and "trl" in medians:
+                ratios[f"{ours_side} {precision}"] = ratio = ratios_of(results, ours_side, precision, medians)
+                print(f"{ours_side} / TRL, {precision}: prompts/s {ratio['prompts_per_second']:.2f}x (each round's: "
+                      f"{' / '.join(f'{r:.2f}' for r in ratio['rounds'])}, median {ratio['round_median']:.2f}x), "
+                      f"peak RSS {ratio['peak_rss']:.2f}x")
+        if len(medians) > 1:
+            same = {run["first_digest"] for side in medians for run in results[(side, precision)]}
             print(f"the same first step's prompt tokens on every run: {len(same) == 1}")
         print()
     for line in check_lines(checks):
