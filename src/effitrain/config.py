@@ -189,10 +189,9 @@ class TrainConfig:
     rl: str | None = _opt(None, rl_names.help_text, "online RL", choices=RL, resume="must_match", added_later=True)
     num_generations: int = _opt(8, "online RL: completions sampled per prompt in each step (the group its rewards are "
                                 "compared within); --batch-size counts prompts, so a micro-batch trains on batch x "
-                                "this many completions", "online RL", at_least=2,
-                                problem="{flag} must be >= 2, got {value} (a group of one completion has no spread "
-                                "to learn from: its advantage is 0)", fix="pass e.g. {flag} 8",
-                                resume="must_match", added_later=True)
+                                "this many completions (--rl distill takes 1: no group to compare within)",
+                                "online RL", positive=True, fix="pass e.g. {flag} 8", resume="must_match",
+                                added_later=True)
     temperature: float = _opt(1.0, "online RL: the sampling temperature (the log-probs of the loss are taken at it, "
                               "as TRL's)", "online RL", positive=True,
                               problem="{flag} must be > 0, got {value} (at 0, greedy sampling gives the same "
@@ -869,6 +868,10 @@ def _check_rl(config: TrainConfig) -> None:
         owners = rl_names.owners(changed[0])
         raise UserError(f"{flag(changed[0])} applies to --rl {' or '.join(owners)}, not {config.rl}",
                         f"drop {flag(changed[0])}, or pass --rl {owners[0]}")
+    if config.num_generations < 2 and not entry.teacher:  # on-policy distillation compares no group
+        raise UserError(f"--num-generations must be >= 2, got {config.num_generations} with --rl {config.rl} (a "
+                        "group of one completion has no spread to learn from: its advantage is 0)",
+                        "pass e.g. --num-generations 8")
     if config.scale_rewards is not None and config.scale_rewards not in entry.scalings:
         raise UserError(f"--scale-rewards {config.scale_rewards} does not apply to --rl {config.rl}",
                         f"pass --scale-rewards {' or '.join(entry.scalings)}")

@@ -98,7 +98,8 @@ def procedure(config: dict, result: dict, facts: dict) -> list[str]:
         + (f"; trained as a student of {student_said(config, result)}" if config.get("student_layers") else ""),
         f"- task: {config['task']}" + (f", preference tuning: {preference_said(config)}" if config.get("preference")
                                        else "") + (f", online RL: {rl_said(config, code)}" if config.get("rl") else ""),
-        *([f"- distilled from {distillation_said(config, code)}"] if config.get("distill_from") else []),
+        *([f"- distilled from {distillation_said(config, code, top_k=not result.get('labels'))}"]
+          if config.get("distill_from") and not config.get("rl") else []),  # --rl distill: rl_said names it
         f"- data: {code(config['data'])}: {examples.get('train', 0)} train / {examples.get('validation', 0)} "
         f"validation / {examples.get('test', 0)} test examples" + (f", labels {', '.join(map(text, result['labels']))}"
                                                       if result.get("labels") else ""),
@@ -127,12 +128,16 @@ def student_said(config: dict, result: dict) -> str:
     return f"{config['student_layers']}{of}, evenly spaced, DistilBERT's way (--student-layers)"
 
 
-def distillation_said(config: dict, shown=str) -> str:
+def distillation_said(config: dict, shown=str, top_k: bool = False) -> str:
     """--distill-from in words (docs/distillation.md); the report's summary says the same. `shown`: how the
-    teacher's folder is written (the card shows it as code)."""
+    teacher's folder is written (the card shows it as code); `top_k`: a causal LM's (no labels), which learns its
+    teacher's top-k log-probs at each labelled position rather than its logits."""
+    over = (f"KL over the teacher's top {config['distill_top_k']} tokens and the rest of its mass at each labelled "
+            "position" if top_k else "KL(teacher || student)")
+    stored = "top-k log-probs" if top_k else "logits"
     return (f"the teacher {shown(config['distill_from'])} (--distill-from): loss (1 - alpha) x cross-entropy + "
-            f"alpha x T^2 x KL(teacher || student) at temperature T, alpha {config['distill_alpha']:g}, "
-            f"T {config['distill_temperature']:g}; the teacher's logits computed once before training and stored")
+            f"alpha x T^2 x {over} at temperature T, alpha {config['distill_alpha']:g}, "
+            f"T {config['distill_temperature']:g}; the teacher's {stored} computed once before training and stored")
 
 
 def rl_said(config: dict, shown=str) -> str:
@@ -145,6 +150,14 @@ def rl_said(config: dict, shown=str) -> str:
     high = config.get("clip_epsilon_high")
     clip = f"clip {config['clip_epsilon']:g}" + (f" (high {high:g})" if high is not None else "")
     entry = rl_names.get(config["rl"])
+    if entry.teacher:  # on-policy distillation: no rewards, the teacher's divergence
+        beta = config.get("distill_beta", 1.0)
+        kind = {1.0: "the reverse KL(student || teacher)", 0.0: "the forward KL(teacher || student)"}.get(
+            float(beta), f"the generalised JSD (beta {beta:g})")
+        return (f"{config['rl']}, {config['num_generations']} completions per prompt of at most "
+                f"{config['max_new_tokens']} tokens at temperature {config['temperature']:g}; loss {kind} to the "
+                f"teacher {shown(config['distill_from'])} (--distill-from) at temperature "
+                f"{config['distill_temperature']:g} per completion token")
     loss = f"{config['loss_type']} loss, " if "loss_type" in entry.settings else ""  # rloo's loss is its own
     kl = f"KL beta {config['kl_beta']:g}" if config["kl_beta"] else "no KL"
     return (f"{config['rl']}, {config['num_generations']} completions per prompt of at most "

@@ -319,9 +319,9 @@ def announce(job: Run) -> None:
         job.log.write({"step": 0, "memory_plan": plan.note, "pieces": plan.pieces, **(plan.memory or {})})
     described = job.task.data_description(data.loaded.splits, config)
     student = f", a student of {config.student_layers} layers" if config.student_layers else ""
-    if config.distill_from:  # the teacher named as the student is: its folder and the loss's weights
-        student += (f", distilled from {config.distill_from} (alpha {config.distill_alpha:g}, "
-                    f"T {config.distill_temperature:g})")
+    distillation = getattr(job.task, "distillation", None)  # offline; --rl distill's objective names its teacher
+    if distillation is not None:  # the teacher named as the student is: its folder and the loss's weights
+        student += f", distilled from {distillation.describe()}"
     job.main_print(f"training {config.model} ({job.task.name}{student}) on {config.data}"
                    + (f" ({described})" if described else "") + f": {len(encoded['train'])} train / "
                    f"{len(encoded['validation'])} validation / {len(encoded['test'])} test examples"

@@ -57,6 +57,10 @@ class Distillation:
 
         return cls(config.distill_from, config.distill_alpha, distill_temperature_of(config), config.allow_pickle)
 
+    def describe(self) -> str:
+        """The teacher and the loss's weights, as the run's first line names them."""
+        return f"{self.teacher} (alpha {self.alpha:g}, T {self.temperature:g})"
+
     def loss_sum(self, student_logits, batch) -> torch.Tensor:
         return loss_sum(student_logits, batch["labels"], batch[COLUMN], self.alpha, self.temperature)
 

@@ -95,6 +95,9 @@ class LMDistillation(Distillation):
         return cls(config.distill_from, config.distill_alpha, distill_temperature_of(config), config.allow_pickle,
                    config.distill_top_k)
 
+    def describe(self) -> str:
+        return f"{self.teacher} (its top {self.top_k} tokens per position, alpha {self.alpha:g}, T {self.temperature:g})"
+
     def check_teacher(self, task, model, processor) -> None:
         """The teacher is a causal LM reading the student's token ids and predicting over its vocabulary, and K
         fits in that vocabulary: checked once the student is built, before the run folder is claimed."""
