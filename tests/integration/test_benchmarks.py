@@ -5,9 +5,15 @@ the folders: a new script without --dry-run fails here. Nothing here checks a fi
 tiny model on a busy machine.
 
 The dry runs take 1 to 60 s each on a busy 2-core machine (mostly starting Python processes and importing
-torch: several scripts measure in fresh processes), minutes in all: marked slow."""
+torch: several scripts measure in fresh processes), minutes in all: marked slow. Each script runs as `python
+SCRIPT --dry-run` would, but forked from a process of this module that imported torch, transformers and
+effitrain once (tests/hooks/preloaded_scripts.py): those imports were half the dry runs' CPU. The processes a
+script starts are fresh interpreters. EFFITRAIN_DRY_RUNS_FRESH=1 runs each script in a fresh interpreter."""
 
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +26,8 @@ BENCHMARKS = ROOT / "benchmarks"
 TOPICS = {"speedups", "techniques", "planner", "peers", "gpu"}
 # Imported by the scripts, not run: memory_plan.py --runs's rows; rl_plan_runs.py's reward file; the peer comparisons' set-up and result writer.
 HELPERS = {"planner/memory_plan_runs", "planner/spread_reward", "peers/_sides", "peers/_report"}
+PRELOADED = ROOT / "tests" / "hooks" / "preloaded_scripts.py"
+TIMEOUT = 300  # seconds a dry run may take
 
 
 def modules() -> list[str]:
@@ -60,18 +68,70 @@ def test_every_script_is_listed_and_has_a_dry_run():
     assert not missing, f"scripts without --dry-run: {missing}"
 
 
+def dry_run_environment(tiny_model_dir: Path) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+            "EFFITRAIN_BENCH_DRY_RUN_MODEL": str(tiny_model_dir)}  # _common.dry_run_model: built once here
+
+
+class Preloaded:
+    """tests/hooks/preloaded_scripts.py, started once: runs a script in a process forked from it."""
+
+    def __init__(self, env: dict):
+        self.server = subprocess.Popen([sys.executable, str(PRELOADED)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, env=env)
+        assert self.answer(TIMEOUT).get("ready"), "the preloading process did not start"
+
+    def answer(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
+        line = self.server.stdout.readline() if ready else ""
+        return json.loads(line) if line else {}
+
+    def run(self, script: Path, args: list[str], cwd: Path) -> tuple[int | None, str, str]:
+        """(exit code, None after TIMEOUT; stdout; stderr)."""
+        out, err = cwd / "dry-run.stdout", cwd / "dry-run.stderr"
+        request = {"script": str(script), "args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        pid = self.answer(TIMEOUT)["pid"]
+        ended = self.answer(TIMEOUT)
+        if not ended:  # its process group stopped; the server then answers
+            os.killpg(pid, signal.SIGKILL)
+            self.answer(TIMEOUT)
+        texts = [path.read_text() if path.is_file() else "" for path in (out, err)]
+        for path in (out, err):
+            path.unlink(missing_ok=True)
+        return ended.get("code"), *texts
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def preloaded(tiny_model_dir):
+    if os.environ.get("EFFITRAIN_DRY_RUNS_FRESH") == "1":
+        yield None
+        return
+    runner = Preloaded(dry_run_environment(tiny_model_dir))
+    yield runner
+    runner.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", scripts())
-def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_dir, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-           "EFFITRAIN_BENCH_DRY_RUN_MODEL": str(tiny_model_dir)}  # _common.dry_run_model: built once here
+def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_dir, preloaded, tmp_path):
     before = written(BENCHMARKS)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--dry-run"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=300)
+    script = BENCHMARKS / f"{name}.py"
+    if preloaded is None:
+        done = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True,
+                              cwd=tmp_path, env=dry_run_environment(tiny_model_dir), timeout=TIMEOUT)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    else:
+        code, stdout, stderr = preloaded.run(script, ["--dry-run"], tmp_path)
     seconds = time.perf_counter() - started
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert code == 0, f"exit code {code}\n" + stdout[-3000:] + stderr[-5000:]
     assert written(BENCHMARKS) == before
-    assert "dry run" in done.stdout.lower(), done.stdout[-2000:]
+    assert "dry run" in stdout.lower(), stdout[-2000:]
     print(f"{name}: {seconds:.1f} s")
