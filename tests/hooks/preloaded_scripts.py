@@ -25,10 +25,13 @@ import sys
 def preload() -> None:
     """What nearly every benchmark imports first; imported here once, never run (no thread pool is started
     before a fork)."""
+    import datasets  # noqa: F401
+    import peft  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # noqa: F401
 
+    import effitrain.cli  # noqa: F401
     import effitrain.engine.run  # noqa: F401
     import effitrain.planning.planner  # noqa: F401
 

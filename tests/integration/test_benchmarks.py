@@ -87,13 +87,15 @@ class Preloaded:
         line = self.server.stdout.readline() if ready else ""
         return json.loads(line) if line else {}
 
-    def run(self, script: Path, args: list[str], cwd: Path) -> tuple[int | None, str, str]:
-        """(exit code, None after TIMEOUT; stdout; stderr)."""
+    def run(self, script: Path, args: list[str], cwd: Path) -> tuple[int | None, str, str, float | None]:
+        """(exit code, None after TIMEOUT; stdout; stderr; CPU seconds of its processes)."""
         out, err = cwd / "dry-run.stdout", cwd / "dry-run.stderr"
         request = {"script": str(script), "args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
-        pid = self.answer(TIMEOUT)["pid"]
+        started = self.answer(TIMEOUT)
+        assert "pid" in started, f"the preloading process stopped (exit code {self.server.poll()})"
+        pid = started["pid"]
         ended = self.answer(TIMEOUT)
         if not ended:  # its process group stopped; the server then answers
             os.killpg(pid, signal.SIGKILL)
@@ -101,7 +103,7 @@ class Preloaded:
         texts = [path.read_text() if path.is_file() else "" for path in (out, err)]
         for path in (out, err):
             path.unlink(missing_ok=True)
-        return ended.get("code"), *texts
+        return ended.get("code"), *texts, ended.get("cpu")
 
     def close(self) -> None:
         self.server.stdin.close()
@@ -127,11 +129,11 @@ def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_d
     if preloaded is None:
         done = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True,
                               cwd=tmp_path, env=dry_run_environment(tiny_model_dir), timeout=TIMEOUT)
-        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+        code, stdout, stderr, cpu = done.returncode, done.stdout, done.stderr, None
     else:
-        code, stdout, stderr = preloaded.run(script, ["--dry-run"], tmp_path)
+        code, stdout, stderr, cpu = preloaded.run(script, ["--dry-run"], tmp_path)
     seconds = time.perf_counter() - started
     assert code == 0, f"exit code {code}\n" + stdout[-3000:] + stderr[-5000:]
     assert written(BENCHMARKS) == before
     assert "dry run" in stdout.lower(), stdout[-2000:]
-    print(f"{name}: {seconds:.1f} s")
+    print(f"{name}: {seconds:.1f} s" + ("" if cpu is None else f", {cpu:.1f} CPU s"))
