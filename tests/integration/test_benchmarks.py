@@ -10,6 +10,7 @@ SCRIPT --dry-run` would, but forked from a process of this module that imported 
 effitrain once (tests/hooks/preloaded_scripts.py): those imports were half the dry runs' CPU. The processes a
 script starts are fresh interpreters. EFFITRAIN_DRY_RUNS_FRESH=1 runs each script in a fresh interpreter."""
 
+import contextlib
 import json
 import os
 import select
@@ -79,26 +80,37 @@ class Preloaded:
 
     def __init__(self, env: dict):
         self.server = subprocess.Popen([sys.executable, str(PRELOADED)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True, env=env)
+                                       stdout=subprocess.PIPE, env=env)
+        self.pending = b""  # read but not yet answered: both of a quick script's answers can come in one read
         assert self.answer(TIMEOUT).get("ready"), "the preloading process did not start"
 
     def answer(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
-        line = self.server.stdout.readline() if ready else ""
-        return json.loads(line) if line else {}
+        """The server's next answer; {} after `timeout` seconds or once it has stopped."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.server.stdout], [], [], left)[0]:
+                return {}
+            chunk = os.read(self.server.stdout.fileno(), 65536)
+            if not chunk:
+                return {}
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
 
     def run(self, script: Path, args: list[str], cwd: Path) -> tuple[int | None, str, str, float | None]:
         """(exit code, None after TIMEOUT; stdout; stderr; CPU seconds of its processes)."""
         out, err = cwd / "dry-run.stdout", cwd / "dry-run.stderr"
         request = {"script": str(script), "args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
-        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.write(json.dumps(request).encode() + b"\n")
         self.server.stdin.flush()
         started = self.answer(TIMEOUT)
         assert "pid" in started, f"the preloading process stopped (exit code {self.server.poll()})"
         pid = started["pid"]
         ended = self.answer(TIMEOUT)
         if not ended:  # its process group stopped; the server then answers
-            os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
             self.answer(TIMEOUT)
         texts = [path.read_text() if path.is_file() else "" for path in (out, err)]
         for path in (out, err):
