@@ -140,13 +140,13 @@ def main(argv=None) -> int:
         datas, optims, seeds, steps = ["sms-spam"], ["adamw", "muon"], range(1), 2
         _common.skipped("bbc-news, the other optimizers and seeds, and the files (--markdown, --json)")
     raw = merged(args.rows) if args.rows else measure(datas, optims, seeds, steps, args.dry_run)
-    if args.dry_run:
-        return 0
     rows = [row for data, runs in raw.items() for row in summarise(data, runs)]
     _common.print_columns(tuple(HEADER), [tuple(r) for r in rows])
     text = (f"# Optimizers: state bytes, step time, test accuracy\n\n{_common.machine(torch_version=True)}; "
             f"{steps} steps, seeds {list(seeds)}, `{' '.join(['benchmarks/techniques/optimizers.py', *argv])}`\n\n"
             + _common.md_table(HEADER, rows) + "\n")
+    if args.dry_run:
+        return 0
     if args.markdown:
         args.markdown.write_text(text)
     if args.json:

@@ -8,7 +8,7 @@ and after, trainable share):
    sms-spam's texts (its base), then `--peft lora` (all-linear, r 16) on bbc-news, another domain.
 
     .venv/bin/python benchmarks/techniques/peft_causal_lm.py [--experiment random|domain|both] [--lora-steps 120]
-    .venv/bin/python benchmarks/techniques/peft_causal_lm.py --dry-run   # both, 1 step each, in a temporary folder
+    .venv/bin/python benchmarks/techniques/peft_causal_lm.py --dry-run   # both, 1 step each, 16 examples
 
 Why the output layer: LoRA over a random frozen model's all-linear hardly learns when the output
 layer is frozen and random: measured (GPT-2 2 x 64, r 16, 60 steps) perplexity 27,769 -> 27,728, and a
@@ -42,9 +42,12 @@ COMMON = dict(task="causal-lm", max_length=64, batch_size=16, log_every=20, warm
 
 
 RANDOM_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+# --dry-run: the same calls on fewer examples, the random Llama 32 wide (the suite's time)
+SIZES = dict(train=1280, base_train=1600, evaluate=48, base_evaluate=16, hidden=128)
+DRY_SIZES = dict(train=16, base_train=16, evaluate=8, base_evaluate=8, hidden=32)
 
 
-def random_llama(out: str, steps: int) -> None:
+def random_llama(out: str, steps: int, sizes: dict = SIZES) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -52,34 +55,35 @@ def random_llama(out: str, steps: int) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=sizes["hidden"], intermediate_size=2 * sizes["hidden"],
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
                          tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(f"{out}/random")
     tokenizer.save_pretrained(f"{out}/random")
-    before = evaluate(f"{out}/random", {"data": "bbc-news", "max_eval_samples": 48, "max_length": 64},
+    before = evaluate(f"{out}/random", {"data": "bbc-news", "max_eval_samples": sizes["evaluate"], "max_length": 64},
                       split="validation")
     start = time.perf_counter()
-    after = effitrain.train(dict(COMMON, model=f"{out}/random", data="bbc-news", max_train_samples=1280,
-                                 max_eval_samples=48, max_steps=steps, lr=1e-2, peft="lora", lora_r=16, lora_alpha=32,
-                                 lora_target_modules=RANDOM_TARGETS, output_dir=f"{out}/random-lora"))
+    after = effitrain.train(dict(COMMON, model=f"{out}/random", data="bbc-news", max_train_samples=sizes["train"],
+                                 max_eval_samples=sizes["evaluate"], max_steps=steps, lr=1e-2, peft="lora", lora_r=16,
+                                 lora_alpha=32, lora_target_modules=RANDOM_TARGETS, output_dir=f"{out}/random-lora"))
     ratio = after["validation"]["perplexity"] / before["perplexity"]
-    print(f"\nrandom Llama 2 x 128, LoRA r 16 on {RANDOM_TARGETS}, {steps} steps, lr 1e-2 "
+    print(f"\nrandom Llama 2 x {sizes['hidden']}, LoRA r 16 on {RANDOM_TARGETS}, {steps} steps, lr 1e-2 "
           f"({time.perf_counter() - start:.0f} s), trainable {after['trainable_share']:.1%}")
     print(f"bbc-news validation perplexity: {before['perplexity']:.0f} -> {after['validation']['perplexity']:.0f} "
           f"({ratio:.2f}x; the issue's bar: <= 0.50x)")
 
 
-def domain(out: str, steps: int, base_steps: int = 100) -> None:
+def domain(out: str, steps: int, base_steps: int = 100, sizes: dict = SIZES) -> None:
     start = time.perf_counter()
-    effitrain.train(dict(COMMON, model=MODEL, data="sms-spam", max_train_samples=1600, max_eval_samples=16,
-                         max_steps=base_steps, lr=1e-2, output_dir=f"{out}/base"))
+    effitrain.train(dict(COMMON, model=MODEL, data="sms-spam", max_train_samples=sizes["base_train"],
+                         max_eval_samples=sizes["base_evaluate"], max_steps=base_steps, lr=1e-2,
+                         output_dir=f"{out}/base"))
     base_seconds = time.perf_counter() - start
-    before = evaluate(f"{out}/base/model", {"data": "bbc-news", "max_eval_samples": 48, "max_length": 64},
-                      split="validation")
+    before = evaluate(f"{out}/base/model", {"data": "bbc-news", "max_eval_samples": sizes["evaluate"],
+                                             "max_length": 64}, split="validation")
     start = time.perf_counter()
-    after = effitrain.train(dict(COMMON, model=f"{out}/base/model", data="bbc-news", max_train_samples=1280,
-                                 max_eval_samples=48, max_steps=steps, lr=1e-2, peft="lora", lora_r=16,
+    after = effitrain.train(dict(COMMON, model=f"{out}/base/model", data="bbc-news", max_train_samples=sizes["train"],
+                                 max_eval_samples=sizes["evaluate"], max_steps=steps, lr=1e-2, peft="lora", lora_r=16,
                                  lora_alpha=32, output_dir=f"{out}/lora"))
     ratio = after["validation"]["perplexity"] / before["perplexity"]
     print(f"\nbase: {MODEL}, {base_steps} full steps on sms-spam texts ({base_seconds:.0f} s)")
@@ -95,18 +99,19 @@ def main() -> None:
     parser.add_argument("--lora-steps", type=int, default=120)
     parser.add_argument("--out", default="/tmp/peft_lm")
     parser.add_argument("--dry-run", action="store_true",
-                        help="both experiments, 1 step of each training, in a temporary folder; the random model's "
-                             "tokenizer from a tiny model (benchmarks/_common.py)")
+                        help="both experiments, 1 step of each training on 16 examples (8 evaluated), in a "
+                             "temporary folder; the random model 32 wide, its tokenizer from a tiny model "
+                             "(benchmarks/_common.py)")
     args = parser.parse_args()
-    base_steps = 100
+    base_steps, sizes = 100, SIZES
     if args.dry_run:
         _common.dry_run_model()
         folder = tempfile.TemporaryDirectory(prefix="peft_lm_")
-        args.experiment, args.lora_steps, base_steps, args.out = "both", 1, 1, folder.name
+        args.experiment, args.lora_steps, base_steps, args.out, sizes = "both", 1, 1, folder.name, DRY_SIZES
     if args.experiment in ("random", "both"):
-        random_llama(args.out, args.lora_steps)
+        random_llama(args.out, args.lora_steps, sizes)
     if args.experiment in ("domain", "both"):
-        domain(args.out, args.lora_steps, base_steps)
+        domain(args.out, args.lora_steps, base_steps, sizes)
 
 
 if __name__ == "__main__":

@@ -253,7 +253,8 @@ def main(argv=None) -> int:
     if args.memory_child is not None:
         memory_child(json.loads(args.memory_child))
         return 0
-    if args.dry_run:
+    if args.dry_run:  # the re-execution under effitrain's allocator first: memory() would start the script again
+        _common.run_under_effitrains_allocator()
         _common.dry_run_model()
         return accuracy(args) or memory(args)
     return memory(args) if args.memory else accuracy(args)

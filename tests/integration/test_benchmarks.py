@@ -5,9 +5,16 @@ the folders: a new script without --dry-run fails here. Nothing here checks a fi
 tiny model on a busy machine.
 
 The dry runs take 1 to 60 s each on a busy 2-core machine (mostly starting Python processes and importing
-torch: several scripts measure in fresh processes), minutes in all: marked slow."""
+torch: several scripts measure in fresh processes), minutes in all: marked slow. Each script runs as `python
+SCRIPT --dry-run` would, but forked from a process of this module that imported torch, transformers and
+effitrain once (tests/hooks/preloaded_scripts.py): those imports were half the dry runs' CPU. The processes a
+script starts are fresh interpreters. EFFITRAIN_DRY_RUNS_FRESH=1 runs each script in a fresh interpreter."""
 
+import contextlib
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +27,8 @@ BENCHMARKS = ROOT / "benchmarks"
 TOPICS = {"speedups", "techniques", "planner", "peers", "gpu"}
 # Imported by the scripts, not run: memory_plan.py --runs's rows; rl_plan_runs.py's reward file; the peer comparisons' set-up and result writer.
 HELPERS = {"planner/memory_plan_runs", "planner/spread_reward", "peers/_sides", "peers/_report"}
+PRELOADED = ROOT / "tests" / "hooks" / "preloaded_scripts.py"
+TIMEOUT = 300  # seconds a dry run may take
 
 
 def modules() -> list[str]:
@@ -60,18 +69,83 @@ def test_every_script_is_listed_and_has_a_dry_run():
     assert not missing, f"scripts without --dry-run: {missing}"
 
 
+def dry_run_environment(tiny_model_dir: Path) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+            "EFFITRAIN_BENCH_DRY_RUN_MODEL": str(tiny_model_dir)}  # _common.dry_run_model: built once here
+
+
+class Preloaded:
+    """tests/hooks/preloaded_scripts.py, started once: runs a script in a process forked from it."""
+
+    def __init__(self, env: dict):
+        self.server = subprocess.Popen([sys.executable, str(PRELOADED)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, env=env)
+        self.pending = b""  # read but not yet answered: both of a quick script's answers can come in one read
+        assert self.answer(TIMEOUT).get("ready"), "the preloading process did not start"
+
+    def answer(self, timeout: float) -> dict:
+        """The server's next answer; {} after `timeout` seconds or once it has stopped."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.server.stdout], [], [], left)[0]:
+                return {}
+            chunk = os.read(self.server.stdout.fileno(), 65536)
+            if not chunk:
+                return {}
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, script: Path, args: list[str], cwd: Path) -> tuple[int | None, str, str, float | None]:
+        """(exit code, None after TIMEOUT; stdout; stderr; CPU seconds of its processes)."""
+        out, err = cwd / "dry-run.stdout", cwd / "dry-run.stderr"
+        request = {"script": str(script), "args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        self.server.stdin.write(json.dumps(request).encode() + b"\n")
+        self.server.stdin.flush()
+        started = self.answer(TIMEOUT)
+        assert "pid" in started, f"the preloading process stopped (exit code {self.server.poll()})"
+        pid = started["pid"]
+        ended = self.answer(TIMEOUT)
+        if not ended:  # its process group stopped; the server then answers
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            self.answer(TIMEOUT)
+        texts = [path.read_text() if path.is_file() else "" for path in (out, err)]
+        for path in (out, err):
+            path.unlink(missing_ok=True)
+        return ended.get("code"), *texts, ended.get("cpu")
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def preloaded(tiny_model_dir):
+    if os.environ.get("EFFITRAIN_DRY_RUNS_FRESH") == "1":
+        yield None
+        return
+    runner = Preloaded(dry_run_environment(tiny_model_dir))
+    yield runner
+    runner.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", scripts())
-def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_dir, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-           "EFFITRAIN_BENCH_DRY_RUN_MODEL": str(tiny_model_dir)}  # _common.dry_run_model: built once here
+def test_the_dry_run_exits_0_and_writes_nothing_to_benchmarks(name, tiny_model_dir, preloaded, tmp_path):
     before = written(BENCHMARKS)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--dry-run"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=300)
+    script = BENCHMARKS / f"{name}.py"
+    if preloaded is None:
+        done = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True,
+                              cwd=tmp_path, env=dry_run_environment(tiny_model_dir), timeout=TIMEOUT)
+        code, stdout, stderr, cpu = done.returncode, done.stdout, done.stderr, None
+    else:
+        code, stdout, stderr, cpu = preloaded.run(script, ["--dry-run"], tmp_path)
     seconds = time.perf_counter() - started
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert code == 0, f"exit code {code}\n" + stdout[-3000:] + stderr[-5000:]
     assert written(BENCHMARKS) == before
-    assert "dry run" in done.stdout.lower(), done.stdout[-2000:]
-    print(f"{name}: {seconds:.1f} s")
+    assert "dry run" in stdout.lower(), stdout[-2000:]
+    print(f"{name}: {seconds:.1f} s" + ("" if cpu is None else f", {cpu:.1f} CPU s"))
