@@ -159,6 +159,8 @@ def run_name(kind: str, seed: int, args) -> str:
     """seedS-alone, seedS-distilled, with the extra flags in the name: another setting's runs sit beside the
     default's in one --output-dir (and --reuse keeps the teacher and the runs whose flags did not change)."""
     extra = args.student_args + (" " + args.distill_args if kind == "distilled" else "")
+    if kind == "distilled" and args.teacher is not None:  # another teacher's students beside the default's
+        extra += f" teacher {args.teacher.name}"
     tag = re.sub(r"[^A-Za-z0-9.]+", "_", extra).strip("_")
     return f"seed{seed}-{kind}" + (f"-{tag}" if tag else "")
 
