@@ -26,8 +26,10 @@ step). metrics.json's `peak_memory_bytes` (after the test evaluation) is shown b
 Predict speed: `effitrain.commands.predict.predict(model_dir, texts)` in this process (benchmarks/peers/
 predict_speed.py's in-process side: from the model folder to the probabilities, loading included), one torch
 thread, on the test split's texts cycled up to --predict-texts, the teacher and the first seed's distilled
-student taking turns --predict-repeats times; the best time of each, and teacher seconds / student seconds.
-A student's speed depends on its shape only (alone and distilled are the same 3-layer model).
+student taking turns --predict-repeats times: the best and median wall seconds of each, and the best CPU seconds
+of this process (getrusage: on a shared machine the wall clock also counts the time spent waiting for a core;
+the bar is read on CPU seconds, the wall ratios printed beside). A student's speed depends on its shape only
+(alone and distilled are the same 3-layer model).
 
     .venv/bin/python benchmarks/techniques/distill.py --data sms-spam --output-dir /tmp/distill-sms \\
         --markdown benchmarks/results/distill_sms-spam_epyc2c_2026-12-06.md
@@ -38,7 +40,7 @@ A student's speed depends on its shape only (alone and distilled are the same 3-
 
 The bar (issue 44), printed as pass/FAIL, never asserted: the distilled students' mean test accuracy at least
 the teacher's minus 0.5 points and at least the alone students' mean; predict at least 1.8x faster than the
-teacher's; the distilled runs' mean peak training RSS within 10% of the alone runs'. Speeds depend on the
+teacher's (CPU seconds); the distilled runs' mean peak training RSS within 10% of the alone runs'. Speeds depend on the
 machine and on whatever else runs on it: compare ratios, and mind the `other cores` column.
 """
 
