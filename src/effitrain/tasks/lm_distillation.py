@@ -169,11 +169,20 @@ def fits(stored: dict, counts: list[int], top_k: int) -> bool:
 
 def top_k_of(teacher, batch, top_k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's K likeliest next tokens and their log-probs at temperature T, at each counted position of
-    a padded batch, row-major: ([positions, K] ids, [positions, K] log-probs)."""
+    a padded batch, row-major: ([positions, K] ids, [positions, K] log-probs). The output layer is applied at
+    the counted positions only, a chunk of them at a time (where compute_top_k could prepare it: a linear head),
+    so the whole [rows, length, vocabulary] logits never exist (chat data counts a few answer tokens a row)."""
+    from effitrain.speedups import chunked_lm_loss
+    from effitrain.tasks.lm_head import LMHead
+
     inputs = {key: value for key, value in batch.items() if key != "labels"}
-    logits = teacher(**inputs, use_cache=False).logits[:, :-1][counted_targets(batch["labels"])]
-    logps, ids = torch.log_softmax(logits.float() / temperature, -1).topk(top_k, -1)
-    return ids, logps
+    head = LMHead(teacher)
+    held = head.run(inputs, use_cache=False).logits[:, :-1][counted_targets(batch["labels"])]
+    found = [torch.log_softmax(head.logits_of(chunk).float() / temperature, -1).topk(top_k, -1)
+             for chunk in held.split(chunked_lm_loss.chunk_rows(teacher.config.vocab_size))]
+    if not found:
+        return torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k)
+    return torch.cat([ids for _, ids in found]), torch.cat([logps for logps, _ in found])
 
 
 def compute_top_k(teacher, split, collate, batch_size: int, top_k: int, temperature: float):
@@ -185,6 +194,9 @@ def compute_top_k(teacher, split, collate, batch_size: int, top_k: int, temperat
     world, rank = (dist.get_world_size(), dist.get_rank()) if shared else (1, 0)
     rows = range(rank, len(split), world)
     device = next(teacher.parameters()).device
+    from effitrain.speedups import chunked_lm_loss
+
+    chunked_lm_loss.apply(teacher)  # its forward gives the hidden states, top_k_of applies the head where it counts
     mine = []
     with reference.evaluating(teacher):
         for start in range(0, len(rows), batch_size):
