@@ -84,9 +84,9 @@ def train(out: Path, flags: list[str]) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def test_exact_match(model: Path, paths: dict[str, str]) -> float:
-    """The task's evaluation of a saved model on the test split (greedy answers, stopped at the end of turn)."""
-    output = model.parent / "evaluate-test.json"
+def test_exact_match(model: Path, paths: dict[str, str], output: Path) -> float:
+    """The task's evaluation of a saved model on the test split (greedy answers, stopped at the end of turn),
+    its metrics written to `output` (a new file)."""
     _common.run_checked([sys.executable, __file__, "--child", "evaluate", "--model", str(model), "--task",
                          "causal-lm", *data_flags(paths), "--split", "test", "--output", str(output)])
     return json.loads(output.read_text())["exact_match"]
@@ -95,9 +95,13 @@ def test_exact_match(model: Path, paths: dict[str, str]) -> float:
 def random_student(teacher_model: Path, layers: int, seed: int, out: Path) -> Path:
     """The teacher's config with `layers` layers, random weights drawn at `seed`, the teacher's tokenizer (so the
     same vocabulary and ChatML tokens): saved to `out` once, the start every run of this seed shares."""
+    from effitrain.runtime.libraries import quiet_import_warnings, quiet_libraries
+
+    quiet_import_warnings()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    quiet_libraries(debug=False)
     config = AutoConfig.from_pretrained(str(teacher_model))
     config.num_hidden_layers = layers
     torch.manual_seed(seed)
@@ -111,12 +115,12 @@ def method_flags(method: str, teacher_model: Path, args) -> list[str]:
     if method == "sft":
         return []
     if method == "offline":
-        flags = ["--distill-from", str(teacher_model), "--distill-top-k", str(args.top_k),
-                 "--distill-alpha", str(args.alpha)]
-    else:  # on-policy: the student samples, the teacher scores every token
-        flags = ["--rl", "distill", "--distill-from", str(teacher_model), "--num-generations",
-                 str(args.num_generations), "--max-new-tokens", "4", "--distill-beta", str(args.beta)]
-    return flags + (["--distill-temperature", str(args.temperature)] if args.temperature else [])
+        return ["--distill-from", str(teacher_model), "--distill-top-k", str(args.top_k), "--distill-alpha",
+                str(args.alpha), *(["--distill-temperature", str(args.temperature)] if args.temperature else [])]
+    # on-policy: the student samples, the teacher scores every token; the divergence at T 1 (effitrain's default
+    # for LMs): the distributions the student samples from
+    return ["--rl", "distill", "--distill-from", str(teacher_model), "--num-generations", str(args.num_generations),
+            "--max-new-tokens", "4", "--distill-beta", str(args.beta)]
 
 
 def one_seed(work: Path, seed: int, teacher_model: Path, data: dict, args, common: dict) -> dict[str, dict]:
@@ -132,7 +136,8 @@ def one_seed(work: Path, seed: int, teacher_model: Path, data: dict, args, commo
         kind = "prompts" if method == "on-policy" else "messages"
         metrics = train(out, [*cli_flags({**common, "max_steps": args.steps}), "--model", str(start),
                               *data_flags(data[kind]), "--seed", str(seed), *method_flags(method, teacher_model, args)])
-        results[method] = {"exact_match": test_exact_match(out / "model", data["messages"]),
+        exact_match = test_exact_match(out / "model", data["messages"], out / "evaluate-test.json")
+        results[method] = {"exact_match": exact_match,
                            "seconds": metrics["wall_seconds"], "train_seconds": metrics["train_seconds"],
                            "peak_rss": metrics["peak_memory_bytes"], "steps": metrics["steps"]}
         print(f"seed {seed} {method}: {json.dumps(results[method])}", flush=True)
@@ -173,6 +178,8 @@ def summary_rows(runs: dict[int, dict[str, dict]], methods) -> list[list]:
 
 def verdict(runs: dict[int, dict[str, dict]]) -> list[str]:
     """One line per distillation method: is its mean test exact match above SFT alone's?"""
+    if not all("sft" in runs[seed] for seed in runs):
+        return ["- no SFT-alone runs (--methods): no verdict"]
     sft = statistics.mean(runs[seed]["sft"]["exact_match"] for seed in runs)
     lines = []
     for method in ("offline", "on-policy"):
@@ -186,8 +193,8 @@ def verdict(runs: dict[int, dict[str, dict]]) -> list[str]:
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the students' seeds")
-    parser.add_argument("--steps", type=int, default=40, help="each student's optimizer steps (after --start-steps)")
-    parser.add_argument("--start-steps", type=int, default=0, help="SFT steps from the random student shared by "
+    parser.add_argument("--steps", type=int, default=20, help="each student's optimizer steps (after --start-steps)")
+    parser.add_argument("--start-steps", type=int, default=40, help="SFT steps from the random student shared by "
                         "the three runs of a seed (the answer format first)")
     parser.add_argument("--student-layers", type=int, default=2)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
@@ -195,7 +202,8 @@ def parse(argv):
                         "training one: chat_accuracy.py's settings at seed 42 on sms-spam-chat")
     parser.add_argument("--top-k", type=int, default=20, help="offline: --distill-top-k")
     parser.add_argument("--alpha", type=float, default=0.5, help="offline: --distill-alpha")
-    parser.add_argument("--temperature", type=float, help="--distill-temperature (default: effitrain's, 1 for LMs)")
+    parser.add_argument("--temperature", type=float, help="offline: --distill-temperature (default: effitrain's, "
+                        "1 for LMs; on-policy keeps 1)")
     parser.add_argument("--num-generations", type=int, default=2, help="on-policy: completions per prompt")
     parser.add_argument("--beta", type=float, default=1.0, help="on-policy: --distill-beta (1: reverse KL)")
     parser.add_argument("--lr", type=float, default=TEACHER["lr"], help="the students' learning rate")
@@ -214,7 +222,7 @@ def teacher_run(work: Path, args, data: dict, dry: dict) -> tuple[Path, float]:
                                            "--seed", str(TEACHER_SEED)])
         return work / "teacher" / "model", metrics["test"]["exact_match"]
     model = args.teacher / "model" if (args.teacher / "model").is_dir() else args.teacher
-    return model, test_exact_match(model, data["messages"])
+    return model, test_exact_match(model, data["messages"], work / "teacher-evaluate-test.json")
 
 
 def report(args, argv, teacher_em: float, runs: dict, seconds: float) -> str:
@@ -231,9 +239,9 @@ def report(args, argv, teacher_em: float, runs: dict, seconds: float) -> str:
         "training at a time.", "",
         f"Teacher: test exact match {teacher_em:.4f} (the majority answer, `ham`, gives 0.860). Students: "
         f"{args.student_layers} layers, random weights per seed, {args.start_steps} common SFT steps, then "
-        f"{args.steps} steps each; offline top-k {args.top_k}, alpha {args.alpha}; on-policy "
-        f"{args.num_generations} completions per prompt, beta {args.beta}; temperature "
-        f"{args.temperature or 'effitrain default (1)'}; lr {args.lr}.", "",
+        f"{args.steps} steps each; offline top-k {args.top_k}, alpha {args.alpha}; offline temperature "
+        f"{args.temperature or 'effitrain default (1)'}; on-policy {args.num_generations} completions per prompt, "
+        f"beta {args.beta}, temperature 1; lr {args.lr}.", "",
         _common.md_table(header, summary_rows(runs, args.methods)), "", "Verdict (the bar: higher mean test exact "
         "match than SFT alone):", "", *verdict(runs), "", "Each run (seconds: the `effitrain train` run's "
         "wall_seconds with its own evaluation; train: its training loop):", "",
