@@ -19,6 +19,7 @@ from effitrain import optimizers
 from effitrain.errors import UserError
 from effitrain.catalog import objective_names, reward_names, rl_names
 from effitrain.catalog.task_names import NAMES as TASKS
+from effitrain.catalog import task_names
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
@@ -563,11 +564,10 @@ def resolved(config: TrainConfig) -> TrainConfig:
 
 
 def distill_temperature_of(config: TrainConfig) -> float:
-    """--distill-temperature, or its default: Hinton's 2.0 softens a classifier's few logits; a causal LM's
-    distribution over its vocabulary is learnt as it is sampled (T 1, as TRL GKD and on-policy distillation do)."""
+    """--distill-temperature, or its task's default (catalog/task_names.py)."""
     if config.distill_temperature is not None:
         return config.distill_temperature
-    return 1.0 if config.task == "causal-lm" else 2.0
+    return task_names.DISTILL_TEMPERATURE[config.task]
 
 
 def from_any(config: TrainConfig | dict[str, Any] | str | Path | None) -> TrainConfig:

@@ -88,6 +88,29 @@ def write_distill_cases(root):
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         (root / "lm-teacher-chars" / name).unlink(missing_ok=True)
     character_tokenizer.character_tokenizer().save_pretrained(root / "lm-teacher-chars")
+    write_distill_media_cases(root)
+
+
+def write_distill_media_cases(root):
+    """Image and audio teachers whose processor is not the student's (labels a, b as the data's): a ViT of
+    VIT_STUDENT's shape normalising with ImageNet's mean and std, and write_mismatched_media's wav2vec2 with its
+    feature extractor at 8 kHz; images and clips (none too short) to train on."""
+    from effitrain.data.image import image_processor
+    from effitrain.models.loading import config_for
+    from transformers import ViTForImageClassification
+
+    config = config_for("vit", VIT_STUDENT.partition(":")[2])
+    config.id2label, config.label2id = {0: "a", 1: "b"}, {"a": 0, "b": 1}
+    ViTForImageClassification(config).save_pretrained(root / "vit-imagenet")
+    processor = image_processor(None, config)
+    processor.image_mean, processor.image_std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    processor.save_pretrained(root / "vit-imagenet")
+    (root / "pics.csv").write_text("image,label\n" + "".join(f"gray.png,{'ab'[i % 2]}\n" for i in range(8)))
+    shutil.copytree(root / "w2v", root / "w2v-8k")
+    extractor_config = root / "w2v-8k" / "preprocessor_config.json"
+    extractor_config.write_text(extractor_config.read_text().replace('"sampling_rate": 16000', '"sampling_rate": 8000'))
+    (root / "long.csv").write_text("path,label\n" + "".join(f"clips/c{i}.wav,{'ab'[i % 2]}\n" for i in (0, 1, 2, 4,
+                                                                                                       5, 6, 7, 0)))
 
 
 def write_chat_cases(root):
@@ -219,6 +242,8 @@ def write_grown_adapter(root, base, tokenizer):
     (folder / "adapter_config.json").write_text(json.dumps({**settings, "trainable_token_indices": None}))
 
 
+VIT_STUDENT = ("vit:image_size=16,patch_size=8,hidden_size=8,num_hidden_layers=1,num_attention_heads=1,"
+               "intermediate_size=8")
 WAV2VEC2 = ("wav2vec2:hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=16,"
             "conv_dim=[8,8],conv_kernel=[10,8],conv_stride=[5,4],num_feat_extract_layers=2,"
             "num_conv_pos_embeddings=4,num_conv_pos_embedding_groups=2")  # receptive field (8-1)*5+10 = 45 samples
@@ -233,6 +258,11 @@ def write_rl_cases(root):
 
     jsonl("rl.jsonl", [{"prompt": f"{n}+{n}=", "answer": str(2 * n)} for n in range(12)])
     jsonl("rl_no_answer.jsonl", [{"prompt": f"{n}+{n}="} for n in range(12)])
+    # conversations whose prompt is all but the last turn (issue 44): row 3 ends on the user, or has no prompt
+    chat = [[{"role": "user", "content": f"Is {n} even?"}, {"role": "assistant", "content": ["yes", "no"][n % 2]}]
+            for n in range(12)]
+    jsonl("rl_chat_user_end.jsonl", [{"messages": turns[:1] if n == 2 else turns} for n, turns in enumerate(chat)])
+    jsonl("rl_chat_no_prompt.jsonl", [{"messages": turns[1:] if n == 2 else turns} for n, turns in enumerate(chat)])
     (root / "rl_rewards.py").write_text("def correct(completions, answer, **kwargs):\n"
                                         "    return [float(c == a) for c, a in zip(completions, answer)]\n\n"
                                         "def nan(completions, **kwargs):\n    return [float('nan')] * len(completions)\n\n"
@@ -841,6 +871,11 @@ CASES = [
     # online RL (issue 43)
     (["train", *LLAMA, "--data", "d.csv", "--rl", "grpo", "--output-dir", "new"],
      "--data d.csv has no `prompt` column (columns: text, label)"),
+    (["train", *LLAMA, "--data", "rl_chat_user_end.jsonl", "--rl", "grpo", "--output-dir", "new"],
+     "--data rl_chat_user_end.jsonl: row 3 ends on a user turn (nothing for the model to answer there)"),
+    (["train", "--model", "lm-chat", "--task", "causal-lm", "--data", "rl_chat_no_prompt.jsonl", "--rl", "distill",
+      "--distill-from", "lm-chat", "--output-dir", "new"],
+     "--data rl_chat_no_prompt.jsonl: row 3 has no turn before its assistant answer"),
     (["train", *LLAMA, "--data", "rl_no_answer.jsonl", "--rl", "grpo", "--output-dir", "new"],
      "--rl grpo needs a reward function, and the data has no `answer` or `solution` column"),
     (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "grpo", "--reward", "missing.py:correct", "--output-dir", "new"],
@@ -937,6 +972,14 @@ CASES = [
      "--distill-from prev/model predicts the labels ['LABEL_0', 'LABEL_1'], and the data's are ['ham', 'spam']"),
     (["train", *TINY, "--data", "d.csv", "--distill-from", "teacher-chars", "--output-dir", "new"],
      "--distill-from teacher-chars has another tokenizer vocabulary than the model trained"),
+    (["train", "--task", "image-classification", "--model", VIT_STUDENT, "--data", "pics.csv", "--distill-from",
+      "vit-imagenet", "--output-dir", "new"],
+     "--distill-from vit-imagenet has another image processor than the model trained (image_mean [0.485, 0.456, "
+     "0.406] vs [0.5, 0.5, 0.5]; image_std [0.229, 0.224, 0.225] vs [0.5, 0.5, 0.5]: the teacher's vs the student's)"),
+    (["train", "--task", "audio-classification", "--model", WAV2VEC2, "--data", "long.csv", "--audio-column", "path",
+      "--distill-from", "w2v-8k", "--output-dir", "new"],
+     "--distill-from w2v-8k has another feature extractor than the model trained (sampling_rate 8000 vs 16000: the "
+     "teacher's vs the student's)"),
     (["train", *TINY, "--data", "d.csv", "--distill-alpha", "0.2"],
      "--distill-alpha applies to distillation, and --distill-from is not set"),
     (["train", *TINY, "--data", "d.csv", "--distill-temperature", "4"],

@@ -89,3 +89,62 @@ def test_plan_distill_from_prints_the_teacher_pass(models, capsys):
     assert all(r["total"] <= d["total"] for r, d in zip(alone["rows"], small_batch["rows"]))
     assert main([*flags, "--distill-from", models["big"] + "-missing"]) == 2
     assert "--distill-from" in capsys.readouterr().err
+
+
+def fitted(student: str, teacher: str | None, budget: int, fixed=None, **settings):
+    """`train --memory-budget`'s plan (engine/memory_fit.plan_run) on a CPU, one process: (pieces, note, numbers)."""
+    import torch
+    from effitrain.config import TrainConfig
+    from effitrain.engine import memory_fit
+
+    config = TrainConfig(model=student, distill_from=teacher, memory_budget=str(budget), batch_size=8,
+                         max_length=64, eval_batch_size=settings.pop("eval_batch_size", 128), optim="adamw",
+                         **settings)
+    vocabulary = [None] * 1000  # a stand-in tokenizer: the plan reads its length only
+    pieces, _, _, note, numbers = memory_fit.plan_run(config, torch.device("cpu"), 1, 1, "no", 2, vocabulary,
+                                                      fixed=fixed)
+    return pieces, note, numbers
+
+
+def test_train_memory_budget_plans_the_teacher_pass(models):
+    """With --distill-from the fitted plan's peak is the larger of the teacher pass and the step: a big teacher
+    makes the pass the peak; a budget the pass does not fit is refused before the run, naming it; a budget the
+    step does not fit whole splits the micro-batch as without a teacher."""
+    from effitrain.errors import UserError
+
+    student = plan.model_shapes(TASK, models["student"], 2, 1000)
+    planner = plan.Planner(student, 64, "cpu")
+    update = planner.estimate(plan.Setting("fp32", "adamw", False, 8, 1))
+    teacher = plan.model_shapes(TASK, models["big"], 2)
+    held = teacher_pass.pass_bytes(planner, teacher, 128, "fp32") + update.overhead
+    assert held > 2 * update.total  # the big teacher's pass is the peak
+    roomy = 64 * plan.GiB
+    alone = fitted(models["student"], None, roomy)
+    assert alone[0] == 1 and alone[2]["predicted_peak_bytes"] == update.total
+    pieces, note, numbers = fitted(models["student"], models["big"], roomy)
+    assert pieces == 1 and numbers["predicted_peak_bytes"] == held
+    assert "(in the teacher's pass before training) with micro-batch 8" in note
+    # Between the step and the pass: the step alone fits whole, the run with the teacher is refused in one line.
+    between = (update.total + held) // 2
+    assert fitted(models["student"], None, between)[0] == 1
+    with pytest.raises(UserError) as refused:
+        fitted(models["student"], models["big"], between)
+    assert refused.value.problem.startswith(f"--distill-from {models['big']}: the teacher's pass before training")
+    assert "--eval-batch-size 128" in refused.value.problem and "lower --eval-batch-size" in refused.value.fix
+    assert "\n" not in str(refused.value)
+    # A smaller pass (batches of 2) fits there: the step is the peak again.
+    pieces, note, numbers = fitted(models["student"], models["big"], between, eval_batch_size=2)
+    small_pass = teacher_pass.pass_bytes(planner, teacher, 2, "fp32") + update.overhead
+    assert numbers["predicted_peak_bytes"] == max(update.total, small_pass) and pieces == 1
+    # A budget the step at 8 examples does not fit: split in pieces as without a teacher (the small teacher's pass,
+    # in batches of 2, fits beside it).
+    half = planner.estimate(plan.Setting("fp32", "adamw", False, 4, 2))
+    tight = (half.total + update.total) // 2
+    small = teacher_pass.pass_bytes(planner, plan.model_shapes(TASK, models["small"], 2), 2, "fp32")
+    assert small + half.overhead < tight
+    assert fitted(models["student"], None, tight)[0] == 2
+    pieces, _, numbers = fitted(models["student"], models["small"], tight, eval_batch_size=2)
+    assert pieces == 2 and numbers["predicted_peak_bytes"] == half.total
+    # A resumed run reads its stored logits back (no teacher pass): planned as the step alone.
+    resumed = fitted(models["student"], models["big"], between, fixed=("adamw", False))
+    assert resumed[0] == 1 and resumed[2]["predicted_peak_bytes"] == update.total

@@ -44,13 +44,15 @@ def columns(names: list[str], text_column: str, where: str, prompts_only: bool =
 
 
 def prompt_only_columns(names: list[str], where: str) -> dict[str, str]:
-    """Prompts to generate answers to: the `prompt` column, and every other column kept under its own name
-    (TRL passes them to the reward functions: an `answer` to compare with, a `completion` as a reference)."""
-    if "prompt" not in names:
+    """Prompts to generate answers to: the `prompt` column, else a `messages` conversation (its prompt the turns
+    before its last, the assistant's answer: conversations_as_prompts), and every other column kept under its own
+    name (TRL passes them to the reward functions: an `answer` to compare with, a `completion` as a reference)."""
+    source = next((name for name in ("prompt", "messages") if name in names), None)
+    if source is None:
         raise UserError(f"{where} has no `prompt` column (columns: {', '.join(names)})",
                         "give each row a `prompt`: a string, or a list of {role, content} messages ending on the "
-                        "turn the model answers")
-    return {name: name for name in ["prompt", *(name for name in names if name != "prompt")]}
+                        "turn the model answers (or a `messages` conversation ending on the assistant's answer)")
+    return {name: name for name in [source, *(name for name in names if name != source)]}
 
 
 def detect(names: list[str]) -> str:
@@ -129,10 +131,77 @@ def of_prompts(data, where: str) -> str:
 def bad_prompt_rows(data, where: str, skip: bool) -> list[int]:
     """Prompts the model cannot be asked (an empty one; messages that are no conversation to answer, or that
     end on the assistant's turn): the first refused with its row number, or with --skip-bad-rows all of their
-    indices returned to be left out. The `bad_rows` of sources.load for prompts alone."""
+    indices returned to be left out. The `bad_rows` of sources.load for prompts alone. Conversations (`messages`,
+    no `prompt`) get SFT's check (bad_rows) and, unless skipped, their prompts' (conversation_prompt_problem);
+    skipped, only SFT's rows are left out before the split, so that the held-out rows are SFT's, and
+    conversations_as_prompts leaves the others out after it."""
+    if "prompt" not in data.column_names:
+        bad = bad_rows(data, where, skip)
+        if not skip:
+            has_answer = has_answer_column(data.column_names)
+            rows_with_problems(data.select_columns(["messages"]).to_list(),
+                               lambda row: conversation_prompt_problem(row["messages"], has_answer), where, skip)
+        return bad
     fmt = of_prompts(data, where)
     return rows_with_problems(data.select_columns(["prompt"]).to_list(),
                               lambda row: prompt_row_problem(row["prompt"], fmt), where, skip)
+
+
+# The columns the answer-checking rewards read (tasks/objectives/rewards/builtin_rewards.py): a conversation's
+# last turn becomes the `answer` only where the data has neither, so that it never shadows the user's.
+ANSWER_COLUMNS = ("answer", "solution")
+
+
+def has_answer_column(names: list[str]) -> bool:
+    return any(name in names for name in ANSWER_COLUMNS)
+
+
+def conversation_prompt_problem(messages: list[dict], has_answer: bool) -> tuple[str, str] | None:
+    """What makes a conversation that SFT trains on (bad_rows passed it) unfit as a prompt and its answer: no
+    turn before its last assistant turn, two assistant turns at its end (the prompt would end on the
+    assistant's), or, where its last turn becomes the `answer`, a last turn with tool calls and no text."""
+    prompt, last = messages[:-1], messages[-1]
+    if not prompt:
+        return ("has no turn before its assistant answer (no prompt for the model to answer)",
+                "give each conversation the turns its answer replies to")
+    if prompt[-1]["role"] == ANSWER:
+        return ("ends on two assistant turns (its prompt, all but the last turn, would end on the assistant's)",
+                "end each conversation with one assistant answer after the turn it replies to")
+    if not has_answer and not (last.get("content") or "").strip():
+        return ("ends on an assistant turn of tool calls with no text (no answer to compare with)",
+                "end each conversation with a text answer, or give an `answer` column")
+    return None
+
+
+def conversations_as_prompts(splits) -> tuple[object, int]:
+    """Conversations (a `messages` column, checked by bad_prompt_rows) as prompts alone: each row's `prompt` its
+    turns before the last (the assistant's answer), that answer's text its `answer` unless the data has an
+    `answer` or `solution` column already (kept); `messages` dropped. Run on the splits sources.load made of the
+    conversations, so that they hold out SFT's rows; rows left in by --skip-bad-rows whose prompt is unfit are
+    left out here, and counted. Returns (the splits, the rows left out)."""
+    from datasets import DatasetDict, Features, Value
+
+    first = next(iter(splits.values()))
+    if "messages" not in first.column_names or "prompt" in first.column_names:
+        return splits, 0
+    has_answer = has_answer_column(first.column_names)
+    converted, dropped = {}, 0
+    for name, split in splits.items():
+        rows = split.select_columns(["messages"]).to_list()
+        bad = {i for i, row in enumerate(rows) if conversation_prompt_problem(row["messages"], has_answer)}
+        fit = split.select([i for i in range(len(split)) if i not in bad]) if bad else split
+        dropped += len(bad)
+        features = {"prompt": split.features["messages"],
+                    **{column: split.features[column] for column in split.column_names if column != "messages"},
+                    **({} if has_answer else {"answer": Value("string")})}
+
+        def cut(row):
+            answer = {} if has_answer else {"answer": row["messages"][-1]["content"]}
+            return {"prompt": row["messages"][:-1], **answer}
+
+        converted[name] = fit.map(cut, remove_columns=["messages"], features=Features(features)) \
+            .select_columns(list(features))
+    return DatasetDict(converted), dropped
 
 
 def prompt_row_problem(prompt, fmt: str) -> tuple[str, str] | None:

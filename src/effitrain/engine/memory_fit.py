@@ -103,17 +103,55 @@ def _plan_run(config: TrainConfig, device: torch.device, world: int, accumulatio
             shapes = replace(shapes, loss_positions=task.loss_positions(encoded["train"]))
         planner, estimate_of = plan.Planner(shapes, task.sequence_length(config, processor), device.type, world,
                                             config.strategy, config.zero_stage), None
+    if config.distill_from is not None and fixed is None:  # a resume reads the stored logits: no teacher pass
+        estimate_of = _with_teacher_pass(config, planner, estimate_of, num_labels)
     precision = {"no": "fp32"}.get(mixed_precision, mixed_precision)
     optimizer, checkpointing = fixed or (config.optim, config.gradient_checkpointing)
-    estimate, changes = plan.fit(planner, config.batch_size, precision, optimizer, checkpointing,
-                                 budget, accumulation=accumulation, techniques_fixed=fixed is not None,
-                                 estimate_of=estimate_of)
+    try:
+        estimate, changes = plan.fit(planner, config.batch_size, precision, optimizer, checkpointing,
+                                     budget, accumulation=accumulation, techniques_fixed=fixed is not None,
+                                     estimate_of=estimate_of)
+    except UserError as err:
+        raise (_teacher_pass_refused(config, estimate_of, budget) or err) from None
     pieces = config.batch_size // estimate.setting.micro_batch
     said = ", ".join(changes) if changes else "no change needed"
-    note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB "
-            f"with micro-batch {estimate.setting.micro_batch}; {said}")
+    where = " (in the teacher's pass before training)" if estimate.peak_phase == "teacher pass" else ""
+    note = (f"memory budget {budget / plan.GiB:.2f} GiB per device: predicted peak {estimate.total / plan.GiB:.2f} GiB"
+            f"{where} with micro-batch {estimate.setting.micro_batch}; {said}")
     numbers = {"budget_bytes": int(budget), "predicted_peak_bytes": int(estimate.total), "in_use_bytes": in_use}
     return pieces, estimate.setting.optimizer, estimate.setting.checkpointing, note, numbers
+
+
+def _with_teacher_pass(config: TrainConfig, planner, estimate_of, num_labels: int):
+    """--distill-from: before the first step the teacher runs over the training split in batches of
+    --eval-batch-size beside the student (tasks/distillation.py); each setting's peak is the larger of that pass
+    and the step (planning/teacher_pass.py). The estimator keeps its last estimate (`last`): plan.fit's last try
+    is the lightest setting, which _teacher_pass_refused names when even that does not fit."""
+    from effitrain.planning import planner as plan
+    from effitrain.planning import teacher_pass
+
+    teacher = plan.model_shapes(config.task, config.distill_from, max(num_labels, 1))
+    with_pass = teacher_pass.estimator(planner, teacher, config.eval_batch_size, estimate_of)
+
+    def estimate_with_pass(setting):
+        estimate_with_pass.last = with_pass(setting)
+        return estimate_with_pass.last
+
+    return estimate_with_pass
+
+
+def _teacher_pass_refused(config: TrainConfig, estimate_of, budget: int) -> UserError | None:
+    """The refusal when what does not fit is the teacher's pass (no micro-batch makes it smaller), else None."""
+    from effitrain.planning import planner as plan
+    from effitrain.planning import teacher_pass
+
+    last = getattr(estimate_of, "last", None)
+    if last is None or last.peak_phase != teacher_pass.PHASES[0]:
+        return None
+    return UserError(f"--distill-from {config.distill_from}: the teacher's pass before training (its weights beside "
+                     f"the student's, batches of --eval-batch-size {config.eval_batch_size}) needs "
+                     f"{last.total / plan.GiB:.2f} GiB, more than the memory budget of {budget / plan.GiB:.2f} GiB",
+                     "lower --eval-batch-size, raise --memory-budget, or distil from a smaller teacher")
 
 
 def _rl_planner(config: TrainConfig, shapes, device: torch.device, world: int, encoded):

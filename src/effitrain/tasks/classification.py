@@ -73,11 +73,11 @@ class Classification(Task):
             return audio.feature_extractor(source.path, config.model_type)
 
     def check_built_model(self, model, encoded, processor, config) -> None:
-        """With --distill-from: the teacher's labels are the data's, its vocabulary the student's (before the output
-        folder is claimed)."""
+        """With --distill-from: the teacher's labels are the data's, its vocabulary or its processor the student's
+        (before the output folder is claimed)."""
         if self.distillation is not None:
             labels = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
-            self.distillation.check_teacher(self, labels, processor)
+            self.distillation.check_teacher(self, labels, processor, model.config)
 
     def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """With --distill-from: the training split with the teacher's logits (tasks/distillation.py)."""

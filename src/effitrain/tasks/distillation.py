@@ -82,18 +82,37 @@ class Distillation:
                             "pass a teacher trained on this data's labels")
         return source
 
-    def check_teacher(self, task, labels: list[str], processor) -> None:
-        """The teacher's labels are `labels`, and a text teacher reads the student's token ids (its tokenizer's
-        vocabulary is the student's): checked once the student is built, before the run folder is claimed."""
+    def check_teacher(self, task, labels: list[str], processor, student_config=None) -> None:
+        """The teacher's labels are `labels`; a text teacher reads the student's token ids (its tokenizer's
+        vocabulary is the student's), an image or audio teacher the student's inputs (its processor's settings
+        and channels are the student's `processor`'s and `student_config`'s): checked once the student is built,
+        before the run folder is claimed."""
         from effitrain.models import loading
 
         source = self.teacher_config(task, labels)
-        if task.is_text and processor is not None:
+        if processor is None:
+            return
+        where = f"--distill-from {self.teacher}"
+        if task.is_text:
             theirs = loading.load_text_tokenizer(source)
             if theirs.get_vocab() != processor.get_vocab():
-                raise UserError(f"--distill-from {self.teacher} has another tokenizer vocabulary than the model "
-                                f"trained ({len(theirs)} vs {len(processor)} tokens): it would read other token ids",
+                raise UserError(f"{where} has another tokenizer vocabulary than the model trained ({len(theirs)} vs "
+                                f"{len(processor)} tokens): it would read other token ids",
                                 "pass a teacher with the student's tokenizer")
+            return
+        # The teacher runs on the pixels or features the student's processor made: made otherwise (another size,
+        # mean/std, sampling rate, feature extractor) they are not what the teacher was trained on, silently.
+        channels = [getattr(c, "num_channels", 3) for c in (task.source_config(source), student_config)]
+        if student_config is not None and channels[0] != channels[1]:
+            raise UserError(f"{where} takes {channels[0]}-channel images, the model trained {channels[1]}",
+                            "pass a teacher with the student's num_channels")
+        differences = processor_differences(task.load_processor(source), processor)
+        if differences:
+            kind = "image processor" if task.modality == "image" else "feature extractor"
+            raise UserError(f"{where} has another {kind} than the model trained ({'; '.join(differences)}: the "
+                            "teacher's vs the student's): the teacher would read inputs made otherwise than it "
+                            "was trained on", "pass a teacher trained with the student's preprocessing (the same "
+                            "preprocessor_config.json settings), or a --model with the teacher's")
 
     def load_teacher(self, task, source, processor):
         """The teacher model, in evaluation mode."""
@@ -128,6 +147,27 @@ class Distillation:
     def fingerprint(self, train) -> str:
         """sha256 over the teacher folder's files (names and bytes) and the training split's rows, in order."""
         return teacher_outputs.fingerprint(self.teacher, train)
+
+
+# What a processor's to_dict holds that makes no input of its own: names, and what other settings derive
+# (Whisper's mel filters and window come from its feature_size, sampling_rate and n_fft).
+NOT_SETTINGS = ("processor_class", "_processor_class", "auto_map", "mel_filters", "window")
+
+
+def processor_differences(theirs, ours) -> list[str]:
+    """The settings (resize size, mean/std, rescaling, sampling rate, the processor's type...) on which two image
+    processors or feature extractors differ, each as 'name theirs vs ours' (JSON spellings: a tuple and a list,
+    an enum and its number, compare equal)."""
+    import json
+
+    def settings(processor) -> dict:
+        spelled = json.dumps(processor.to_dict(), sort_keys=True, default=lambda o: o.tolist() if hasattr(
+            o, "tolist") else str(o))
+        return {k: v for k, v in json.loads(spelled).items() if k not in NOT_SETTINGS}
+
+    mine, other = settings(ours), settings(theirs)
+    return [f"{key} {json.dumps(other.get(key))} vs {json.dumps(mine.get(key))}"
+            for key in sorted(set(mine) | set(other)) if mine.get(key) != other.get(key)]
 
 
 def compute_logits(teacher, split, collate, batch_size: int, logits_of, labels: int) -> torch.Tensor:

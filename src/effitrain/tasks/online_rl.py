@@ -1,8 +1,8 @@
 """Online RL of a causal LM (--rl grpo | rloo): the causal-lm task on prompts alone, whose answers the model
 generates while it trains and learns from by their rewards. The model and what is saved are the causal-lm
 task's (model/ stays a plain causal LM); the data is prompts (a `prompt` column, a string or a list of
-messages, and any other columns, which reach the reward functions); the rollout, the loss, its counts and the
-metrics are its objective's (tasks/objectives/grpo.py).
+messages, or a conversation's turns before its last answer, and any other columns, which reach the reward
+functions); the rollout, the loss, its counts and the metrics are its objective's (tasks/objectives/grpo.py).
 
 A training micro-batch holds prompts (left-padded ids and each row's index in the data, which keys its
 samples); the objective's rollout turns each into prompts x G completions once per step. Evaluation: greedy
@@ -49,13 +49,16 @@ class OnlineRL(CausalLM):
 
     # -- data --------------------------------------------------------------------------------------
     def load_data(self, config):
-        """Prompts alone (conversations.prompt_only_columns: `prompt` and every other column), then the reward
-        functions imported and checked against those columns, before any model loads."""
+        """Prompts alone (conversations.prompt_only_columns: `prompt` and every other column), or conversations
+        (`messages`) split as SFT splits them, then cut into prompts and answers; then the reward functions
+        imported and checked against those columns, before any model loads."""
         from effitrain.data import conversations, sources
 
         self.check_lengths(config)
         loaded = sources.load(config, lambda names, where: conversations.prompt_only_columns(names, where),
                               bad_rows=conversations.bad_prompt_rows)
+        loaded.splits, dropped = conversations.conversations_as_prompts(loaded.splits)
+        loaded.skipped_rows += dropped
         self.objective.load_rewards(loaded.splits["train"].column_names)
         return loaded
 
