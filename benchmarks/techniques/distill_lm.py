@@ -54,23 +54,20 @@ def cli_flags(settings: dict) -> list[str]:
     return [item for key, value in settings.items() for item in (f"--{key.replace('_', '-')}", str(value))]
 
 
-def write_splits(folder: Path, rows: int | None) -> dict[str, dict[str, str]]:
-    """sms-spam-chat's splits at the teacher's seed as JSONL files: `messages` (SFT, the offline distillation, the
-    evaluation) and `prompts` (the user turn as `prompt`, the answer as `answer`: the on-policy run's prompts).
-    {"messages": {split: path}, "prompts": {split: path}}; `rows`: the first N of each split (a dry run)."""
+def write_splits(folder: Path, rows: int | None) -> dict[str, str]:
+    """sms-spam-chat's splits at the teacher's seed as JSONL files of `messages` (SFT, the offline distillation and
+    the evaluation; `--rl` takes each conversation less its answer as the prompt): {split: path}; `rows`: the first
+    N of each split (a dry run)."""
     from effitrain import tasks
     from effitrain.config import TrainConfig
 
     splits = tasks.get("causal-lm").load_data(TrainConfig(task="causal-lm", data="sms-spam-chat",
                                                           seed=TEACHER_SEED)).splits
-    paths: dict[str, dict[str, str]] = {"messages": {}, "prompts": {}}
+    paths = {}
     for name in SPLITS:
-        conversations = list(splits[name]["messages"])[:rows]
-        for kind, row in (("messages", lambda m: {"messages": m}),
-                          ("prompts", lambda m: {"prompt": m[:-1], "answer": m[-1]["content"]})):
-            paths[kind][name] = str(folder / f"{kind}-{name}.jsonl")
-            with open(paths[kind][name], "w") as out:
-                out.writelines(json.dumps(row(messages)) + "\n" for messages in conversations)
+        paths[name] = str(folder / f"{name}.jsonl")
+        with open(paths[name], "w") as out:
+            out.writelines(json.dumps({"messages": row}) + "\n" for row in list(splits[name]["messages"])[:rows])
     return paths
 
 
@@ -128,15 +125,14 @@ def one_seed(work: Path, seed: int, teacher_model: Path, data: dict, args, commo
     start = random_student(teacher_model, args.student_layers, seed, work / f"seed{seed}-init")
     if args.start_steps:  # the format first, shared by the three runs
         train(work / f"seed{seed}-start", [*cli_flags({**common, "max_steps": args.start_steps}), "--model",
-                                           str(start), *data_flags(data["messages"]), "--seed", str(seed)])
+                                           str(start), *data_flags(data), "--seed", str(seed)])
         start = work / f"seed{seed}-start" / "model"
     results = {}
     for method in args.methods:
         out = work / f"seed{seed}-{method}"
-        kind = "prompts" if method == "on-policy" else "messages"
         metrics = train(out, [*cli_flags({**common, "max_steps": args.steps}), "--model", str(start),
-                              *data_flags(data[kind]), "--seed", str(seed), *method_flags(method, teacher_model, args)])
-        exact_match = test_exact_match(out / "model", data["messages"], out / "evaluate-test.json")
+                              *data_flags(data), "--seed", str(seed), *method_flags(method, teacher_model, args)])
+        exact_match = test_exact_match(out / "model", data, out / "evaluate-test.json")
         results[method] = {"exact_match": exact_match,
                            "seconds": metrics["wall_seconds"], "train_seconds": metrics["train_seconds"],
                            "peak_rss": metrics["peak_memory_bytes"], "steps": metrics["steps"]}
@@ -218,11 +214,11 @@ def teacher_run(work: Path, args, data: dict, dry: dict) -> tuple[Path, float]:
     """(the teacher's model/ folder, its test exact match): trained here, or --teacher's."""
     if args.teacher is None:
         settings = {key: value for key, value in TEACHER.items() if key != "data"}
-        metrics = train(work / "teacher", [*cli_flags({**settings, **dry}), *data_flags(data["messages"]),
+        metrics = train(work / "teacher", [*cli_flags({**settings, **dry}), *data_flags(data),
                                            "--seed", str(TEACHER_SEED)])
         return work / "teacher" / "model", metrics["test"]["exact_match"]
     model = args.teacher / "model" if (args.teacher / "model").is_dir() else args.teacher
-    return model, test_exact_match(model, data["messages"], work / "teacher-evaluate-test.json")
+    return model, test_exact_match(model, data, work / "teacher-evaluate-test.json")
 
 
 def report(args, argv, teacher_em: float, runs: dict, seconds: float) -> str:
