@@ -11,17 +11,19 @@ on-policy) reach a higher exact match than SFT alone.
   batch 32, lr 2e-3, bf16), seed 42, trained once (or `--teacher FOLDER`: its model/ folder's parent, trained so).
 - The student, per seed: the teacher's config with 2 layers, random weights drawn at that seed (not the
   teacher's layers 0 and 2: with the teacher's embeddings and head that student answers as the teacher does
-  after 5 SFT steps, so nothing could beat SFT alone), saved once; with `--start-steps M`, M SFT steps from
-  those weights first, shared by the three runs. From that start, three runs of `--steps` steps each, batch 32,
-  the teacher's lr and precision: (a) SFT alone; (b) offline top-k distillation (`--distill-from`,
-  `--distill-top-k`, `--distill-alpha`, `--distill-temperature`); (c) on-policy `--rl distill` on the training
-  split's prompts (32 prompts a step, `--num-generations` completions each, up to 4 new tokens).
+  after 5 SFT steps, so nothing could beat SFT alone), then `--start-steps` (40) SFT steps shared by the three
+  runs: the answer format first (from random weights the on-policy student samples random tokens, and the
+  teacher's scores of them taught it nothing in 40 steps). From that start, three runs of `--steps` (20) steps
+  each, where SFT alone is not yet saturated; batch 32, the teacher's lr and precision: (a) SFT alone; (b) offline
+  top-k distillation (`--distill-from`, `--distill-top-k`, `--distill-alpha`, `--distill-temperature`); (c)
+  on-policy `--rl distill` on the training conversations less their answers (32 prompts a step,
+  `--num-generations` completions each, up to 4 new tokens, `--distill-beta`, the divergence at T 1).
 - Each run is `effitrain train` in a fresh process (its own peak RSS: metrics.json `peak_memory_bytes`), its
   seconds metrics.json `wall_seconds`; then `effitrain evaluate` scores every student's model/ alike on the
   test split (exact match: an `--rl` run's own evaluation reports the divergence instead).
 
     .venv/bin/python benchmarks/techniques/distill_lm.py                   # seeds 0 1 2, the teacher trained first
-    .venv/bin/python benchmarks/techniques/distill_lm.py --teacher runs/lm-teacher --steps 40 --seeds 0
+    .venv/bin/python benchmarks/techniques/distill_lm.py --teacher runs/lm-teacher --temperature 2 --beta 0 --seeds 0
     .venv/bin/python benchmarks/techniques/distill_lm.py --dry-run         # 2 steps, a few rows: seconds
 
 The results go to benchmarks/results/distill_lm_<machine>_<date>.md (`--markdown PATH` elsewhere).
@@ -133,7 +135,7 @@ def one_seed(work: Path, seed: int, teacher_model: Path, data: dict, args, commo
         metrics = train(out, [*cli_flags({**common, "max_steps": args.steps}), "--model", str(start),
                               *data_flags(data), "--seed", str(seed), *method_flags(method, teacher_model, args)])
         exact_match = test_exact_match(out / "model", data, out / "evaluate-test.json")
-        results[method] = {"exact_match": exact_match,
+        results[method] = {"exact_match": exact_match, "test_prompts": metrics["examples"]["test"],
                            "seconds": metrics["wall_seconds"], "train_seconds": metrics["train_seconds"],
                            "peak_rss": metrics["peak_memory_bytes"], "steps": metrics["steps"]}
         print(f"seed {seed} {method}: {json.dumps(results[method])}", flush=True)
@@ -173,16 +175,22 @@ def summary_rows(runs: dict[int, dict[str, dict]], methods) -> list[list]:
 
 
 def verdict(runs: dict[int, dict[str, dict]]) -> list[str]:
-    """One line per distillation method: is its mean test exact match above SFT alone's?"""
+    """One line per distillation method: is its mean test exact match above SFT alone's, by how many test answers
+    over the seeds, against SFT alone's seed-to-seed spread?"""
     if not all("sft" in runs[seed] for seed in runs):
         return ["- no SFT-alone runs (--methods): no verdict"]
-    sft = statistics.mean(runs[seed]["sft"]["exact_match"] for seed in runs)
+    sft = [runs[seed]["sft"]["exact_match"] for seed in runs]
+    answers = [runs[seed]["sft"].get("test_prompts") for seed in runs]
     lines = []
     for method in ("offline", "on-policy"):
         if all(method in runs[seed] for seed in runs):
-            mean = statistics.mean(runs[seed][method]["exact_match"] for seed in runs)
-            lines.append(f"- {method}: mean test exact match {mean:.4f} against SFT alone's {sft:.4f}: bar "
-                         + ("met" if mean > sft else "missed"))
+            em = [runs[seed][method]["exact_match"] for seed in runs]
+            gained = (f"{sum(round((a - b) * n) for a, b, n in zip(em, sft, answers)):+d} right answers over the "
+                      f"seeds, " if None not in answers else "")
+            lines.append(f"- {method}: mean test exact match {statistics.mean(em):.4f} against SFT alone's "
+                         f"{statistics.mean(sft):.4f} ({gained}SFT alone's spread over the seeds "
+                         f"{max(sft) - min(sft):.4f}): bar " + ("met" if statistics.mean(em) > statistics.mean(sft)
+                                                             else "missed"))
     return lines
 
 
@@ -244,6 +252,15 @@ def report(args, argv, teacher_em: float, runs: dict, seconds: float) -> str:
         _common.md_table(["seed", "student", "test exact match", "seconds", "train seconds", "peak RSS"], each), ""])
 
 
+def wrapped(text: str) -> str:
+    """The report's prose lines wrapped at 120 characters (list items indented), its tables as they are."""
+    import textwrap
+
+    return "\n".join(line if len(line) <= 120 or line.startswith("|") else
+                     textwrap.fill(line, 120, subsequent_indent="  " if line.startswith("- ") else "",
+                                   break_on_hyphens=False, break_long_words=False) for line in text.split("\n"))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:  # `effitrain ...` in a fresh process (a dry run's settings applied by _common)
@@ -267,7 +284,7 @@ def main(argv=None) -> int:
         common = {key: TEACHER[key] for key in ("task", "chat_template", "max_length", "batch_size", "precision")}
         common.update(lr=args.lr, **{key: value for key, value in dry.items() if key != "max_steps"})
         runs = {seed: one_seed(work, seed, teacher_model, data, args, common) for seed in args.seeds}
-    text = report(args, argv, teacher_em, runs, time.perf_counter() - started)
+    text = wrapped(report(args, argv, teacher_em, runs, time.perf_counter() - started))
     print(text)
     if args.dry_run:
         return 0
