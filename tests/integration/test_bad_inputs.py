@@ -1020,6 +1020,8 @@ CASES = [
      "--distill-from does not apply to --rl grpo (it learns from rewards)"),
     (["train", *LLAMA, "--data", "rl.jsonl", "--distill-beta", "0.5", "--output-dir", "new"],
      "--distill-beta applies to --rl distill (on-policy distillation)"),
+    (["train", *LLAMA, "--data", "rl.jsonl", "--rl", "distill", "--distill-from", "lm-exact", "--distill-top-k", "5",
+      "--output-dir", "new"], "--distill-top-k does not apply to --rl distill"),
     (["train", "--zero-stage", "3"], "--zero-stage applies to --strategy deepspeed, not ddp"),
     (["train", "--batch-size", "99999999999999999999"], "--batch-size must be at most 2,147,483,647"),
     (["plan", "--num-labels", "99999999999999999999"], "--num-labels must be at most 1,000,000"),
