@@ -9,6 +9,10 @@ process (`python -m effitrain train`, OMP_NUM_THREADS=1, one run at a time):
     alone       --student-layers 3 --seed S, for each of --seeds (default 0 1 2)
     distilled   --student-layers 3 --distill-from TEACHER/model --seed S (default --distill-alpha/-temperature)
 
+The students start from the default model's pretrained layers 0, 2, 4, or, with --student-from-teacher, from
+the fine-tuned teacher's (`--model TEACHER/model`, DistilBERT's initialisation, the teacher's head included),
+alone and distilled alike.
+
 One split for every run: effitrain's split of the data by `--split-seed` (42, the default job's) written to
 train/validation/test JSONL files that every run reads (`--data train.jsonl --validation-file ... --test-file
 ...`), so that the seeds change the students' initial head, dropout and data order but not their test set,
@@ -36,6 +40,7 @@ the bar is read on CPU seconds, the wall ratios printed beside). A student's spe
     .venv/bin/python benchmarks/techniques/distill.py --data bbc-news --train-args "--max-length 64"  # every run
     .venv/bin/python benchmarks/techniques/distill.py --teacher /tmp/distill-sms/teacher --distill-args \\
         "--distill-alpha 0.9"   # another setting, the same teacher
+    .venv/bin/python benchmarks/techniques/distill.py --teacher /tmp/distill-sms/teacher --student-from-teacher
     .venv/bin/python benchmarks/techniques/distill.py --dry-run   # a tiny model (2 layers -> 1), 2 steps, 1 seed
 
 The bar (issue 44), printed as pass/FAIL, never asserted: the distilled students' mean test accuracy at least
@@ -82,6 +87,10 @@ def parse_args(argv=None):
     parser.add_argument("--student-args", default="", help="extra flags for both students' runs (e.g. \"--lr 2e-4\")")
     parser.add_argument("--distill-args", default="", help="extra flags for the distilled runs only "
                                                            "(e.g. \"--distill-alpha 0.9\")")
+    parser.add_argument("--student-from-teacher", action="store_true",
+                        help="both students start from the teacher's fine-tuned model/ (`--model TEACHER/model "
+                             "--student-layers 3`: DistilBERT's initialisation, its head included) instead of the "
+                             "default model's pretrained weights")
     parser.add_argument("--predict-texts", type=int, default=2000, help="texts predicted per timing (the test "
                                                                         "split's, cycled; default 2000)")
     parser.add_argument("--predict-repeats", type=int, default=3, help="timings of each model, in turns (default 3)")
@@ -148,7 +157,9 @@ def test_texts(split: dict[str, Path]) -> list[str]:
 def train_argv(kind: str, seed: int, args, split: dict, teacher: Path | None, model: Path | None) -> list[str]:
     """`effitrain train` flags of one run (without --output-dir)."""
     argv = [*data_flags(split), "--seed", str(seed), *shlex.split(args.train_args)]
-    if model is not None:  # the dry run's tiny model
+    if kind != "teacher" and args.student_from_teacher:  # DistilBERT's way: layers of the fine-tuned teacher
+        model = teacher / "model"
+    if model is not None:  # the dry run's tiny model, or the teacher's fine-tuned one
         argv += ["--model", str(model)]
     if kind != "teacher":
         argv += ["--student-layers", str(args.student_layers), *shlex.split(args.student_args)]
@@ -160,9 +171,10 @@ def train_argv(kind: str, seed: int, args, split: dict, teacher: Path | None, mo
 def run_name(kind: str, seed: int, args) -> str:
     """seedS-alone, seedS-distilled, with the extra flags in the name: another setting's runs sit beside the
     default's in one --output-dir (and --reuse keeps the teacher and the runs whose flags did not change)."""
-    extra = args.student_args + (" " + args.distill_args if kind == "distilled" else "")
-    if kind == "distilled" and args.teacher is not None:  # another teacher's students beside the default's
-        extra += f" teacher {args.teacher.name}"
+    extra = ("from teacher " if args.student_from_teacher else "") + args.student_args + \
+        (" " + args.distill_args if kind == "distilled" else "")
+    if (kind == "distilled" or args.student_from_teacher) and args.teacher is not None:
+        extra += f" teacher {args.teacher.name}"  # another teacher's students beside the default's
     tag = re.sub(r"[^A-Za-z0-9.]+", "_", extra).strip("_")
     return f"seed{seed}-{kind}" + (f"-{tag}" if tag else "")
 
@@ -253,11 +265,16 @@ def mean_range(values: list) -> str:
     return f"{pct(statistics.mean(values))} ({pct(min(values))}-{pct(max(values))})" if values else "-"
 
 
+def wrong_rows(row: dict):
+    """The test rows the run got wrong (accuracy x rows, rounded): the unit the seeds' spread is read in."""
+    return "-" if row.get("test_samples") is None else round((1 - row["accuracy"]) * row["test_samples"])
+
+
 def runs_table(rows: list[dict]) -> str:
     f1_name = {"f1_spam": "spam F1", "f1_macro": "macro F1"}[rows[0]["f1_key"]]
-    header = ["run", "seed", "parameters", "test accuracy %", f"{f1_name} %", "training samples/s",
+    header = ["run", "seed", "parameters", "test accuracy %", "wrong test rows", f"{f1_name} %", "training samples/s",
               "peak training RSS", "metrics.json peak", "model/", "other cores"]
-    body = [[r["name"], r["seed"], f"{r['parameters']:,}", pct(r["accuracy"]), pct(r["f1"]),
+    body = [[r["name"], r["seed"], f"{r['parameters']:,}", pct(r["accuracy"]), wrong_rows(r), pct(r["f1"]),
              f"{r['samples_per_second']:.1f}", _common.mib(r["train_peak_bytes"]), _common.mib(r["peak_memory_bytes"]),
              f"{r['model_bytes'] / 1e6:.1f} MB", _common.fmt(r["other_cores"], ".2f")] for r in rows]
     return _common.md_table(header, body)
@@ -311,8 +328,11 @@ def report(args, argv: list[str], rows: list[dict], speed: dict, split: dict) ->
     sizes = {name: len(path.read_text().splitlines()) for name, path in split.items()}
     extra = "; ".join(f"{flag} `{value}`" for flag, value in (("--train-args", args.train_args),
                       ("--student-args", args.student_args), ("--distill-args", args.distill_args)) if value)
+    start = "the fine-tuned teacher" if args.student_from_teacher else "the default model"
+    title = ("made of the fine-tuned teacher's layers, distilled from that teacher" if args.student_from_teacher
+             else "of the default model distilled from its fine-tuned teacher")
     return "\n".join([
-        f"# distill: a {args.student_layers}-layer student of the default model distilled from its fine-tuned teacher, "
+        f"# distill: a {args.student_layers}-layer student {title}, "
         f"{args.data}", "",
         f"`benchmarks/techniques/distill.py {' '.join(argv)}`", "",
         f"- Machine: {_common.machine(torch_version=True)} (`lscpu` model name), shared; every `effitrain train` "
@@ -324,7 +344,8 @@ def report(args, argv: list[str], rows: list[dict], speed: dict, split: dict) ->
         f"{100 / sizes['test']:.2f} points), the same files for every run. Teacher: the default job (all-MiniLM-L6-v2, "
         f"{teacher['parameters']:,} parameters, --seed {args.teacher_seed}, {teacher['steps']} steps"
         f"{', reused from ' + str(args.teacher) if args.teacher else ''}); students `--student-layers "
-        f"{args.student_layers}`{' (layers 0, 2, 4)' if args.student_layers == 3 else ''}, seeds "
+        f"{args.student_layers}`{' (layers 0, 2, 4 of ' if args.student_layers == 3 else ' ('}{start}"
+        f"{', `--model teacher/model`' if args.student_from_teacher else ''}), seeds "
         f"{' '.join(map(str, args.seeds))}; the distilled ones "
         f"`--distill-from teacher/model`. effitrain's defaults otherwise ({teacher['precision']}, 1 epoch, batch 16, "
         f"lr 1e-4){'; ' + extra if extra else ''}.", "",
