@@ -396,10 +396,14 @@ def test_ctrl_c_and_sigterm_inside_a_function_stop_the_run(cli_signal_handler):
 
 
 def test_without_the_clis_handler_a_keyboardinterrupt_is_left_to_stop_the_program():
-    """Python's own handler (the API in a notebook): a KeyboardInterrupt may be the user's key."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        rewards.score([stopping(KeyboardInterrupt())], [1.0], ["p"], ["a"], {})
+    """Python's own handler (the API in a notebook): a KeyboardInterrupt may be the user's key. Set here: a
+    process started in the background by a shell inherits SIGINT ignored, and Python then keeps it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rewards.score([stopping(KeyboardInterrupt())], [1.0], ["p"], ["a"], {})
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_file_raising_keyboardinterrupt_at_import_fails_to_import(tmp_path, cli_signal_handler):
