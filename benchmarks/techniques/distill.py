@@ -74,6 +74,8 @@ DRY_RUN_ROWS = {"train": 32, "validation": 8, "test": 8}
 BAR_POINTS, BAR_SPEEDUP, BAR_MEMORY = 0.005, 1.8, 1.10
 
 
+IN_PROCESS = False  # a dry run trains in this process (fresh processes measure each run's own peak RSS)
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", choices=("sms-spam", "bbc-news"), default="sms-spam")
@@ -192,8 +194,14 @@ def train(name: str, argv: list[str], root: Path, reuse: bool) -> dict:
         print(f"running {name}: effitrain train {' '.join(argv)}", flush=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         started, before = time.perf_counter(), _common.cpu_snapshot(children=True)
-        _common.run_checked([sys.executable, "-m", "effitrain", "train", *argv, "--output-dir", str(out),
-                             "--overwrite"], env)
+        command = ["train", *argv, "--output-dir", str(out), "--overwrite"]
+        if IN_PROCESS:  # a dry run: the same CLI in this process, without a fresh process's imports
+            from effitrain.cli import main as cli
+
+            if cli(command):
+                raise SystemExit(f"effitrain train ... {name} failed")
+        else:
+            _common.run_checked([sys.executable, "-m", "effitrain", *command], env)
         wall, other = time.perf_counter() - started, _common.cores(before, _common.cpu_snapshot(children=True))
         flags_file.write_text(json.dumps(argv))
     row = run_figures(out)
@@ -371,6 +379,8 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     model = None
     if args.dry_run:
+        global IN_PROCESS
+        IN_PROCESS = True
         model = _common.dry_run_model()
         _common.skipped(f"seeds after the first, students of {STUDENT_LAYERS} layers (the tiny model has 2) and the "
                         "files (--markdown, --json)")

@@ -77,17 +77,32 @@ def data_flags(paths: dict[str, str]) -> list[str]:
     return ["--data", paths["train"], "--validation-file", paths["validation"], "--test-file", paths["test"]]
 
 
+IN_PROCESS = False  # a dry run calls the CLI in this process (the same code, without a fresh process's imports)
+
+
+def effitrain(argv: list[str]) -> None:
+    """`effitrain ARGV` in a fresh process (each run's peak RSS its own), in this one for a dry run."""
+    if not IN_PROCESS:
+        _common.run_checked([sys.executable, __file__, "--child", *argv])
+        return
+    from effitrain.cli import main as cli
+
+    code = cli(argv)
+    if code:
+        raise SystemExit(f"effitrain {' '.join(argv[:3])} ... failed (exit code {code})")
+
+
 def train(out: Path, flags: list[str]) -> dict:
-    """`effitrain train FLAGS --output-dir OUT` in a fresh process; its metrics.json."""
-    _common.run_checked([sys.executable, __file__, "--child", "train", *flags, "--output-dir", str(out)])
+    """`effitrain train FLAGS --output-dir OUT`; its metrics.json."""
+    effitrain(["train", *flags, "--output-dir", str(out)])
     return json.loads((out / "metrics.json").read_text())
 
 
 def test_exact_match(model: Path, paths: dict[str, str], output: Path) -> float:
     """The task's evaluation of a saved model on the test split (greedy answers, stopped at the end of turn),
     its metrics written to `output` (a new file)."""
-    _common.run_checked([sys.executable, __file__, "--child", "evaluate", "--model", str(model), "--task",
-                         "causal-lm", *data_flags(paths), "--split", "test", "--output", str(output)])
+    effitrain(["evaluate", "--model", str(model), "--task", "causal-lm", *data_flags(paths), "--split", "test",
+               "--output", str(output)])
     return json.loads(output.read_text())["exact_match"]
 
 
@@ -270,6 +285,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     dry, rows = {}, None
     if args.dry_run:
+        global IN_PROCESS
+        IN_PROCESS = True
         _common.dry_run_model()
         dry, rows, args.seeds, args.steps = {"max_steps": 2, "batch_size": 4}, 16, args.seeds[:1], 2
         args.start_steps = min(args.start_steps, 1)
