@@ -142,10 +142,13 @@ def test_the_objective_loss_and_gradient_equal_the_divergence_of_the_two_models(
         teacher_logits = whole_sequence_logits(teacher, batch)
     student_logits = whole_sequence_logits(student, batch)
     wanted = (hand_divergence(student_logits.detach(), teacher_logits, beta, temperature) * mask).sum()
-    assert found.loss_sum.item() == pytest.approx(wanted.item(), rel=1e-5)
+    # The divergence is computed in fp32 (as in training): its sum over the vocabulary cancels, so the AVX2 and
+    # AVX-512 kernels differ from float64 by up to ~2e-5 of a small loss; 1e-6 absolute bounds that.
+    assert found.loss_sum.item() == pytest.approx(wanted.item(), rel=1e-5, abs=1e-6)
     assert objective.item_count(batch).item() == mask.sum().item()  # the step's tokens normalise
     # the log's kl: the token sum x completions / tokens, summed over completions / completions = per token
-    assert found.sums[0].item() / found.sums[-1].item() == pytest.approx(wanted.item() / mask.sum().item(), rel=1e-5)
+    assert found.sums[0].item() / found.sums[-1].item() == pytest.approx(wanted.item() / mask.sum().item(), rel=1e-5,
+                                                                         abs=1e-7)
     grads = torch.autograd.grad(found.loss_sum, list(student.parameters()))
     plain = (divergence(student_logits, teacher_logits, beta, temperature) * mask).sum()
     wanted_grads = torch.autograd.grad(plain, list(student.parameters()))

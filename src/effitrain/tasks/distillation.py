@@ -68,18 +68,10 @@ class Distillation:
     def teacher_config(self, task, labels: list[str] | None = None):
         """The teacher's source, refused when the folder is no saved model of `task` or its labels are not
         `labels` (the student's, from the data; None: not checked), in their order."""
-        from effitrain.models import loading
-
         where = f"--distill-from {self.teacher}"
-        try:
-            source = loading.resolve_source(str(Path(self.teacher).expanduser()), self.allow_pickle)
-        except UserError as err:
-            raise UserError(f"{where}: {err.problem}", err.fix) from None
-        config = task.source_config(source)
-        if not task.makes(config):
-            kind = (getattr(config, "architectures", None) or [config.model_type])[0]
-            raise UserError(f"{where} is a {kind}, not a {task.name} model",
-                            f"pass a {task.name} model folder (e.g. an effitrain run's model/ on this data)")
+        source, config = teacher_outputs.teacher_source(
+            self.teacher, self.allow_pickle, task, f"a {task.name} model",
+            f"pass a {task.name} model folder (e.g. an effitrain run's model/ on this data)")
         theirs = [str(config.id2label[i]) for i in range(config.num_labels)]
         if labels is not None and theirs != list(labels):
             raise UserError(f"{where} predicts the labels {theirs}, and the data's are {list(labels)} (in this order)",

@@ -17,6 +17,23 @@ import effitrain.tasks.reference as reference
 FINGERPRINT = "effitrain_teacher_and_data"  # the stored file's metadata key: sha256 of the teacher and the data
 
 
+def teacher_source(teacher: str, allow_pickle: bool, task, wanted: str, fix: str):
+    """--distill-from's folder as a model source of `task`, and its config: refused in one line when it holds no
+    model, or none `task` makes (`wanted`: what it should be, in words; `fix`: the refusal's fix)."""
+    from effitrain.models import loading
+
+    where = f"--distill-from {teacher}"
+    try:
+        source = loading.resolve_source(str(Path(teacher).expanduser()), allow_pickle)
+    except UserError as err:
+        raise UserError(f"{where}: {err.problem}", err.fix) from None
+    config = task.source_config(source)
+    if not task.makes(config):
+        kind = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise UserError(f"{where} is a {kind}, not {wanted}", fix)
+    return source, config
+
+
 def fingerprint(teacher: str, train, settings: str = "") -> str:
     """sha256 over the teacher folder's files (names and bytes), the training split's rows in order, and
     `settings` (what else decides the stored values: a top-k's k and temperature)."""

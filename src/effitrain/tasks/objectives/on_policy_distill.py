@@ -98,21 +98,10 @@ class OnPolicyDistill(Grpo):
     # -- the teacher --------------------------------------------------------------------------------
     def teacher_source(self, task):
         """The teacher folder's model source, refused when it holds no causal LM."""
-        from pathlib import Path
+        from effitrain.tasks.teacher_outputs import teacher_source
 
-        from effitrain.models import loading
-
-        where = f"--distill-from {self.teacher}"
-        try:
-            source = loading.resolve_source(str(Path(self.teacher).expanduser()), self.allow_pickle)
-        except UserError as err:
-            raise UserError(f"{where}: {err.problem}", err.fix) from None
-        config = task.source_config(source)
-        if not task.makes(config):
-            kind = (getattr(config, "architectures", None) or [config.model_type])[0]
-            raise UserError(f"{where} is a {kind}, not a causal LM", "pass a causal LM folder (e.g. an effitrain "
-                                                                     "SFT run's model/) with the student's tokenizer")
-        return source
+        return teacher_source(self.teacher, self.allow_pickle, task, "a causal LM", "pass a causal LM folder (e.g. "
+                              "an effitrain SFT run's model/) with the student's tokenizer")[0]
 
     def check_built_model(self, task, model, processor) -> None:
         """The teacher reads the student's token ids and predicts over the same vocabulary (before the run folder
