@@ -34,6 +34,7 @@ class Task:
     supports_chat: bool = False  # instruction and chat data: --chat-template, --loss-on
     supports_preference: bool = False  # preference pairs: --preference (tasks/preference.py)
     supports_distillation: bool = False  # a teacher's outputs beside the labels: --distill-from (tasks/distillation.py)
+    distillation = None  # --distill-from: what with_distillation gave (tasks/distillation.py, lm_distillation.py)
     supports_rl: bool = False  # prompts to generate answers to, learnt from their rewards: --rl (tasks/online_rl.py)
     pipeline_tag: str = ""  # the Hub's name for the task (model cards)
 
@@ -77,9 +78,13 @@ class Task:
     def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
         """What the task makes from the starting model before training (preference tuning: its reference);
         returns the preprocessed splits, with what it added. `autocast`: the run's autocast context (what
-        the prepared model's forward runs under); `resuming`: a checkpoint of this run is resumed. Nothing by
-        default."""
-        return encoded
+        the prepared model's forward runs under); `resuming`: a checkpoint of this run is resumed. By default,
+        with --distill-from, the training split with the teacher's stored outputs (its `prepare`)."""
+        if self.distillation is None:
+            return encoded
+        _, collate = self.collators(processor, config)
+        return self.distillation.prepare(self, model, encoded, processor, collate, config.eval_batch_size, out_dir,
+                                         autocast, resuming)
 
     def import_model_code(self, model_config) -> None:
         """Import the module of the class this task builds for `model_config` (transformers imports it

@@ -205,14 +205,6 @@ class CausalLM(Task):
             train = lm_distillation.with_teacher_columns(train, self.distillation.top_k)
         return train, padded
 
-    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
-        """With --distill-from: the training split with the teacher's top-k log-probs (tasks/lm_distillation.py)."""
-        if self.distillation is None:
-            return encoded
-        _, collate = self.collators(processor, config)
-        return self.distillation.prepare(self, model, encoded, processor, collate, config.eval_batch_size, out_dir,
-                                         autocast, resuming)
-
     # -- the loss and its counts -------------------------------------------------------------------
     def loss_positions(self, train) -> int | None:
         """Answer-only data (labels of its own): the most labelled positions of a row; text: every position."""

@@ -79,14 +79,6 @@ class Classification(Task):
             labels = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
             self.distillation.check_teacher(self, labels, processor, model.config)
 
-    def before_training(self, model, encoded, processor, config, out_dir, autocast=None, resuming=False):
-        """With --distill-from: the training split with the teacher's logits (tasks/distillation.py)."""
-        if self.distillation is None:
-            return encoded
-        _, collate = self.collators(processor, config)
-        return self.distillation.prepare(self, model, encoded, processor, collate, config.eval_batch_size, out_dir,
-                                         autocast, resuming)
-
     def adapt_config(self, config, processor) -> None:
         if self.is_text:
             config.vocab_size = len(processor)
