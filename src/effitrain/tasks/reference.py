@@ -171,7 +171,12 @@ def _changed(path: Path, problem: str):
 
 
 def _write(out_dir: Path | None, stored: dict) -> None:
-    """Written whole (a temporary file renamed) by the main process; every process holds the same."""
+    write_stored(out_dir, FILE, stored)
+
+
+def write_stored(out_dir: Path | None, name: str, stored: dict, metadata: dict[str, str] | None = None) -> None:
+    """`stored` as OUT_DIR/NAME (safetensors, with its digest and `metadata`), written whole (a temporary file
+    renamed) by the main process; every process holds the same. Also the teachers' stored outputs' writer."""
     import os
 
     from accelerate import PartialState
@@ -179,12 +184,12 @@ def _write(out_dir: Path | None, stored: dict) -> None:
 
     if out_dir is None or not PartialState().is_main_process:
         return
-    path = Path(out_dir) / FILE
-    partial = path.with_name(FILE + ".tmp")
-    stored = {name: values.contiguous() for name, values in stored.items()}
+    path = Path(out_dir) / name
+    partial = path.with_name(name + ".tmp")
+    stored = {key: values.contiguous() for key, values in stored.items()}
     try:
         with files.writing(partial):
-            save_file(stored, str(partial), metadata={DIGEST: digest(stored)})
+            save_file(stored, str(partial), metadata={DIGEST: digest(stored), **(metadata or {})})
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

@@ -6,7 +6,6 @@ settings that shape them), read back on resume and refused when the file is gone
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -79,24 +78,8 @@ def read(path: Path, fingerprint_: str, shapes_fit, what: str) -> dict[str, torc
 
 
 def write(out_dir: Path | None, name: str, stored: dict[str, torch.Tensor], fingerprint_: str) -> None:
-    """Written whole (a temporary file renamed) by the main process; every process holds the same."""
-    from accelerate import PartialState
-    from safetensors.torch import save_file
-
-    from effitrain.outputs import files
-
-    if out_dir is None or not PartialState().is_main_process:
-        return
-    path = Path(out_dir) / name
-    partial = path.with_name(name + ".tmp")
-    stored = {key: value.contiguous() for key, value in stored.items()}
-    try:
-        with files.writing(partial):
-            save_file(stored, str(partial), metadata={reference.DIGEST: reference.digest(stored),
-                                                      FINGERPRINT: fingerprint_})
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    """Written whole by the main process, with its digest and fingerprint (reference.write_stored)."""
+    reference.write_stored(out_dir, name, stored, {FINGERPRINT: fingerprint_})
 
 
 def refused(what: str, path: Path, problem: str) -> UserError:

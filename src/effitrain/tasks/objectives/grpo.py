@@ -55,6 +55,18 @@ class PromptData:
         return [[{"role": "assistant", "content": text}] for text in texts] if self.conversational else texts
 
 
+
+def step_token_weight(batches: list[dict], device) -> tuple[float, float]:
+    """(the step's completions / its completion tokens, counted over every process; the step's completions per
+    process): a per-completion token sum x the first, summed over completions / completions, is the step's mean
+    per token; seconds x the second, over completions, the processes' mean. Every process calls it (a
+    collective), with or without micro-batches."""
+    completions = sum(len(batch["input_ids"]) for batch in batches)
+    tokens = sum(float(batch["completion_mask"].sum()) for batch in batches)
+    step = _summed(torch.tensor([completions, tokens], dtype=torch.float64, device=device))
+    processes = torch.distributed.get_world_size() if _distributed() else 1
+    return (float(step[0] / step[1]) if step[1] > 0 else 0.0), float(step[0]) / processes
+
 class Grpo(Objective):
     """GRPO (TRL's GRPOTrainer): per-token clipped loss, its normalisation by --loss-type."""
 
@@ -224,11 +236,7 @@ class Grpo(Objective):
     def _attach(self, batches, scores, made, advantages, rewards_now, seconds: float, device) -> None:
         """Advantages per completion and the per-completion terms of the log's sums: token means are made
         from per-completion sums x (the step's completions / its completion tokens), counted over processes."""
-        completions = sum(len(batch["input_ids"]) for batch in batches)
-        tokens = sum(float(batch["completion_mask"].sum()) for batch in batches)
-        step = _summed(torch.tensor([completions, tokens], dtype=torch.float64, device=device))
-        processes = torch.distributed.get_world_size() if _distributed() else 1
-        per_token = float(step[0] / step[1]) if step[1] > 0 else 0.0
+        per_token, per_process = step_token_weight(batches, device)
         if not batches:
             return
         flat_advantages = advantages.flatten().float()
@@ -237,7 +245,7 @@ class Grpo(Objective):
                             spread[:, None].float().cpu(), made.lengths[:, None].float().cpu(),
                             (~made.stopped)[:, None].float().cpu()], dim=1).double()
         seconds_column = torch.zeros(len(values), 1, dtype=torch.float64)
-        seconds_column[0] = seconds * float(step[0]) / processes  # / completions: the processes' mean
+        seconds_column[0] = seconds * per_process  # / completions: the processes' mean
         values = torch.cat([values, seconds_column], dim=1).to(device)
         start = 0
         for batch in batches:

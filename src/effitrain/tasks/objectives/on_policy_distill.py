@@ -31,7 +31,7 @@ from effitrain.errors import UserError
 from effitrain.tasks.base import TrainLoss
 import effitrain.tasks.objectives.completion_batches as completion_batches
 import effitrain.tasks.objectives.policy_gradient as pg
-from effitrain.tasks.objectives.grpo import Grpo, _device, _distributed, _summed, unpadded
+from effitrain.tasks.objectives.grpo import Grpo, _device, step_token_weight, unpadded
 
 # The example batch's key (tasks/online_rl.py) holding the planner's stand-in for the teacher's logits of one
 # micro-batch (fake tensors: there is no teacher to run).
@@ -156,16 +156,12 @@ class OnPolicyDistill(Grpo):
         """The log's per-completion sums (length, cut, the generation's seconds: a mean over the processes) and
         each completion's token weight, the step's completions / its completion tokens over every process (a
         token sum x it, summed over completions / completions, is the mean per token)."""
-        completions = sum(len(batch["input_ids"]) for batch in batches)
-        tokens = sum(float(batch["completion_mask"].sum()) for batch in batches)
-        step = _summed(torch.tensor([completions, tokens], dtype=torch.float64, device=device))
-        processes = torch.distributed.get_world_size() if _distributed() else 1
-        per_token = float(step[0] / step[1]) if step[1] > 0 else 0.0
+        per_token, per_process = step_token_weight(batches, device)
         if not batches:
             return
         values = torch.cat([made.lengths[:, None].double().cpu(), (~made.stopped)[:, None].double().cpu(),
                             torch.zeros(len(made.lengths), 1, dtype=torch.float64)], dim=1)
-        values[0, 2] = seconds * float(step[0]) / processes
+        values[0, 2] = seconds * per_process
         values, start = values.to(device), 0
         for batch in batches:
             count = len(batch["input_ids"])
